@@ -1,0 +1,37 @@
+"""Shared test configuration: hypothesis profiles and GPU/distributed markers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Derandomized in CI so a red build is reproducible; no deadline anywhere because
+# torch's first calls (kernel loading, allocator growth) are slow and uneven.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=40,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m cuda` on a GPU machine")
+    skip_multi = pytest.mark.skip(
+        reason=f"needs 2+ CUDA GPUs, this machine has {n_gpu}; run `pytest -m multigpu`"
+    )
+    for item in items:
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(skip_multi)
+        elif "cuda" in item.keywords and n_gpu < 1:
+            item.add_marker(skip_cuda)
