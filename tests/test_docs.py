@@ -1,0 +1,171 @@
+"""Every code example in ``docs/`` runs on CPU.
+
+For each page ``docs/*.md``, the fenced ```` ```python ```` (or ```` ```py ````) blocks
+are executed in order in one shared namespace, with the working directory set to a
+temporary folder, so a page reads like a script a user can paste. ```` ```pycon ````
+blocks (``>>>`` prompts) are checked as doctests in the same namespace. Examples
+that need a GPU or ``torchrun`` belong in ```` ```bash ```` or ```` ```text ```` fences,
+which are shown but not run.
+
+Tracebacks point at the Markdown file and line, because every block is compiled
+with the page as its file name and padded to its real line number.
+"""
+
+from __future__ import annotations
+
+import doctest
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+# An opening fence: up to any indentation (blocks inside admonitions and tabs are
+# indented), three or more backticks or tildes, then the info string.
+_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
+_RUN_LANGS = {"python": "python", "py": "python", "pycon": "pycon"}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block that the docs test runs."""
+
+    lang: str  # "python" or "pycon"
+    source: str  # dedented code
+    line: int  # 1-based line of the first code line in the page
+
+
+def extract_blocks(text: str, page: str = "<page>") -> list[Block]:
+    """Return the runnable fenced blocks of a Markdown page, in order.
+
+    Raises:
+        ValueError: a fence is opened and never closed (the page renders wrongly too).
+    """
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _OPEN.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = m["indent"], m["fence"]
+        # The language is the first word of the info string; attributes such as
+        # ``{.python title="x"}`` or ``python title="x"`` are allowed.
+        info = m["info"].strip().lstrip("{").lstrip(".")
+        lang = re.split(r"[\s{}]", info, maxsplit=1)[0].lower() if info else ""
+        start = i + 1
+        j = start
+        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            raise ValueError(
+                f"{page}:{i + 1}: the code fence {fence}{m['info']} is never closed; "
+                f"add a closing {fence} line."
+            )
+        if lang in _RUN_LANGS:
+            body = [
+                ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[start:j]
+            ]
+            blocks.append(Block(_RUN_LANGS[lang], "\n".join(body) + "\n", start + 1))
+        i = j + 1
+    return blocks
+
+
+def run_page(path: Path) -> int:
+    """Run every runnable block of ``path`` in one namespace; return how many ran."""
+    text = path.read_text(encoding="utf-8")
+    blocks = extract_blocks(text, str(path))
+    namespace: dict[str, Any] = {"__name__": "__docs__", "__file__": str(path)}
+    for block in blocks:
+        if block.lang == "python":
+            padded = "\n" * (block.line - 1) + block.source
+            exec(compile(padded, str(path), "exec"), namespace)
+        else:
+            test = doctest.DocTestParser().get_doctest(
+                block.source, namespace, f"{path.name}:{block.line}", str(path), block.line - 1
+            )
+            runner = doctest.DocTestRunner(
+                optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+            )
+            out: list[str] = []
+            runner.run(test, out=out.append, clear_globs=False)
+            if runner.summarize(verbose=False).failed:
+                pytest.fail("".join(out), pytrace=False)
+    return len(blocks)
+
+
+PAGES = sorted(DOCS.glob("*.md"))
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Temp working directory, and torch's global state restored after the page."""
+    monkeypatch.chdir(tmp_path)
+    rng = torch.get_rng_state()
+    dtype = torch.get_default_dtype()
+    grad = torch.is_grad_enabled()
+    threads = torch.get_num_threads()
+    try:
+        yield tmp_path
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_page_examples_run(page: Path, isolated: Path) -> None:
+    run_page(page)
+
+
+# -- the extractor itself ----------------------------------------------------------
+
+
+def test_extracts_python_blocks_in_order_with_line_numbers() -> None:
+    text = "# T\n\n```python\nx = 1\n```\n\n```bash\nrm -rf /\n```\n\n```py\ny = x + 1\n```\n"
+    blocks = extract_blocks(text)
+    assert [b.source for b in blocks] == ["x = 1\n", "y = x + 1\n"]
+    assert [b.line for b in blocks] == [4, 12]
+
+
+def test_indented_blocks_in_admonitions_and_attributes() -> None:
+    text = '!!! note\n    ```python title="a.py"\n    if True:\n        z = 3\n    ```\n'
+    (block,) = extract_blocks(text)
+    assert block.source == "if True:\n    z = 3\n"
+    assert block.line == 3
+
+
+def test_longer_fences_and_tildes_nest() -> None:
+    text = "````markdown\n```python\nnot run\n```\n````\n~~~python\nrun = True\n~~~\n"
+    assert [b.source for b in extract_blocks(text)] == ["run = True\n"]
+
+
+def test_pycon_blocks_are_doctests(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("```python\na = 2\n```\n\n```pycon\n>>> a * 21\n42\n```\n")
+    assert run_page(page) == 2
+    page.write_text("```pycon\n>>> 1 + 1\n3\n```\n")
+    with pytest.raises(pytest.fail.Exception, match="Expected:\n    3\nGot:\n    2"):
+        run_page(page)
+
+
+def test_unclosed_fence_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"page.md:2: the code fence ```python is never closed"):
+        extract_blocks("text\n```python\nx = 1\n", "page.md")
+
+
+def test_errors_point_at_the_markdown_line(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# t\n\n```python\nok = 1\nraise KeyError('boom')\n```\n")
+    with pytest.raises(KeyError) as info:
+        run_page(page)
+    frame = info.traceback[-1]
+    assert Path(str(frame.path)) == page
+    assert frame.lineno + 1 == 5
