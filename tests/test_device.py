@@ -21,7 +21,13 @@ def test_explicit_devices_pass_through(spec: str | torch.device) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "suggestion"),
-    [("gpu", "'cuda'"), ("GPU", "'cuda'"), ("cuda0", "'cuda:0'"), ("cdua", "'cuda'"), ("CPU", "'cpu'")],
+    [
+        ("gpu", "'cuda'"),
+        ("GPU", "'cuda'"),
+        ("cuda0", "'cuda:0'"),
+        ("cdua", "'cuda'"),
+        ("CPU", "'cpu'"),
+    ],
 )
 def test_typos_suggest_the_right_spelling(spec: str, suggestion: str) -> None:
     with pytest.raises(DeviceError, match=f"unknown device '{spec}'; did you mean {suggestion}"):
@@ -46,7 +52,7 @@ def test_device_error_is_a_value_error() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:7", 0, 3, torch.device("cuda", 1)])
 def test_cuda_without_cuda_is_a_clear_error(spec: object) -> None:
-    with pytest.raises(DeviceError, match="CUDA is not available.*device=\"auto\""):
+    with pytest.raises(DeviceError, match='CUDA is not available.*device="auto"'):
         resolve_device(spec)  # type: ignore[arg-type]
 
 
