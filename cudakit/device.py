@@ -1,19 +1,33 @@
-"""Device placement: :func:`resolve_device` turns what the user wrote into a ``torch.device``."""
+"""Device placement.
+
+:func:`resolve_device` turns what the user wrote into a ``torch.device``;
+:func:`on_device` moves anything a training loop holds (tensors, modules,
+optimizers, nested containers) onto it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+import inspect
+import io
+import operator
 import re
-from typing import Union
+import types
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn, TypeVar, cast, overload
 
 import torch
+from typing_extensions import ParamSpec
 
 from .exceptions import DeviceError
 
-__all__ = ["DeviceLike", "resolve_device"]
+__all__ = ["DeviceLike", "OnDeviceDecorator", "on_device", "resolve_device"]
 
 #: Everything cudakit accepts wherever it takes ``device=``.
-DeviceLike = Union[torch.device, str, int, None]
+DeviceLike = torch.device | str | int | None
 
 _KNOWN_TYPES = ("cpu", "cuda", "mps", "meta")
 _GLUED_INDEX = re.compile(r"^(cuda|cpu|mps|meta)(\d+)$")
@@ -137,3 +151,751 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
             'Use device="auto" or "cpu".'
         )
     return dev
+
+
+# --------------------------------------------------------------------------------------
+# on_device: recursive moves
+# --------------------------------------------------------------------------------------
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+T1 = TypeVar("T1")
+T2 = TypeVar("T2")
+T3 = TypeVar("T3")
+
+_Handler = Callable[[Any, "_Ctx"], Any]
+_BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
+_MAX_CACHED_TYPES = 1024
+
+
+class _Ctx:
+    """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
+
+    __slots__ = ("device", "memo", "nb", "pending", "sync", "track")
+
+    def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
+        self.device = device
+        nb = device.type != "cpu" if non_blocking is None else non_blocking
+        self.nb = nb
+        # id(obj) -> (obj, result); keeping obj alive keeps its id unique for the call.
+        self.memo: dict[int, tuple[Any, Any]] = {}
+        # In-place moves (modules, optimizer state) run only after the whole traversal
+        # succeeded, so an error anywhere leaves everything the user owns untouched.
+        self.pending: list[Callable[[], None]] = []
+        # A forced non_blocking copy to the CPU must be waited for before we return.
+        self.track = nb and device.type == "cpu"
+        self.sync: set[torch.device] = set()
+
+
+class _Bad(Exception):
+    """Internal: bad input found during traversal; collects the path while unwinding."""
+
+    def __init__(self, exc_type: type[Exception], message: str) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.message = message
+        self.path: list[str] = []  # innermost first
+
+    def add(self, step: str, container_id: int) -> None:
+        self.path.append(step)
+
+    def where(self, root: str) -> str:
+        return root + "".join(reversed(self.path))
+
+    def render(self, root: str) -> str:
+        return self.message.replace("{where}", self.where(root))
+
+
+class _Cycle(_Bad):
+    """Internal: a container was reached again while it was still being traversed."""
+
+    def __init__(self, container: object) -> None:
+        super().__init__(ValueError, "")
+        self.container_id = id(container)
+        self.kind = type(container).__name__
+        self.depth: int | None = None  # len(path) once the repeated container added its step
+
+    def add(self, step: str, container_id: int) -> None:
+        self.path.append(step)
+        if self.depth is None and container_id == self.container_id:
+            self.depth = len(self.path)
+
+    def render(self, root: str) -> str:
+        steps = list(reversed(self.path))
+        head = root + "".join(steps[: len(steps) - (self.depth or 0)])
+        return (
+            f"on_device() found a reference cycle: {self.where(root)} refers back to {head} "
+            f"(a {self.kind} that contains itself), which cannot be copied. Break the cycle "
+            "(e.g. store an index or key instead of the container), or move the tensors "
+            "inside it yourself."
+        )
+
+
+def _busy_or_done(x: object, c: _Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is None:
+        c.memo[id(x)] = (x, _BUSY)
+        return _BUSY
+    if hit[1] is _BUSY:
+        raise _Cycle(x)
+    return hit[1]
+
+
+def _move(x: Any, c: _Ctx) -> Any:
+    h = _DISPATCH.get(type(x))
+    return h(x, c) if h is not None else _slow(x, c)
+
+
+def _leaf(x: Any, c: _Ctx) -> Any:
+    return x
+
+
+def _tensor(t: torch.Tensor, c: _Ctx) -> torch.Tensor:
+    if t.device == c.device:
+        return t
+    hit = c.memo.get(id(t))
+    if hit is not None:
+        return cast(torch.Tensor, hit[1])
+    if c.track:
+        c.sync.add(t.device)
+    new = t.to(c.device, non_blocking=c.nb)
+    c.memo[id(t)] = (t, new)
+    return new
+
+
+def _param(p: torch.nn.Parameter, c: _Ctx) -> torch.Tensor:
+    if p.device == c.device:
+        return p
+    hit = c.memo.get(id(p))
+    if hit is not None:
+        return cast(torch.Tensor, hit[1])
+    if c.track:
+        c.sync.add(p.device)
+    # Tensor.to on a Parameter returns a plain non-leaf tensor; rebuild the Parameter
+    # (as Module.to does), keeping requires_grad and moving an accumulated .grad along.
+    new = torch.nn.Parameter(p.detach().to(c.device, non_blocking=c.nb), p.requires_grad)
+    if p.grad is not None:
+        new.grad = p.grad.to(c.device, non_blocking=c.nb)
+    c.memo[id(p)] = (p, new)
+    return new
+
+
+def _dict(x: dict[Any, Any], c: _Ctx) -> Any:
+    i = id(x)
+    memo = c.memo
+    hit = memo.get(i)
+    if hit is not None:
+        if hit[1] is _BUSY:
+            raise _Cycle(x)
+        return hit[1]
+    memo[i] = (x, _BUSY)
+    out = {}
+    changed = False
+    get = _DISPATCH.get
+    try:
+        for k, v in x.items():
+            h = get(type(v))
+            nv = h(v, c) if h is not None else _slow(v, c)
+            if nv is not v:
+                changed = True
+            out[k] = nv
+    except _Bad as e:
+        e.add(f"[{k!r}]", i)
+        raise
+    res = out if changed else x
+    memo[i] = (x, res)
+    return res
+
+
+def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
+    """Move the items of a list or tuple; None when no item changed."""
+    i = id(x)
+    out: list[Any] = []
+    append = out.append
+    get = _DISPATCH.get
+    try:
+        for v in x:
+            h = get(type(v))
+            append(h(v, c) if h is not None else _slow(v, c))
+    except _Bad as e:
+        e.add(f"[{len(out)}]", i)
+        raise
+    if all(map(operator.is_, out, x)):
+        return None
+    return out
+
+
+def _list(x: list[Any], c: _Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    res = x if out is None else out
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _tuple(x: tuple[Any, ...], c: _Ctx) -> Any:
+    # A tuple cannot contain itself without a mutable container in between, so the
+    # cycle guard of that container is enough; tuples are still memoised for aliasing.
+    hit = c.memo.get(id(x))
+    if hit is not None and hit[1] is not _BUSY:
+        return hit[1]
+    out = _seq(x, c)
+    res = x if out is None else tuple(out)
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _rebuild_failed(x: object, how: str, err: Exception) -> _Bad:
+    name = type(x).__name__
+    return _Bad(
+        TypeError,
+        f"on_device() moved the tensors inside the {name} at {{where}} but cannot rebuild a "
+        f"{name} from them: {how} raised {type(err).__name__}: {err}. Give {name} a "
+        "`.to(device, non_blocking=False)` method that returns the moved object, or pass a "
+        "plain dict/list/tuple instead.",
+    )
+
+
+def _namedtuple(x: tuple[Any, ...], c: _Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is not None and hit[1] is not _BUSY:
+        return hit[1]
+    out = _seq(x, c)
+    if out is None:
+        res: Any = x
+    else:
+        try:
+            res = type(x)(*out)
+        except Exception as err:
+            raise _rebuild_failed(x, f"{type(x).__name__}(*fields)", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _tuple_subclass(x: tuple[Any, ...], c: _Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is not None and hit[1] is not _BUSY:
+        return hit[1]
+    out = _seq(x, c)
+    if out is None:
+        res: Any = x
+    else:
+        try:
+            res = type(x)(out)
+        except Exception as err:
+            raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _list_subclass(x: list[Any], c: _Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    if out is None:
+        res: Any = x
+    else:
+        # copy.copy keeps instance attributes; then swap the items.
+        import copy
+
+        try:
+            res = copy.copy(x)
+            res[:] = out
+        except Exception as err:
+            raise _rebuild_failed(x, "copy.copy(obj)[:] = items", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _mapping_items(x: Mapping[Any, Any], c: _Ctx) -> dict[Any, Any] | None:
+    """Move the values of a mapping; the changed ones, or None when nothing changed."""
+    i = id(x)
+    changed: dict[Any, Any] = {}
+    get = _DISPATCH.get
+    try:
+        for k, v in x.items():
+            h = get(type(v))
+            nv = h(v, c) if h is not None else _slow(v, c)
+            if nv is not v:
+                changed[k] = nv
+    except _Bad as e:
+        e.add(f"[{k!r}]", i)
+        raise
+    return changed or None
+
+
+def _dict_subclass(x: dict[Any, Any], c: _Ctx) -> Any:
+    # OrderedDict, defaultdict (keeps default_factory), and user dict subclasses (keeps
+    # their instance attributes): a shallow copy with the moved values written back.
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    changed = _mapping_items(x, c)
+    if changed is None:
+        res: Any = x
+    else:
+        import copy
+
+        try:
+            res = copy.copy(x)
+            for k, nv in changed.items():
+                res[k] = nv
+        except Exception as err:
+            raise _rebuild_failed(x, "copy.copy(obj)[key] = value", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _mapping(x: Mapping[Any, Any], c: _Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    changed = _mapping_items(x, c)
+    if changed is None:
+        res: Any = x
+    else:
+        items = {k: changed.get(k, v) for k, v in x.items()}
+        try:
+            res = type(x)(items)  # type: ignore[call-arg]
+        except Exception as err:
+            raise _rebuild_failed(x, f"{type(x).__name__}(dict)", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _set(x: set[Any] | frozenset[Any], c: _Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    try:
+        out = [_move(v, c) for v in x]
+    except _Bad as e:
+        e.add("{...}", id(x))
+        raise
+    if all(map(operator.is_, out, x)):
+        res: Any = x
+    else:
+        try:
+            res = type(x)(out)
+        except Exception as err:
+            raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _dataclass(x: Any, c: _Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    updates: list[tuple[str, Any]] = []
+    name = ""
+    try:
+        for f in dataclasses.fields(x):
+            name = f.name
+            try:
+                v = getattr(x, name)
+            except AttributeError:  # an init=False field that was never set
+                continue
+            nv = _move(v, c)
+            if nv is not v:
+                updates.append((name, nv))
+    except _Bad as e:
+        e.add(f".{name}", id(x))
+        raise
+    if not updates:
+        res: Any = x
+    else:
+        # A shallow copy with the moved fields written back: works for frozen and slotted
+        # dataclasses and init=False fields, and does not rerun __init__/__post_init__.
+        import copy
+
+        try:
+            res = copy.copy(x)
+            for name, nv in updates:
+                object.__setattr__(res, name, nv)
+        except Exception as err:
+            raise _rebuild_failed(x, "copy.copy(obj) and setting its fields", err) from None
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+def _same_place(t: torch.Tensor, device: torch.device) -> bool:
+    d = t.device
+    index: int | None = device.index  # typed as int by torch, but None for "mps", "cpu"
+    return d == device or (index is None and d.type == device.type)
+
+
+def _module(m: torch.nn.Module, c: _Ctx) -> Any:
+    if id(m) in c.memo:
+        return m
+    c.memo[id(m)] = (m, m)
+    device = c.device
+    needs_move = False
+    sources: set[torch.device] = set()
+    for kind, named in (("parameter", m.named_parameters()), ("buffer", m.named_buffers())):
+        for name, t in named:
+            if t.is_meta and device.type != "meta":
+                raise _Bad(
+                    ValueError,
+                    f"on_device() cannot move the {type(m).__name__} at {{where}} to "
+                    f"{device}: its {kind} {name!r} is on the meta device and holds no data "
+                    f"to copy. Allocate the module with `module.to_empty(device={str(device)!r})`"
+                    ", then initialise or load its weights (e.g. "
+                    "`module.load_state_dict(state_dict, assign=True)`).",
+                )
+            if not _same_place(t, device):
+                needs_move = True
+                sources.add(t.device)
+    if needs_move:
+        nb = c.nb
+        if c.track:
+            c.sync.update(sources)
+
+        def move_module() -> None:
+            m.to(device, non_blocking=nb)
+
+        c.pending.append(move_module)
+    return m
+
+
+def _optimizer(opt: torch.optim.Optimizer, c: _Ctx) -> Any:
+    if id(opt) in c.memo:
+        return opt
+    c.memo[id(opt)] = (opt, opt)
+    # torch keeps a scalar `step` on the CPU unless the param group is capturable or fused,
+    # in which case it must live with the parameters (Optimizer.load_state_dict's policy).
+    on_device_step: set[int] = set()
+    for group in opt.param_groups:
+        if group.get("capturable", False) or group.get("fused", False):
+            on_device_step.update(id(p) for p in group["params"])
+    updates: list[tuple[dict[Any, Any], Any, Any]] = []
+    for p, state in opt.state.items():
+        if not isinstance(state, dict):
+            continue
+        for k, v in state.items():
+            if k == "step" and isinstance(v, torch.Tensor) and id(p) not in on_device_step:
+                continue
+            try:
+                nv = _move(v, c)
+            except _Bad as e:
+                e.add(f".state[<param {tuple(p.shape)}>][{k!r}]", id(opt))
+                raise
+            if nv is not v:
+                updates.append((state, k, nv))
+    if updates:
+
+        def move_state() -> None:
+            for state, k, nv in updates:
+                state[k] = nv
+
+        c.pending.append(move_state)
+    return opt
+
+
+def _duck(x: Any, c: _Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is not None and hit[1] is not _BUSY:
+        return hit[1]
+    # When the caller forced non_blocking towards the CPU we cannot know which streams an
+    # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
+    nb = c.nb and not c.track
+    try:
+        res = x.to(c.device, non_blocking=nb)
+    except TypeError:
+        res = x.to(c.device)  # a .to() that does not take non_blocking
+    c.memo[id(x)] = (x, res)
+    return res
+
+
+_PREFETCH_HINT = (
+    "Move each batch inside the loop (`for batch in loader: batch = on_device(batch)`), or "
+    "wrap the loader with `cudakit.data.prefetch(loader)`, which yields batches already on "
+    "the device and overlaps the copies with compute."
+)
+
+
+def _reject_loader(x: Any, c: _Ctx) -> NoReturn:
+    raise _Bad(
+        TypeError,
+        f"on_device() cannot move a {type(x).__name__} (found at {{where}}): a loader makes "
+        f"batches, it does not hold them. {_PREFETCH_HINT}",
+    )
+
+
+def _reject_iterator(x: Any, c: _Ctx) -> NoReturn:
+    kind = "generator" if isinstance(x, types.GeneratorType) else f"iterator ({type(x).__name__})"
+    raise _Bad(
+        TypeError,
+        f"on_device() cannot move a {kind} (found at {{where}}): its items are produced "
+        f"lazily and moving them would consume it. {_PREFETCH_HINT}",
+    )
+
+
+def _handler_for(tp: type) -> _Handler:
+    from torch.utils.data import DataLoader
+
+    if issubclass(tp, torch.nn.Parameter):
+        return _param
+    if issubclass(tp, torch.Tensor):
+        return _tensor
+    if issubclass(tp, torch.nn.Module):
+        return _module
+    if issubclass(tp, torch.optim.Optimizer):
+        return _optimizer
+    if issubclass(tp, DataLoader):
+        return _reject_loader
+    if issubclass(tp, (types.GeneratorType, types.AsyncGeneratorType)) or (
+        issubclass(tp, Iterator) and not issubclass(tp, io.IOBase)
+    ):
+        return _reject_iterator
+    if callable(getattr(tp, "to", None)):
+        return _duck
+    if issubclass(tp, tuple):
+        return _namedtuple if hasattr(tp, "_fields") else _tuple_subclass
+    if issubclass(tp, dict):
+        return _dict_subclass
+    if issubclass(tp, Mapping):
+        return _mapping
+    if issubclass(tp, list):
+        return _list_subclass
+    if issubclass(tp, (set, frozenset)):
+        return _set
+    if dataclasses.is_dataclass(tp):
+        return _dataclass
+    return _leaf
+
+
+def _slow(x: Any, c: _Ctx) -> Any:
+    tp = type(x)
+    h = _handler_for(tp)
+    if len(_DISPATCH) < _MAX_CACHED_TYPES:
+        _DISPATCH[tp] = h
+    return h(x, c)
+
+
+_DISPATCH: dict[type, _Handler] = {
+    torch.Tensor: _tensor,
+    torch.nn.Parameter: _param,
+    dict: _dict,
+    list: _list,
+    tuple: _tuple,
+    set: _set,
+    frozenset: _set,
+    OrderedDict: _dict_subclass,
+    defaultdict: _dict_subclass,
+    **dict.fromkeys(
+        (
+            type(None),
+            bool,
+            int,
+            float,
+            complex,
+            str,
+            bytes,
+            bytearray,
+            range,
+            slice,
+            type(Ellipsis),
+            torch.dtype,
+            torch.device,
+            torch.Size,
+            torch.layout,
+            torch.memory_format,
+        ),
+        _leaf,
+    ),
+}
+
+
+def _finish(c: _Ctx) -> None:
+    for action in c.pending:
+        action()
+    for dev in c.sync:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elif dev.type == "mps":
+            torch.mps.synchronize()
+
+
+def _check_non_blocking(non_blocking: object) -> None:
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TypeError(
+            "on_device(non_blocking=...) expects None (async host-to-device copies, "
+            f"synchronous to the CPU), True or False, got {type(non_blocking).__name__} "
+            f"{non_blocking!r}."
+        )
+
+
+def _move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
+    c = _Ctx(device, non_blocking)
+    try:
+        out = _move(x, c)
+    except _Bad as e:
+        raise e.exc_type(e.render(root)) from None
+    _finish(c)
+    return out
+
+
+class OnDeviceDecorator:
+    """A decorator, made by :func:`on_device`, that moves a function's arguments.
+
+    Every positional and keyword argument is moved with :func:`on_device` before the
+    call; a first parameter named ``self`` or ``cls`` is left alone, so methods work.
+    The device is resolved at each call, so ``device=None`` follows the current device.
+
+    >>> import torch
+    >>> from cudakit.device import on_device
+    >>> @on_device("meta")
+    ... def where(x, *, y):
+    ...     return x.device, y["t"].device
+    >>> where(torch.ones(2), y={"t": torch.zeros(1)})
+    (device(type='meta'), device(type='meta'))
+
+    .. versionadded:: 0.1
+    """
+
+    __slots__ = ("device", "non_blocking")
+
+    def __init__(self, device: DeviceLike = None, non_blocking: bool | None = None) -> None:
+        _check_non_blocking(non_blocking)
+        if device is not None:
+            resolve_device(device)  # fail at decoration time on a misspelt device
+        self.device = device
+        self.non_blocking = non_blocking
+
+    def __repr__(self) -> str:
+        return f"on_device(device={self.device!r}, non_blocking={self.non_blocking!r})"
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Wrap ``func`` so that its arguments are moved before every call."""
+        if not callable(func):
+            raise TypeError(
+                f"on_device(...) used as a decorator expects a function, got "
+                f"{type(func).__name__} {func!r}. Write `@on_device(device=...)` above a `def`, "
+                "or call `on_device(obj, device=...)` to move data."
+            )
+        try:
+            params = list(inspect.signature(func).parameters)
+        except (TypeError, ValueError):
+            params = []
+        skip = 1 if params and params[0] in ("self", "cls") else 0
+        spec, non_blocking = self.device, self.non_blocking
+        name = getattr(func, "__qualname__", type(func).__name__)
+
+        def move_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+            c = _Ctx(resolve_device(spec), non_blocking)
+            try:
+                new_args = _move(args[skip:], c) if len(args) > skip else ()
+                new_kwargs = _move(kwargs, c) if kwargs else kwargs
+            except _Bad as e:
+                root = f"{name}() args" if e.path and len(e.path) else f"{name}()"
+                raise e.exc_type(e.render(root)) from None
+            _finish(c)
+            return (*args[:skip], *new_args), new_kwargs
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                a, k = move_args(args, kwargs)
+                return await func(*a, **k)
+
+            return cast(Callable[P, R], async_wrapper)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            a, k = move_args(args, kwargs)
+            return func(*a, **k)
+
+        return wrapper
+
+
+@overload
+def on_device(device: str | torch.device, /) -> OnDeviceDecorator: ...
+@overload
+def on_device(
+    *, device: DeviceLike = None, non_blocking: bool | None = None
+) -> OnDeviceDecorator: ...
+@overload
+def on_device(obj: T, /, *, device: DeviceLike = None, non_blocking: bool | None = None) -> T: ...
+@overload
+def on_device(
+    obj: T1, obj2: T2, /, *, device: DeviceLike = None, non_blocking: bool | None = None
+) -> tuple[T1, T2]: ...
+@overload
+def on_device(
+    obj: T1,
+    obj2: T2,
+    obj3: T3,
+    /,
+    *,
+    device: DeviceLike = None,
+    non_blocking: bool | None = None,
+) -> tuple[T1, T2, T3]: ...
+@overload
+def on_device(
+    *objs: Any, device: DeviceLike = None, non_blocking: bool | None = None
+) -> tuple[Any, ...]: ...
+def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None = None) -> Any:
+    """Move tensors, modules, optimizers and nested containers to a device, recursively.
+
+    >>> import torch
+    >>> from cudakit.device import on_device
+    >>> batch = {"x": torch.ones(2, 3), "y": [torch.zeros(2)], "ids": ["a", "b"]}
+    >>> moved = on_device(batch, device="meta")
+    >>> moved["x"].device, moved["y"][0].device, moved["ids"] is batch["ids"]
+    (device(type='meta'), device(type='meta'), True)
+    >>> on_device(batch, device="cpu") is batch  # nothing to move: the same object
+    True
+    >>> model, target = on_device(torch.nn.Linear(3, 1), torch.ones(2), device="meta")
+    >>> model.weight.device, target.device
+    (device(type='meta'), device(type='meta'))
+
+    What moves: tensors (an ``nn.Parameter`` stays a Parameter), ``nn.Module`` and
+    ``torch.optim.Optimizer`` (moved in place, the same object returned), ``dict``,
+    ``OrderedDict``, ``defaultdict`` and other mappings, ``list``, ``tuple``,
+    namedtuples, ``set``/``frozenset``, dataclasses (frozen too) and any object with a
+    ``.to()`` method. Other leaves (numbers, strings, ``None``, numpy arrays) come back
+    as the same objects; a container in which nothing moved comes back as itself. A
+    tensor that appears several times is moved once and shared in the result.
+
+    Forms: ``on_device(obj)`` returns the moved object, ``on_device(a, b, c)`` a tuple;
+    ``@on_device``, ``@on_device("cuda")`` and ``@on_device(device=...)`` decorate a
+    function so that its arguments are moved before each call (see
+    :class:`OnDeviceDecorator`).
+
+    Args:
+        *objs: What to move; one object, several, or a single function to decorate.
+        device: Target, as for :func:`resolve_device`; ``None`` picks the best device.
+        non_blocking: ``None`` (default) copies asynchronously towards an accelerator and
+            synchronously to the CPU. ``True``/``False`` force it; data returned on the CPU
+            is safe to read in every mode (forced async copies are waited for).
+
+    Returns:
+        The moved object, a tuple of them, or a decorator.
+
+    Raises:
+        TypeError: a generator, iterator or ``DataLoader`` (use
+            ``cudakit.data.prefetch``), a container that cannot be rebuilt, or a bad
+            ``non_blocking``.
+        ValueError: a module with parameters on the ``meta`` device (use
+            ``module.to_empty``), or a reference cycle (the message names where).
+        DeviceError: the device does not exist here or is misspelt.
+
+    .. versionadded:: 0.1
+    """
+    _check_non_blocking(non_blocking)
+    if not objs:
+        return OnDeviceDecorator(device, non_blocking)
+    if len(objs) == 1:
+        obj = objs[0]
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            return OnDeviceDecorator(device, non_blocking)(obj)
+        if device is None and isinstance(obj, (str, torch.device)):
+            return OnDeviceDecorator(obj, non_blocking)
+        return _move_root(obj, resolve_device(device), non_blocking, "obj")
+    return _move_root(objs, resolve_device(device), non_blocking, "objs")
