@@ -1,0 +1,606 @@
+"""Data loading: :func:`prefetch` batches onto the device, :func:`loader_kwargs` for DataLoaders.
+
+On CUDA, :func:`prefetch` copies the next ``depth`` batches on a side stream from
+pinned host memory while the current batch is being computed on, so the copy of
+batch ``i + 1`` overlaps the compute of batch ``i``::
+
+    copy stream     | copy 1 | copy 2 | copy 3 | copy 4 |
+    compute stream           | step 1 | step 2 | step 3 | step 4 |
+
+On every other device it is a plain moving iterator: no threads, no look-ahead,
+nothing beyond :func:`~cudakit.device.on_device` per batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, Protocol, TypedDict, TypeVar, overload
+
+import torch
+
+from .device import DeviceLike, on_device, resolve_device
+
+__all__ = ["LoaderKwargs", "Prefetcher", "SizedPrefetcher", "loader_kwargs", "prefetch"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+#: Most worker processes :func:`loader_kwargs` picks on its own; more rarely pays.
+MAX_AUTO_WORKERS = 8
+
+
+class _SizedIterable(Protocol[T_co]):
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[T_co]: ...
+
+
+# -- pinning and stream bookkeeping (CUDA only) -------------------------------------
+
+
+class _Pinner:
+    """Copy CPU tensors of a batch into page-locked memory, keeping container types.
+
+    Pinning is only an optimisation: whatever this does not recognise is returned
+    unchanged and :func:`on_device` still moves it correctly, from pageable memory.
+    ``saw_device_tensor`` tells whether the batch already holds non-CPU tensors
+    (their producers must be ordered before the side-stream copy).
+    """
+
+    __slots__ = ("memo", "saw_device_tensor")
+
+    def __init__(self) -> None:
+        self.saw_device_tensor = False
+        # id -> (tensor, pinned): a tensor that appears twice is pinned once, so
+        # on_device still sees one tensor and keeps the aliasing.
+        self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                self.saw_device_tensor = True
+                return obj
+            # Parameters and tensor subclasses go to on_device as they are.
+            if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
+                return obj
+            hit = self.memo.get(id(obj))
+            if hit is not None:
+                return hit[1]
+            pinned = obj if obj.is_pinned() else obj.pin_memory()
+            self.memo[id(obj)] = (obj, pinned)
+            return pinned
+        cls = type(obj)
+        # Fast paths for what default_collate produces.
+        if cls is tuple or cls is list:
+            return cls(self(v) for v in obj)
+        if cls is dict:
+            return {k: self(v) for k, v in obj.items()}
+        if isinstance(obj, (str, bytes, bytearray)) or obj is None:
+            return obj
+        try:
+            if isinstance(obj, tuple):
+                if hasattr(obj, "_fields"):  # namedtuple
+                    return cls(*(self(v) for v in obj))
+                return cls(self(v) for v in obj)
+            if isinstance(obj, collections.abc.MutableMapping):
+                mapping = copy.copy(obj)  # keeps defaultdict factories, subclass attributes
+                mapping.update({k: self(v) for k, v in obj.items()})
+                return mapping
+            if isinstance(obj, list):
+                items = copy.copy(obj)
+                items[:] = [self(v) for v in obj]
+                return items
+            if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                instance = copy.copy(obj)
+                for f in dataclasses.fields(obj):
+                    # object.__setattr__ also works on frozen dataclasses.
+                    object.__setattr__(instance, f.name, self(getattr(obj, f.name)))
+                return instance
+        except (TypeError, AttributeError):
+            return obj  # an exotic container: leave it to on_device, unpinned
+        return obj
+
+
+def _collect_cuda(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append every CUDA tensor reachable through the containers on_device builds."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            out.append(obj)
+        return
+    if isinstance(obj, (str, bytes, bytearray)) or obj is None:
+        return
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            _collect_cuda(v, out)
+    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        for v in obj:
+            _collect_cuda(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect_cuda(getattr(obj, f.name), out)
+    elif callable(getattr(obj, "to", None)) and hasattr(obj, "__dict__"):
+        # A duck-typed batch that on_device moved through its own .to().
+        for v in vars(obj).values():
+            _collect_cuda(v, out)
+
+
+# -- iterators ----------------------------------------------------------------------
+
+
+def _close_owned(source: Iterator[Any] | None, owned: bool) -> None:
+    if owned and source is not None:
+        close = getattr(source, "close", None)
+        if callable(close):
+            close()
+
+
+class _MovingIterator(Iterator[T]):
+    """CPU and other devices: move each batch as it is asked for; nothing in flight."""
+
+    __slots__ = ("_device", "_owns", "_source")
+
+    def __init__(self, source: Iterator[T], device: torch.device, owns: bool) -> None:
+        self._source: Iterator[T] | None = source
+        self._device = device
+        self._owns = owns
+
+    def __iter__(self) -> _MovingIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        source = self._source
+        if source is None:
+            raise StopIteration
+        try:
+            return on_device(next(source), device=self._device)
+        except BaseException:
+            # StopIteration included: the epoch is over, let go of the source.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the source iterator (closing it when prefetch created it)."""
+        source, self._source = self._source, None
+        _close_owned(source, self._owns)
+
+
+class _LookaheadIterator(Iterator[T]):
+    """Keep ``depth`` staged batches in flight ahead of the consumer.
+
+    Subclasses say how a raw batch is staged (a copy started) and delivered
+    (made safe to use). An error from the source or from staging is raised only
+    after the batches before it have been delivered, as a plain loop would see it;
+    ``KeyboardInterrupt`` and other ``BaseException``\\ s are raised at once.
+    """
+
+    def __init__(self, source: Iterator[Any], depth: int, owns: bool) -> None:
+        self._source: Iterator[Any] | None = source
+        self._depth = depth
+        self._owns = owns
+        self._queue: collections.deque[Any] = collections.deque()
+        self._error: Exception | None = None
+
+    def _stage(self, raw: Any) -> Any:
+        raise NotImplementedError
+
+    def _deliver(self, staged: Any) -> T:
+        raise NotImplementedError
+
+    def __iter__(self) -> _LookaheadIterator[T]:
+        return self
+
+    def _fill(self) -> None:
+        while self._source is not None and len(self._queue) < self._depth:
+            try:
+                raw = next(self._source)
+                staged = self._stage(raw)
+            except StopIteration:
+                self._drop_source()
+                return
+            except Exception as exc:
+                self._error = exc
+                self._drop_source()
+                return
+            except BaseException:
+                self.close()
+                raise
+            self._queue.append(staged)
+
+    def __next__(self) -> T:
+        if len(self._queue) < self._depth:
+            self._fill()
+        if not self._queue:
+            error, self._error = self._error, None
+            self.close()
+            if error is not None:
+                raise error
+            raise StopIteration
+        try:
+            batch = self._deliver(self._queue.popleft())
+            self._fill()
+        except BaseException:
+            self.close()
+            raise
+        return batch
+
+    def _drop_source(self) -> None:
+        source, self._source = self._source, None
+        _close_owned(source, self._owns)
+
+    def close(self) -> None:
+        """Drop every batch in flight and release the source iterator."""
+        self._queue.clear()
+        self._error = None
+        self._drop_source()
+
+
+class _CudaPrefetchIterator(_LookaheadIterator[T]):
+    """Copy batches on a side stream; the consuming stream waits on a per-batch event."""
+
+    def __init__(self, source: Iterator[Any], device: torch.device, depth: int, owns: bool):
+        super().__init__(source, depth, owns)
+        self._device = device
+        self._side = torch.cuda.Stream(device)
+        # Set when a delivered batch held a tensor record_stream cannot cover (sparse,
+        # nested...): from then on every copy waits for the compute stream instead,
+        # so memory the user freed is never overwritten while still being read.
+        self._order_after_compute = False
+
+    def _stage(self, raw: Any) -> tuple[Any, torch.cuda.Event]:
+        pinner = _Pinner()
+        pinned = pinner(raw)
+        if pinner.saw_device_tensor or self._order_after_compute:
+            # Tensors produced by kernels on the compute stream: copy them after.
+            self._side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._side):
+            moved = on_device(pinned, device=self._device, non_blocking=True)
+            event = self._side.record_event()
+        return moved, event
+
+    def _deliver(self, staged: tuple[Any, torch.cuda.Event]) -> T:
+        batch, event = staged
+        consumer = torch.cuda.current_stream(self._device)
+        consumer.wait_event(event)
+        tensors: list[torch.Tensor] = []
+        _collect_cuda(batch, tensors)
+        for t in tensors:
+            if t.layout is torch.strided and not t.is_nested:
+                # Memory allocated on the side stream and used on the consumer:
+                # the allocator must not hand it out again before the consumer is done.
+                t.record_stream(consumer)
+            else:
+                self._order_after_compute = True
+        return batch  # type: ignore[no-any-return]
+
+
+# -- the public iterable -------------------------------------------------------------
+
+
+class Prefetcher(Generic[T]):
+    """An iterable of batches already on the device, made by :func:`prefetch`.
+
+    Every ``iter()`` starts a fresh pass over the source (one epoch), so the same
+    object serves every epoch. The iterator it returns has ``close()``; a loop that
+    breaks or raises releases the source and every batch in flight.
+
+    .. versionadded:: 0.1
+    """
+
+    __slots__ = ("_depth", "_device", "_loader")
+
+    def __init__(self, loader: Iterable[T], device: torch.device, depth: int) -> None:
+        self._loader = loader
+        self._device = device
+        self._depth = depth
+
+    @property
+    def loader(self) -> Iterable[T]:
+        """The wrapped source of batches."""
+        return self._loader
+
+    @property
+    def device(self) -> torch.device:
+        """The device batches are moved to."""
+        return self._device
+
+    @property
+    def depth(self) -> int:
+        """How many batches are copied ahead on CUDA (unused elsewhere)."""
+        return self._depth
+
+    def __iter__(self) -> Iterator[T]:
+        source = iter(self._loader)
+        # A fresh iterator made for us (a DataLoader's, a generator function's) is ours
+        # to close; an iterator the user passed in stays theirs to resume.
+        owns = source is not self._loader
+        if self._device.type == "cuda":
+            return _CudaPrefetchIterator(source, self._device, self._depth, owns)
+        return _MovingIterator(source, self._device, owns)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass ``set_epoch(epoch)`` on to the source or its (distributed) sampler.
+
+        Calls ``loader.set_epoch`` when the source has one; otherwise
+        ``loader.sampler.set_epoch``, ``loader.batch_sampler.set_epoch`` and
+        ``loader.batch_sampler.sampler.set_epoch``, whichever exist. A source with
+        none of them (no :class:`~torch.utils.data.DistributedSampler`) is left
+        alone, so the same loop runs with one process or many.
+
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+        >>> from cudakit.data import prefetch
+        >>> ds = TensorDataset(torch.arange(8))
+        >>> sampler = DistributedSampler(ds, num_replicas=2, rank=0)
+        >>> batches = prefetch(DataLoader(ds, sampler=sampler, batch_size=4), device="cpu")
+        >>> batches.set_epoch(3)
+        >>> sampler.epoch
+        3
+
+        Args:
+            epoch: The epoch number about to start.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise TypeError(
+                f"set_epoch() expects the epoch number as an int, got {type(epoch).__name__} "
+                f"{epoch!r}; call it once per epoch: `for epoch in range(n): "
+                "batches.set_epoch(epoch); for batch in batches: ...`."
+            )
+        for target in _epoch_targets(self._loader):
+            target(epoch)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self._loader).__name__}, "
+            f"device={str(self._device)!r}, depth={self._depth})"
+        )
+
+
+class SizedPrefetcher(Prefetcher[T]):
+    """A :class:`Prefetcher` over a source with ``len()``, which it reports too.
+
+    .. versionadded:: 0.1
+    """
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+
+def _epoch_targets(loader: object) -> list[Callable[[int], object]]:
+    own = getattr(loader, "set_epoch", None)
+    if callable(own):
+        return [own]
+    targets: list[Callable[[int], object]] = []
+    seen: set[int] = set()
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for holder in (
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ):
+        fn = getattr(holder, "set_epoch", None)
+        if holder is not None and callable(fn) and id(holder) not in seen:
+            seen.add(id(holder))
+            targets.append(fn)
+    return targets
+
+
+def _check_source(loader: object) -> None:
+    hint = (
+        "prefetch() expects an iterable of batches (a DataLoader, a list of batches, a generator)"
+    )
+    if isinstance(loader, torch.Tensor):
+        raise TypeError(
+            f"{hint}, got a single torch.Tensor of shape {tuple(loader.shape)}. Iterating it "
+            "would yield its rows one by one; to move one tensor use "
+            "cudakit.device.on_device(tensor), or wrap a list: prefetch([batch])."
+        )
+    if isinstance(loader, (str, bytes, bytearray)):
+        raise TypeError(f"{hint}, got {type(loader).__name__} {loader!r}.")
+    if isinstance(loader, Mapping):
+        raise TypeError(
+            f"{hint}, got a {type(loader).__name__}, which looks like a single batch: "
+            "iterating it would yield its keys. Use cudakit.device.on_device(batch) for one "
+            "batch, or prefetch([batch, ...]) for several."
+        )
+    if not isinstance(loader, Iterable) and not hasattr(loader, "__getitem__"):
+        raise TypeError(f"{hint}, got {type(loader).__name__} {loader!r}, which is not iterable.")
+
+
+@overload
+def prefetch(
+    loader: _SizedIterable[T], device: DeviceLike = None, depth: int = 2
+) -> SizedPrefetcher[T]: ...
+@overload
+def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> Prefetcher[T]: ...
+def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> Prefetcher[T]:
+    """Wrap an iterable of batches so that each arrives already on ``device``.
+
+    Batches are moved with :func:`~cudakit.device.on_device`, so every container it
+    supports keeps its type. On CUDA the next ``depth`` batches are pinned (when the
+    DataLoader has not pinned them already) and copied on a side stream with
+    ``non_blocking=True``; the compute stream waits for exactly the batch it gets,
+    and each tensor is recorded on that stream so its memory is never reused early.
+    On the CPU and other devices it is a plain moving iterator: no threads, no
+    look-ahead.
+
+    >>> import torch
+    >>> from cudakit.data import prefetch
+    >>> batches = prefetch([(torch.ones(2), torch.zeros(2)) for _ in range(3)], device="cpu")
+    >>> len(batches)
+    3
+    >>> [x.device.type for x, y in batches]
+    ['cpu', 'cpu', 'cpu']
+
+    Args:
+        loader: Any iterable of batches: a DataLoader, a list, a generator. A
+            re-iterable source gives a fresh pass on every ``iter()``; a one-shot
+            iterator (a generator) is consumed once.
+        device: Where batches go; ``None``/``"auto"`` picks the best device
+            (see :func:`~cudakit.device.resolve_device`).
+        depth: How many batches are copied ahead on CUDA; each costs one batch of
+            device memory. Ignored on other devices.
+
+    Returns:
+        A :class:`Prefetcher` (a :class:`SizedPrefetcher` with ``len()`` when the
+        source has one) with ``set_epoch`` passed through to the source's sampler.
+
+    Raises:
+        TypeError: ``loader`` is not an iterable of batches (a tensor, a dict, a
+            number), or ``depth`` is not an int.
+        ValueError: ``depth`` is below 1.
+        DeviceError: ``device`` does not exist on this machine.
+
+    .. versionadded:: 0.1
+    """
+    _check_source(loader)
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise TypeError(
+            f"prefetch() expects depth as an int number of batches to copy ahead, got "
+            f"{type(depth).__name__} {depth!r}; the default depth=2 suits most loops."
+        )
+    if depth < 1:
+        raise ValueError(
+            f"prefetch() needs depth >= 1 (batches copied ahead of the one in use), got "
+            f"depth={depth}. Use depth=1 for the least device memory, or plain "
+            "on_device(batch) inside the loop for no look-ahead at all."
+        )
+    dev = resolve_device(device)
+    if hasattr(loader, "__len__"):
+        return SizedPrefetcher(loader, dev, depth)
+    return Prefetcher(loader, dev, depth)
+
+
+# -- DataLoader settings -------------------------------------------------------------
+
+
+class LoaderKwargs(TypedDict, total=False):
+    """Keyword arguments for :class:`torch.utils.data.DataLoader` from :func:`loader_kwargs`.
+
+    .. versionadded:: 0.1
+    """
+
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # honours taskset / container CPU sets
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _local_world_size() -> int:
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def _choose_loader_kwargs(device_type: str, cpus: int, local_world_size: int) -> LoaderKwargs:
+    """The pure decision behind :func:`loader_kwargs` (tested for every case)."""
+    if device_type in ("cuda", "mps"):
+        # Leave one core per process for the training loop itself.
+        per_process = max(1, cpus // max(1, local_world_size))
+        workers = max(0, min(MAX_AUTO_WORKERS, per_process - 1))
+    else:
+        # On the CPU the model's own threads already use every core.
+        workers = 0
+    return {
+        "num_workers": workers,
+        "pin_memory": device_type == "cuda",
+        "persistent_workers": workers > 0,
+    }
+
+
+def loader_kwargs(
+    device: DeviceLike = None,
+    *,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+) -> LoaderKwargs:
+    """Choose DataLoader ``num_workers``, ``pin_memory`` and ``persistent_workers`` for a device.
+
+    * CUDA: ``pin_memory=True`` (host-to-device copies by DMA, which :func:`prefetch`
+      then overlaps with compute); one worker per spare core of this process's share
+      of the machine (cores divided by ``LOCAL_WORLD_SIZE``, minus one for the
+      training loop, at most :data:`MAX_AUTO_WORKERS`), kept alive across epochs.
+    * MPS: the same workers, no pinning (torch does not pin for MPS).
+    * CPU and others: no workers and no pinning: the model's threads use every core.
+
+    ``pin_memory_device`` is never set: pinned memory serves every CUDA device, and
+    recent torch deprecates the argument (it warns). Never initialises CUDA.
+
+    >>> from torch.utils.data import DataLoader
+    >>> from cudakit.data import loader_kwargs
+    >>> loader_kwargs("cpu")
+    {'num_workers': 0, 'pin_memory': False, 'persistent_workers': False}
+    >>> loader = DataLoader(range(10), batch_size=4, **loader_kwargs("cpu"))
+
+    Args:
+        device: The device batches are for; ``None``/``"auto"`` picks the best one.
+        num_workers: Override the worker count (``persistent_workers`` follows it
+            unless given too).
+        pin_memory: Override pinning; ``True`` needs a CUDA device.
+        persistent_workers: Override; ``True`` needs ``num_workers > 0``.
+
+    Returns:
+        A dict to splat into ``DataLoader(dataset, batch_size=..., **kwargs)``.
+
+    Raises:
+        TypeError: an override has the wrong type.
+        ValueError: an override contradicts the device or the other settings.
+        DeviceError: ``device`` does not exist on this machine.
+
+    .. versionadded:: 0.1
+    """
+    dev = resolve_device(device)
+    chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
+    if num_workers is not None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+            raise TypeError(
+                f"loader_kwargs(num_workers=...) expects an int, got "
+                f"{type(num_workers).__name__} {num_workers!r}; leave it out to let cudakit "
+                "choose, or pass 0 to load in the main process."
+            )
+        if num_workers < 0:
+            raise ValueError(
+                f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
+                "batches in the main process."
+            )
+        chosen["num_workers"] = num_workers
+        chosen["persistent_workers"] = num_workers > 0
+    for name, value in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"loader_kwargs({name}=...) expects True, False or None (let cudakit "
+                f"choose), got {type(value).__name__} {value!r}."
+            )
+    if pin_memory is not None:
+        if pin_memory and dev.type != "cuda":
+            raise ValueError(
+                f"loader_kwargs(pin_memory=True) only speeds up copies to a CUDA device, but "
+                f"the device is {str(dev)!r} (and torch warns when it cannot pin). Leave "
+                "pin_memory out, or pass device='cuda'."
+            )
+        chosen["pin_memory"] = pin_memory
+    if persistent_workers is not None:
+        if persistent_workers and chosen["num_workers"] == 0:
+            raise ValueError(
+                "loader_kwargs(persistent_workers=True) needs worker processes, but "
+                f"num_workers is 0 for device {str(dev)!r}. Pass num_workers=N (N > 0) as "
+                "well, or leave persistent_workers out."
+            )
+        chosen["persistent_workers"] = persistent_workers
+    return chosen
