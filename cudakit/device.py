@@ -165,27 +165,38 @@ T2 = TypeVar("T2")
 T3 = TypeVar("T3")
 
 _Handler = Callable[[Any, "_Ctx"], Any]
+_Tensor = torch.Tensor
 _BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
 _MAX_CACHED_TYPES = 1024
+_SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
 
 
 class _Ctx:
     """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
 
-    __slots__ = ("device", "memo", "nb", "pending", "sync", "track")
+    __slots__ = ("device", "keep", "memo", "nb", "pending", "sync", "track")
 
     def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
         self.device = device
-        nb = device.type != "cpu" if non_blocking is None else non_blocking
+        kind = _KINDS.get(device)
+        if kind is None:
+            kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
+        nb = not kind[0] if non_blocking is None else non_blocking
         self.nb = nb
-        # id(obj) -> (obj, result); keeping obj alive keeps its id unique for the call.
-        self.memo: dict[int, tuple[Any, Any]] = {}
+        # id(obj) -> result. Ids stay unique because the input keeps its objects alive;
+        # values a custom mapping makes on the fly are kept alive in `keep`.
+        self.memo: dict[int, Any] = {}
+        self.keep: list[Any] = []
         # In-place moves (modules, optimizer state) run only after the whole traversal
         # succeeded, so an error anywhere leaves everything the user owns untouched.
         self.pending: list[Callable[[], None]] = []
         # A forced non_blocking copy to the CPU must be waited for before we return.
-        self.track = nb and device.type == "cpu"
+        self.track = nb and kind[1]
         self.sync: set[torch.device] = set()
+
+
+# device -> (copies there are synchronous by default, device is the CPU)
+_KINDS: dict[torch.device, tuple[bool, bool]] = {}
 
 
 class _Bad(Exception):
@@ -235,11 +246,11 @@ class _Cycle(_Bad):
 def _busy_or_done(x: object, c: _Ctx) -> Any:
     hit = c.memo.get(id(x))
     if hit is None:
-        c.memo[id(x)] = (x, _BUSY)
+        c.memo[id(x)] = _BUSY
         return _BUSY
-    if hit[1] is _BUSY:
+    if hit is _BUSY:
         raise _Cycle(x)
-    return hit[1]
+    return hit
 
 
 def _move(x: Any, c: _Ctx) -> Any:
@@ -251,17 +262,21 @@ def _leaf(x: Any, c: _Ctx) -> Any:
     return x
 
 
+def _copy(t: torch.Tensor, c: _Ctx) -> torch.Tensor:
+    """Copy one tensor that is not on the target yet (callers checked memo and device)."""
+    if c.track:
+        c.sync.add(t.device)
+    # Passing non_blocking only when it is True keeps the common call cheap.
+    new = t.to(c.device, non_blocking=True) if c.nb else t.to(c.device)
+    c.memo[id(t)] = new
+    return new
+
+
 def _tensor(t: torch.Tensor, c: _Ctx) -> torch.Tensor:
     if t.device == c.device:
         return t
     hit = c.memo.get(id(t))
-    if hit is not None:
-        return cast(torch.Tensor, hit[1])
-    if c.track:
-        c.sync.add(t.device)
-    new = t.to(c.device, non_blocking=c.nb)
-    c.memo[id(t)] = (t, new)
-    return new
+    return _copy(t, c) if hit is None else cast(torch.Tensor, hit)
 
 
 def _param(p: torch.nn.Parameter, c: _Ctx) -> torch.Tensor:
@@ -269,7 +284,7 @@ def _param(p: torch.nn.Parameter, c: _Ctx) -> torch.Tensor:
         return p
     hit = c.memo.get(id(p))
     if hit is not None:
-        return cast(torch.Tensor, hit[1])
+        return cast(torch.Tensor, hit)
     if c.track:
         c.sync.add(p.device)
     # Tensor.to on a Parameter returns a plain non-leaf tensor; rebuild the Parameter
@@ -277,34 +292,52 @@ def _param(p: torch.nn.Parameter, c: _Ctx) -> torch.Tensor:
     new = torch.nn.Parameter(p.detach().to(c.device, non_blocking=c.nb), p.requires_grad)
     if p.grad is not None:
         new.grad = p.grad.to(c.device, non_blocking=c.nb)
-    c.memo[id(p)] = (p, new)
+    c.memo[id(p)] = new
     return new
 
 
 def _dict(x: dict[Any, Any], c: _Ctx) -> Any:
+    # The hot path: plain dicts and lists of plain tensors are handled inline, with a
+    # single dict lookup on the exact type for everything else (no isinstance chains).
     i = id(x)
     memo = c.memo
     hit = memo.get(i)
     if hit is not None:
-        if hit[1] is _BUSY:
+        if hit is _BUSY:
             raise _Cycle(x)
-        return hit[1]
-    memo[i] = (x, _BUSY)
+        return hit
+    memo[i] = _BUSY
     out = {}
     changed = False
     get = _DISPATCH.get
+    dev, nb, track = c.device, c.nb, c.track
     try:
         for k, v in x.items():
-            h = get(type(v))
-            nv = h(v, c) if h is not None else _slow(v, c)
-            if nv is not v:
-                changed = True
+            tp = type(v)
+            if tp is _Tensor:
+                # Tensor.to returns the tensor itself when it is already there.
+                nv = memo.get(id(v))
+                if nv is None:
+                    nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                    if nv is v:
+                        out[k] = v
+                        continue
+                    memo[id(v)] = nv
+                    if track:
+                        c.sync.add(v.device)
+            else:
+                h = get(tp)
+                nv = h(v, c) if h is not None else _slow(v, c)
+                if nv is v:
+                    out[k] = v
+                    continue
+            changed = True
             out[k] = nv
     except _Bad as e:
         e.add(f"[{k!r}]", i)
         raise
     res = out if changed else x
-    memo[i] = (x, res)
+    memo[i] = res
     return res
 
 
@@ -314,10 +347,23 @@ def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
     out: list[Any] = []
     append = out.append
     get = _DISPATCH.get
+    memo = c.memo
+    dev, nb, track = c.device, c.nb, c.track
     try:
         for v in x:
-            h = get(type(v))
-            append(h(v, c) if h is not None else _slow(v, c))
+            tp = type(v)
+            if tp is _Tensor:
+                nv = memo.get(id(v))
+                if nv is None:
+                    nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                    if nv is not v:
+                        memo[id(v)] = nv
+                        if track:
+                            c.sync.add(v.device)
+                append(nv)
+            else:
+                h = get(tp)
+                append(h(v, c) if h is not None else _slow(v, c))
     except _Bad as e:
         e.add(f"[{len(out)}]", i)
         raise
@@ -332,7 +378,7 @@ def _list(x: list[Any], c: _Ctx) -> Any:
         return hit
     out = _seq(x, c)
     res = x if out is None else out
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -340,11 +386,11 @@ def _tuple(x: tuple[Any, ...], c: _Ctx) -> Any:
     # A tuple cannot contain itself without a mutable container in between, so the
     # cycle guard of that container is enough; tuples are still memoised for aliasing.
     hit = c.memo.get(id(x))
-    if hit is not None and hit[1] is not _BUSY:
-        return hit[1]
+    if hit is not None and hit is not _BUSY:
+        return hit
     out = _seq(x, c)
     res = x if out is None else tuple(out)
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -361,8 +407,8 @@ def _rebuild_failed(x: object, how: str, err: Exception) -> _Bad:
 
 def _namedtuple(x: tuple[Any, ...], c: _Ctx) -> Any:
     hit = c.memo.get(id(x))
-    if hit is not None and hit[1] is not _BUSY:
-        return hit[1]
+    if hit is not None and hit is not _BUSY:
+        return hit
     out = _seq(x, c)
     if out is None:
         res: Any = x
@@ -371,14 +417,14 @@ def _namedtuple(x: tuple[Any, ...], c: _Ctx) -> Any:
             res = type(x)(*out)
         except Exception as err:
             raise _rebuild_failed(x, f"{type(x).__name__}(*fields)", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
 def _tuple_subclass(x: tuple[Any, ...], c: _Ctx) -> Any:
     hit = c.memo.get(id(x))
-    if hit is not None and hit[1] is not _BUSY:
-        return hit[1]
+    if hit is not None and hit is not _BUSY:
+        return hit
     out = _seq(x, c)
     if out is None:
         res: Any = x
@@ -387,7 +433,7 @@ def _tuple_subclass(x: tuple[Any, ...], c: _Ctx) -> Any:
             res = type(x)(out)
         except Exception as err:
             raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -407,7 +453,7 @@ def _list_subclass(x: list[Any], c: _Ctx) -> Any:
             res[:] = out
         except Exception as err:
             raise _rebuild_failed(x, "copy.copy(obj)[:] = items", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -416,8 +462,10 @@ def _mapping_items(x: Mapping[Any, Any], c: _Ctx) -> dict[Any, Any] | None:
     i = id(x)
     changed: dict[Any, Any] = {}
     get = _DISPATCH.get
+    keep = c.keep
     try:
         for k, v in x.items():
+            keep.append(v)  # a custom mapping may make its values on the fly
             h = get(type(v))
             nv = h(v, c) if h is not None else _slow(v, c)
             if nv is not v:
@@ -446,7 +494,7 @@ def _dict_subclass(x: dict[Any, Any], c: _Ctx) -> Any:
                 res[k] = nv
         except Exception as err:
             raise _rebuild_failed(x, "copy.copy(obj)[key] = value", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -463,7 +511,7 @@ def _mapping(x: Mapping[Any, Any], c: _Ctx) -> Any:
             res = type(x)(items)  # type: ignore[call-arg]
         except Exception as err:
             raise _rebuild_failed(x, f"{type(x).__name__}(dict)", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -483,7 +531,7 @@ def _set(x: set[Any] | frozenset[Any], c: _Ctx) -> Any:
             res = type(x)(out)
         except Exception as err:
             raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -519,7 +567,7 @@ def _dataclass(x: Any, c: _Ctx) -> Any:
                 object.__setattr__(res, name, nv)
         except Exception as err:
             raise _rebuild_failed(x, "copy.copy(obj) and setting its fields", err) from None
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -532,7 +580,7 @@ def _same_place(t: torch.Tensor, device: torch.device) -> bool:
 def _module(m: torch.nn.Module, c: _Ctx) -> Any:
     if id(m) in c.memo:
         return m
-    c.memo[id(m)] = (m, m)
+    c.memo[id(m)] = m
     device = c.device
     needs_move = False
     sources: set[torch.device] = set()
@@ -565,7 +613,7 @@ def _module(m: torch.nn.Module, c: _Ctx) -> Any:
 def _optimizer(opt: torch.optim.Optimizer, c: _Ctx) -> Any:
     if id(opt) in c.memo:
         return opt
-    c.memo[id(opt)] = (opt, opt)
+    c.memo[id(opt)] = opt
     # torch keeps a scalar `step` on the CPU unless the param group is capturable or fused,
     # in which case it must live with the parameters (Optimizer.load_state_dict's policy).
     on_device_step: set[int] = set()
@@ -598,8 +646,8 @@ def _optimizer(opt: torch.optim.Optimizer, c: _Ctx) -> Any:
 
 def _duck(x: Any, c: _Ctx) -> Any:
     hit = c.memo.get(id(x))
-    if hit is not None and hit[1] is not _BUSY:
-        return hit[1]
+    if hit is not None and hit is not _BUSY:
+        return hit
     # When the caller forced non_blocking towards the CPU we cannot know which streams an
     # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
     nb = c.nb and not c.track
@@ -607,7 +655,7 @@ def _duck(x: Any, c: _Ctx) -> Any:
         res = x.to(c.device, non_blocking=nb)
     except TypeError:
         res = x.to(c.device)  # a .to() that does not take non_blocking
-    c.memo[id(x)] = (x, res)
+    c.memo[id(x)] = res
     return res
 
 
@@ -730,6 +778,32 @@ def _check_non_blocking(non_blocking: object) -> None:
         )
 
 
+_RESOLVED: dict[tuple[type, object], torch.device] = {}
+
+
+def _resolve_cached(spec: DeviceLike) -> torch.device:
+    """resolve_device, memoised for explicit specs whose answer cannot change.
+
+    ``None``/``"auto"`` and an index-less ``"cuda"`` follow the current device, so
+    they are resolved on every call; ``"cpu"``, ``"meta"``, ``"cuda:1"``, ``1`` or a
+    ``torch.device`` with an index always mean the same device in a process.
+    """
+    key = (type(spec), spec)
+    try:
+        return _RESOLVED[key]
+    except (KeyError, TypeError):
+        pass
+    dev = resolve_device(spec)
+    stable = spec is not None and spec != "auto"
+    if dev.type == "cuda":
+        stable = stable and (
+            isinstance(spec, int) or (isinstance(spec, (str, torch.device)) and ":" in str(spec))
+        )
+    if stable and len(_RESOLVED) < 64:
+        _RESOLVED[key] = dev
+    return dev
+
+
 def _move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
     c = _Ctx(device, non_blocking)
     try:
@@ -787,7 +861,7 @@ class OnDeviceDecorator:
         name = getattr(func, "__qualname__", type(func).__name__)
 
         def move_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            c = _Ctx(resolve_device(spec), non_blocking)
+            c = _Ctx(_resolve_cached(spec), non_blocking)
             try:
                 new_args = _move(args[skip:], c) if len(args) > skip else ()
                 new_kwargs = _move(kwargs, c) if kwargs else kwargs
@@ -888,7 +962,8 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
 
     .. versionadded:: 0.1
     """
-    _check_non_blocking(non_blocking)
+    if non_blocking is not None and non_blocking is not True and non_blocking is not False:
+        _check_non_blocking(non_blocking)  # type: ignore[unreachable]
     if not objs:
         return OnDeviceDecorator(device, non_blocking)
     if len(objs) == 1:
@@ -897,5 +972,5 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
             return OnDeviceDecorator(device, non_blocking)(obj)
         if device is None and isinstance(obj, (str, torch.device)):
             return OnDeviceDecorator(obj, non_blocking)
-        return _move_root(obj, resolve_device(device), non_blocking, "obj")
-    return _move_root(objs, resolve_device(device), non_blocking, "objs")
+        return _move_root(obj, _resolve_cached(device), non_blocking, "obj")
+    return _move_root(objs, _resolve_cached(device), non_blocking, "objs")
