@@ -137,15 +137,37 @@ def _close_owned(source: Iterator[Any] | None, owned: bool) -> None:
             close()
 
 
+def _all_on_cpu(batch: object) -> bool:
+    """Whether a batch is a tensor, or a flat tuple/list/dict of tensors, all on the CPU.
+
+    The common case of a CPU loop, answered in a fraction of an on_device call; such a
+    batch would come back from on_device as the very same object.
+    """
+    cls = type(batch)
+    if cls is torch.Tensor:
+        return bool(batch.is_cpu)  # type: ignore[attr-defined]
+    if cls is tuple or cls is list:
+        values: Iterable[object] = batch  # type: ignore[assignment]
+    elif cls is dict:
+        values = batch.values()  # type: ignore[attr-defined]
+    else:
+        return False
+    for v in values:  # noqa: SIM110 (a plain loop is ~40% faster than all(genexpr) here)
+        if type(v) is not torch.Tensor or not v.is_cpu:
+            return False
+    return True
+
+
 class _MovingIterator(Iterator[T]):
     """CPU and other devices: move each batch as it is asked for; nothing in flight."""
 
-    __slots__ = ("_device", "_owns", "_source")
+    __slots__ = ("_device", "_owns", "_source", "_to_cpu")
 
     def __init__(self, source: Iterator[T], device: torch.device, owns: bool) -> None:
         self._source: Iterator[T] | None = source
         self._device = device
         self._owns = owns
+        self._to_cpu = device.type == "cpu"
 
     def __iter__(self) -> _MovingIterator[T]:
         return self
@@ -155,7 +177,10 @@ class _MovingIterator(Iterator[T]):
         if source is None:
             raise StopIteration
         try:
-            return on_device(next(source), device=self._device)
+            batch = next(source)
+            if self._to_cpu and _all_on_cpu(batch):
+                return batch
+            return on_device(batch, device=self._device)
         except BaseException:
             # StopIteration included: the epoch is over, let go of the source.
             self.close()

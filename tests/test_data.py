@@ -107,6 +107,25 @@ def test_every_batch_type_round_trips_in_order(source: list[Any]) -> None:
         assert_same(got, want)
 
 
+@pytest.mark.parametrize(
+    "batch",
+    [torch.ones(2), (torch.ones(2), torch.zeros(1)), [torch.ones(1)], {"x": torch.ones(1)}],
+    ids=["tensor", "tuple", "list", "dict"],
+)
+def test_cpu_batches_already_in_place_come_back_as_themselves(batch: Any) -> None:
+    (out,) = prefetch([batch], device="cpu")
+    assert out is batch
+
+
+def test_cpu_batches_that_need_moving_are_moved() -> None:
+    batch = {"x": torch.ones(2), "n": 3}
+    (out,) = prefetch([batch], device="meta")
+    assert out["x"].device.type == "meta"
+    assert out["n"] == 3
+    (same,) = prefetch([batch], device="cpu")  # not a flat batch of tensors: on_device
+    assert same is batch
+
+
 def test_dataloader_batches_match_a_plain_loop_and_len_is_kept() -> None:
     ds = TensorDataset(torch.randn(10, 3), torch.arange(10))
     loader = DataLoader(ds, batch_size=4)
@@ -660,14 +679,14 @@ def on_cuda(obj: Any) -> Any:
 @pytest.mark.cuda
 def test_cuda_consumer_on_a_user_stream() -> None:
     loader = _big_loader(16, 1 << 14, pin=False)
-    expected = [x.sum().item() for x, _ in loader]
+    expected = [x.to("cuda").sum().item() for x, _ in loader]
     s = torch.cuda.Stream()
     sums = []
     with torch.cuda.stream(s):
         for x, _ in prefetch(loader, device="cuda"):
             sums.append(x.sum())
     s.synchronize()
-    assert [v.item() for v in sums] == pytest.approx(expected, rel=1e-5)
+    assert [v.item() for v in sums] == expected
 
 
 @pytest.mark.cuda
@@ -694,9 +713,11 @@ def test_cuda_early_break_releases_device_memory() -> None:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     loader = [torch.randn(1 << 18) for _ in range(10)]
-    for i, _ in enumerate(prefetch(loader, device="cuda", depth=4)):
+    for i, batch in enumerate(prefetch(loader, device="cuda", depth=4)):
+        assert batch.is_cuda
         if i == 2:
             break
+    del batch  # the loop variable still holds the last batch
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
