@@ -768,7 +768,6 @@ class MemoryReported(Protocol[P, R_co]):
     memory_report: MemoryReporter
     __name__: str
     __qualname__: str
-    __wrapped__: Callable[P, R_co]
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
