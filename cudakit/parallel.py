@@ -22,6 +22,7 @@ import os
 import pickle
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
@@ -90,6 +91,7 @@ class LaunchError(CudakitError, RuntimeError):
             was still running when the launch timed out.
         traceback_text: the child's formatted traceback (empty when it died
             without raising, e.g. from a signal or ``os._exit``).
+        pids: the process ids of every rank (all terminated and reaped by then).
 
     .. versionadded:: 0.1
     """
@@ -102,8 +104,10 @@ class LaunchError(CudakitError, RuntimeError):
         pid: int | None,
         exitcode: int | None,
         traceback_text: str = "",
+        pids: list[int] | None = None,
     ) -> None:
         super().__init__(message)
+        self.pids = list(pids or [])
         self.rank = rank
         self.pid = pid
         self.exitcode = exitcode
@@ -1184,6 +1188,10 @@ def distributed_loader(
 # --------------------------------------------------------------------------- launch
 
 
+#: What a child sends back: (rank, ok, wall time, pickled result or traceback text).
+_Message = tuple[int, bool, float, bytes]
+
+
 def _child(
     index: int,
     fn: Callable[..., Any],
@@ -1191,7 +1199,7 @@ def _child(
     kwargs: dict[str, Any],
     nprocs: int,
     port: int,
-    results: SimpleQueue[tuple[int, bytes]],
+    results: SimpleQueue[_Message],
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -1210,16 +1218,72 @@ def _child(
     )
     try:
         out = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(out)
+        except Exception as exc:
+            raise TypeError(
+                f"launch(): rank {index}'s return value of type {type(out).__name__} cannot be "
+                f"pickled back to the parent ({exc}); return plain data (tensors, numbers, "
+                "dicts)."
+            ) from exc
+    except Exception:
+        # Timestamped, so the parent can name the rank that failed *first* rather than
+        # one that failed later because its peer was gone ("Connection closed by peer").
+        results.put((index, False, time.time(), traceback.format_exc().encode()))
+        raise
     finally:
         _teardown()  # a group cudakit created; the user's own group is theirs to destroy
-    try:
-        payload = pickle.dumps(out)
-    except Exception as exc:
-        raise TypeError(
-            f"launch(): rank {index}'s return value of type {type(out).__name__} cannot be "
-            f"pickled back to the parent ({exc}); return plain data (tensors, numbers, dicts)."
-        ) from exc
-    results.put((index, payload))
+    results.put((index, True, time.time(), payload))
+
+
+_ECHOES = (
+    b"Connection closed by peer",
+    b"Connection reset by peer",
+    b"remote worker",
+    b"Broken pipe",
+    b"ncclRemoteError",
+    b"NCCL communicator was aborted",
+    b"DistNetworkError",
+    b"DistBackendError",
+    b"Socket Timeout",
+    b"collective operation timeout",
+)
+
+
+def _is_echo(text: bytes) -> bool:
+    """Whether a traceback looks like a consequence of another rank's death."""
+    lines = text.strip().splitlines()
+    return bool(lines) and any(e in lines[-1] for e in _ECHOES)
+
+
+def _first_failure(
+    failures: Mapping[int, tuple[float, bytes]], nprocs: int, pids: list[int]
+) -> LaunchError:
+    # A rank whose peer died fails too ("Connection closed by peer"), sometimes before the
+    # peer's own exception is reported: name the first failure that is not such an echo.
+    order = sorted(failures, key=lambda r: (_is_echo(failures[r][1]), failures[r][0]))
+    first = order[0]
+    text = failures[first][1].decode(errors="replace")
+
+    def last_line(t: str) -> str:
+        lines = t.strip().splitlines()
+        return lines[-1] if lines else "an exception"
+
+    also = ""
+    if len(order) > 1:
+        later = "; ".join(
+            f"rank {r}: {last_line(failures[r][1].decode(errors='replace'))}" for r in order[1:]
+        )
+        also = f"\n(then, probably as a consequence: {later})"
+    return LaunchError(
+        f"rank {first} of {nprocs} (pid {pids[first]}) failed: {last_line(text)}{also}\n\n"
+        f"Traceback from rank {first}:\n{text}",
+        rank=first,
+        pid=pids[first],
+        exitcode=1,
+        traceback_text=text,
+        pids=pids,
+    )
 
 
 def launch(
@@ -1296,13 +1360,17 @@ def launch(
         "127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False
     )
     ctx = mp.get_context(start_method)
-    results: SimpleQueue[tuple[int, bytes]] = ctx.SimpleQueue()
+    results: SimpleQueue[_Message] = ctx.SimpleQueue()
     out: dict[int, bytes] = {}
+    failures: dict[int, tuple[float, bytes]] = {}
 
     def drain() -> None:
         while not results.empty():
-            i, payload = results.get()
-            out[i] = payload
+            i, ok, when, payload = results.get()
+            if ok:
+                out[i] = payload
+            else:
+                failures[i] = (when, payload)
 
     procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _child,
@@ -1318,16 +1386,11 @@ def launch(
             try:
                 done = procs.join(timeout=0.05, grace_period=1.0)
             except mp.ProcessRaisedException as exc:  # type: ignore[attr-defined]
-                text = str(exc).split("terminated with the following error:\n", 1)[-1]
-                last = text.strip().splitlines()[-1] if text.strip() else "an exception"
-                raise LaunchError(
-                    f"rank {exc.error_index} of {nprocs} (pid {exc.error_pid}) failed: {last}\n\n"
-                    f"Traceback from rank {exc.error_index}:\n{text}",
-                    rank=exc.error_index,
-                    pid=exc.error_pid,
-                    exitcode=1,
-                    traceback_text=text,
-                ) from None
+                drain()
+                if not failures:  # raised outside our wrapper (e.g. unpickling fn)
+                    text = str(exc).split("terminated with the following error:\n", 1)[-1]
+                    failures[exc.error_index] = (0.0, text.encode())
+                raise _first_failure(failures, nprocs, procs.pids()) from None
             except mp.ProcessExitedException as exc:  # type: ignore[attr-defined]
                 raise LaunchError(
                     f"rank {exc.error_index} of {nprocs} (pid {exc.error_pid}) died without a "
@@ -1336,6 +1399,7 @@ def launch(
                     rank=exc.error_index,
                     pid=exc.error_pid,
                     exitcode=exc.exit_code,
+                    pids=procs.pids(),
                 ) from None
             drain()
             if done:
@@ -1348,6 +1412,7 @@ def launch(
                     rank=None,
                     pid=None,
                     exitcode=None,
+                    pids=procs.pids(),
                 )
     finally:
         for p in procs.processes:
@@ -1369,5 +1434,6 @@ def launch(
             rank=missing[0],
             pid=None,
             exitcode=0,
+            pids=procs.pids(),
         )
     return [cast(R, pickle.loads(out[i])) for i in range(nprocs)]
