@@ -745,3 +745,109 @@ def test_cuda_exception_in_source_after_good_batches() -> None:
         drain(prefetch(source, device="cuda", depth=4), got)
     assert [b[0].item() for b in got] == [0.0, 1.0, 2.0]
     assert source.closed == 1
+
+
+# -- the CUDA iterator's stream protocol, checked on the CPU with fake streams -------
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream, n: int) -> None:
+        self.name = f"{stream.name}#{n}"
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+        self.events = 0
+
+    def record_event(self) -> FakeEvent:
+        self.events += 1
+        ev = FakeEvent(self, self.events)
+        self.log.append(f"{self.name} record {ev.name}")
+        return ev
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(f"{self.name} wait {event.name}")
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(f"{self.name} wait_stream {other.name}")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run _CudaPrefetchIterator against fakes: "meta" plays the CUDA device."""
+    import contextlib
+
+    import cudakit.data as data
+
+    log: list[str] = []
+    compute = FakeStream("compute", log)
+    current = [compute]
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream) -> Iterator[None]:
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def record_stream(self: torch.Tensor, s: FakeStream) -> None:
+        log.append(f"record_stream numel={self.numel()} on {s.name}")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("side", log))
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream, raising=False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: False)
+
+    def fake_on_device(obj: Any, *, device: Any = None, non_blocking: Any = None) -> Any:
+        assert non_blocking is True
+        assert current[-1].name == "side"  # the copy is issued on the side stream
+        log.append("copy")
+        out = torch.utils._pytree.tree_map(
+            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, obj
+        )
+        return out
+
+    monkeypatch.setattr(data, "on_device", fake_on_device)
+    monkeypatch.setattr(data, "resolve_device", lambda spec=None: torch.device("cuda", 0))
+    return log
+
+
+def test_cuda_protocol_each_batch_waits_for_its_own_copy(fake_cuda: list[str]) -> None:
+    source = [{"x": torch.zeros(i + 1)} for i in range(3)]  # batch i has i + 1 elements
+    it = iter(prefetch(source, device="cuda", depth=2))
+    first = next(it)
+    assert first["x"].device.type == "meta"
+    assert fake_cuda == [
+        "copy",
+        "side record side#1",
+        "copy",
+        "side record side#2",
+        "compute wait side#1",  # only batch 0's copy, not the one behind it
+        "record_stream numel=1 on compute",
+        "copy",
+        "side record side#3",
+    ]
+    fake_cuda.clear()
+    rest = list(it)
+    assert len(rest) == 2
+    assert fake_cuda == [
+        "compute wait side#2",
+        "record_stream numel=2 on compute",
+        "compute wait side#3",
+        "record_stream numel=3 on compute",
+    ]
+
+
+def test_cuda_protocol_orders_copies_after_device_tensors(fake_cuda: list[str]) -> None:
+    already = torch.empty(2, device="meta")  # "produced on the compute stream"
+    it = iter(prefetch([(already, torch.ones(1))], device="cuda", depth=1))
+    x, y = next(it)
+    assert x is already
+    assert y.device.type == "meta"
+    assert fake_cuda[:2] == ["side wait_stream compute", "copy"]
