@@ -144,6 +144,10 @@ class _ProcCpu:
         self._meminfo = -1
         self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self.resettable = True
+        self._ru_exact = False  # getrusage's peak equals VmHWM since the last reset
+        self._floor = 1 << 62
+        self._mem: tuple[int | None, int | None] = (None, None)
+        self._mem_at = -1.0
 
     def _open(self) -> None:
         # Cached descriptors; reopened after fork (``/proc/self`` is resolved at open time).
@@ -157,6 +161,9 @@ class _ProcCpu:
         self._pid = pid
         self._status = self._statm = self._clear = self._meminfo = -1
         self.resettable = True
+        self._ru_exact = False
+        self._floor = 1 << 62  # read VmHWM until the next reset measures the floor
+        self._mem_at = -1.0
         try:
             self._status = os.open("/proc/self/status", os.O_RDONLY)
             self._statm = os.open("/proc/self/statm", os.O_RDONLY)
@@ -184,37 +191,58 @@ class _ProcCpu:
         return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
     def rss(self) -> int:
+        """Resident set size now (``/proc/self/statm``: the cheapest read)."""
         self._open()
         if self._statm < 0:
             return self._maxrss()
         return int(os.pread(self._statm, 128, 0).split()[1]) * self.page
 
+    def peak(self) -> int:
+        """Peak RSS since the last :meth:`reset_peak` (or process start).
+
+        ``getrusage`` is 5x cheaper than ``/proc/self/status`` and reads the same
+        kernel high-water mark, except that it also includes a value the kernel
+        saves when a thread exits, which ``clear_refs`` does not reset. That value
+        is measured right after each reset (``_floor``); while it could hide the
+        true peak, the exact ``VmHWM`` line of ``/proc/self/status`` is read instead.
+        """
+        ru = self._maxrss()
+        if self._ru_exact or ru > self._floor or self._status < 0:
+            return ru
+        return self._field(os.pread(self._status, 8192, 0), b"VmHWM:")
+
     def rss_peak(self) -> tuple[int, int]:
         """(RSS, peak RSS since the last reset or process start)."""
         self._open()
-        if self._status < 0:
-            peak = self._maxrss()
-            return peak, peak
-        text = os.pread(self._status, 8192, 0)
-        return self._field(text, b"VmRSS:"), self._field(text, b"VmHWM:")
+        return self.rss(), self.peak()
 
-    def reset_peak(self) -> bool:
+    def reset_peak(self, rss_before: int) -> bool:
         """Reset the peak RSS to the current RSS; False where the kernel refuses."""
         self._open()
         if not self.resettable or self._status < 0:
+            self._ru_exact = False
             return False
         try:
             os.write(self._clear, b"5")
         except OSError:
             self.resettable = False
-        return self.resettable
+            self._ru_exact = False
+            return False
+        self._floor = self._maxrss()
+        self._ru_exact = self._floor <= rss_before
+        return True
 
     def free_total(self) -> tuple[int | None, int | None]:
+        """Available and total system memory; ``MemAvailable`` is sampled at most every 50 ms."""
         self._open()
         if self._meminfo < 0:
             return None, None
-        text = os.pread(self._meminfo, 4096, 0)
-        return self._field(text, b"MemAvailable:"), self._field(text, b"MemTotal:")
+        now = time.monotonic()
+        if now - self._mem_at > 0.05:
+            text = os.pread(self._meminfo, 4096, 0)
+            self._mem = self._field(text, b"MemAvailable:"), self._field(text, b"MemTotal:")
+            self._mem_at = now
+        return self._mem
 
 
 _cuda: Any = _TorchCuda()
@@ -605,7 +633,7 @@ def _open_frame(device: str, index: int) -> _Frame:
             _absorb(frames, peak, 0)
         else:
             frame.alloc0 = _cpu.rss()
-        frame.since_start = not _cpu.reset_peak()
+        frame.since_start = not _cpu.reset_peak(frame.alloc0)
     elif not _cuda.is_initialized():
         frame.started = False
     else:
@@ -801,7 +829,7 @@ class MemoryReporter(ContextDecorator):
         self._every = every
         self._history = None if record_history is None else os.fspath(record_history)
         self._targets = _targets if _targets is not None else self._resolve()
-        self._agg = _agg if _agg is not None else _Aggregate(every)
+        self._agg_ = _agg  # created on first use: most `with` reports never need it
         self._frames: list[_Frame] | None = None
         self._report: MemoryReport | None = None
         self._t0 = 0.0
@@ -815,6 +843,13 @@ class MemoryReporter(ContextDecorator):
                 "(device='cuda'), or drop record_history on CPU-only machines."
             )
         return targets
+
+    @property
+    def _agg(self) -> _Aggregate:
+        agg = self._agg_
+        if agg is None:
+            agg = self._agg_ = _Aggregate(self._every)
+        return agg
 
     @property
     def last(self) -> MemoryReport | None:

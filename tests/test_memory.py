@@ -127,7 +127,8 @@ class FakeCpu:
     def rss_peak(self) -> tuple[int, int]:
         return self.rss_now, self.hwm
 
-    def reset_peak(self) -> bool:
+    def reset_peak(self, rss_before: int) -> bool:
+        assert rss_before == self.rss_now
         if self.resettable:
             self.hwm = self.rss_now
         return self.resettable
@@ -502,7 +503,34 @@ def test_real_proc_backend_reads_and_resets() -> None:
     assert total is not None
     assert free is not None
     assert 0 < free <= total
-    assert cpu.reset_peak() in (True, False)
+    assert cpu.reset_peak(cpu.rss()) in (True, False)
+
+
+def test_cpu_peak_ignores_a_stale_thread_exit_high_water_mark() -> None:
+    # A thread that exits makes the kernel save the high-water mark into the
+    # getrusage peak, which clear_refs cannot reset; the report must not show it.
+    def work() -> None:
+        x = torch.ones(40 * 2**20)  # 160 MiB
+        del x
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(30)
+    with memory_report(device="cpu", file=None) as rep:
+        pass
+    if rep.devices[0].peak_since_start:
+        pytest.skip("this kernel cannot reset the peak RSS")
+    assert rep.peak_increase < 100 * MiB, str(rep)
+
+
+def test_stale_getrusage_floor_falls_back_to_vmhwm(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = mem._ProcCpu()
+    if not cpu.reset_peak(cpu.rss()):
+        pytest.skip("this kernel cannot reset the peak RSS")
+    monkeypatch.setattr(mem._ProcCpu, "_maxrss", staticmethod(lambda: 1 << 50))
+    assert cpu.reset_peak(cpu.rss()) is True
+    assert cpu._ru_exact is False
+    assert cpu.peak() < 1 << 50  # read from /proc/self/status instead
 
 
 # --------------------------------------------------------------------------- output
