@@ -18,6 +18,7 @@ import datetime
 import difflib
 import inspect
 import logging
+import math
 import os
 import pickle
 import threading
@@ -402,13 +403,16 @@ def _check_timeout(timeout: float | datetime.timedelta | None) -> datetime.timed
     if isinstance(timeout, datetime.timedelta):
         td = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        td = datetime.timedelta(seconds=float(timeout))
+        if not math.isfinite(timeout):
+            td = datetime.timedelta(0)  # rejected below with the finite-timeout message
+        else:
+            td = datetime.timedelta(seconds=float(timeout))
     else:
         raise TypeError(
             f"timeout must be seconds (int/float) or a datetime.timedelta, got "
             f"{type(timeout).__name__} {timeout!r}; e.g. timeout=600."
         )
-    if not td.total_seconds() > 0 or td.total_seconds() == float("inf"):
+    if not td.total_seconds() > 0:
         raise ValueError(
             f"timeout must be a finite positive duration, got {timeout!r}: an infinite "
             "timeout turns one crashed rank into a hang on every other. Use e.g. timeout=600."

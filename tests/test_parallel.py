@@ -1,0 +1,536 @@
+"""cudakit.parallel on one CPU process: the decision, errors, helpers, in-process groups."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import socket
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit.exceptions import CudakitError, DeviceError, DistributedSetupError
+
+_LAUNCHER_VARS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _torchrun(world: int, rank: int = 0, port: int = 29500) -> dict[str, str]:
+    return {
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in _LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    cp._teardown()
+    assert not dist.is_initialized()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def single_rank_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = _torchrun(1, 0, _free_port())
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+# --------------------------------------------------------------------------- choose_strategy
+
+ENVS: dict[str, dict[str, str]] = {
+    "none": {},
+    "torchrun1": _torchrun(1),
+    "torchrun2": _torchrun(2, 1),
+    "torchrun4": _torchrun(4, 3),
+    "partial_multi": {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+    "partial_single": {"WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+    "stray_local_rank": {"LOCAL_RANK": "0"},
+}
+REQUESTS = ("auto", "none", "dp", "ddp", "fsdp")
+COUNTS = (0, 1, 2, 8)
+TYPES = ("cpu", "cuda", "mps")
+GROUPS = (None, 1, 2)
+
+
+def _oracle(req: str, env: str, n: int, dev: str, group: int | None) -> str | type[Exception]:
+    """The documented rules, written out independently of the implementation."""
+    if group is not None:
+        world: int | None = group
+    elif env == "partial_multi":
+        return DistributedSetupError
+    elif env in ("partial_single", "stray_local_rank"):
+        if req in ("ddp", "fsdp"):
+            return DistributedSetupError
+        world = None
+    else:
+        world = None if env == "none" else int(ENVS[env]["WORLD_SIZE"])
+    if world is not None and world > 1:
+        if req == "dp":
+            return DistributedSetupError
+        return "ddp" if req == "auto" else req
+    if req == "auto":
+        return "dp" if dev == "cuda" and n > 1 else "none"
+    if req == "dp":
+        return "dp" if dev == "cuda" and n > 0 else DeviceError
+    if req in ("ddp", "fsdp"):
+        return req if world is not None else DistributedSetupError
+    return "none"
+
+
+def test_choose_strategy_every_combination() -> None:
+    combos = list(itertools.product(REQUESTS, ENVS, COUNTS, TYPES, GROUPS))
+    assert len(combos) == 5 * 7 * 4 * 3 * 3
+    for req, env, n, dev, group in combos:
+        expected = _oracle(req, env, n, dev, group)
+        kwargs: dict[str, Any] = {
+            "env": ENVS[env],
+            "device_count": n,
+            "device_type": dev,
+            "group_world_size": group,
+        }
+        if isinstance(expected, str):
+            assert cp.choose_strategy(req, **kwargs) == expected, (req, env, n, dev, group)
+        else:
+            with pytest.raises(expected):
+                cp.choose_strategy(req, **kwargs)
+
+
+def test_auto_never_errors_for_complete_or_absent_launchers() -> None:
+    complete = ("none", "torchrun1", "torchrun2", "torchrun4", "partial_single")
+    for env, n, dev, group in itertools.product(complete, COUNTS, TYPES, GROUPS):
+        got = cp.choose_strategy(
+            "auto", env=ENVS[env], device_count=n, device_type=dev, group_world_size=group
+        )
+        assert got in ("none", "dp", "ddp")
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "match"),
+    [
+        ("DDP", ValueError, r"unknown strategy 'DDP'; did you mean 'ddp'\?"),
+        ("DataParallel", ValueError, r"did you mean 'dp'\?"),
+        ("fsdp2", ValueError, r"did you mean 'fsdp'\?"),
+        ("ddpp", ValueError, r"did you mean 'ddp'\? Valid strategies: 'auto'"),
+        (2, TypeError, r"strategy must be one of 'auto', .* got int 2\. Pass strategy='auto'"),
+    ],
+)
+def test_choose_strategy_bad_request(bad: Any, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        cp.choose_strategy(bad, env={}, device_count=0, device_type="cpu")
+
+
+def test_choose_strategy_argument_errors() -> None:
+    with pytest.raises(ValueError, match=r"device_count must be >= 0, got -1"):
+        cp.choose_strategy(env={}, device_count=-1, device_type="cpu")
+    with pytest.raises(TypeError, match=r"device_count must be an int, got bool"):
+        cp.choose_strategy(env={}, device_count=True, device_type="cpu")
+    with pytest.raises(TypeError, match=r"device_type must be a string .* pass torch.device"):
+        cp.choose_strategy(env={}, device_count=0, device_type=torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"group_world_size must be >= 1, got 0"):
+        cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size=0)
+    with pytest.raises(TypeError, match=r"group_world_size must be an int or None, got str"):
+        cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size="2")  # type: ignore[arg-type]
+
+
+def test_choose_strategy_error_messages() -> None:
+    with pytest.raises(
+        DistributedSetupError,
+        match=r"strategy='ddp' needs one process per GPU .* `torchrun --nproc-per-node N script.py`",
+    ):
+        cp.choose_strategy("ddp", env={}, device_count=2, device_type="cuda")
+    with pytest.raises(DeviceError, match=r"'dp' \(DataParallel\) needs CUDA devices, but this"):
+        cp.choose_strategy("dp", env={}, device_count=0, device_type="cpu")
+    with pytest.raises(DeviceError, match=r"the model's device is 'cpu'.* device='cuda'"):
+        cp.choose_strategy("dp", env={}, device_count=2, device_type="cpu")
+    with pytest.raises(DistributedSetupError, match=r"'dp' \(DataParallel\) inside a launch of 2"):
+        cp.choose_strategy("dp", env=_torchrun(2), device_count=2, device_type="cuda")
+    with pytest.raises(
+        DistributedSetupError,
+        match=r"incomplete launcher environment: WORLD_SIZE, RANK, LOCAL_RANK set but "
+        r"MASTER_ADDR, MASTER_PORT missing\. .*torchrun --nproc-per-node 2 script\.py",
+    ):
+        cp.choose_strategy("auto", env=ENVS["partial_multi"], device_count=0, device_type="cpu")
+
+
+# --------------------------------------------------------------------------- read_env
+
+
+def test_read_env_values_and_errors() -> None:
+    assert cp.read_env({}) is None
+    assert cp.read_env({"LOCAL_RANK": "0"}) is None  # stray variable, single process
+    env = cp.read_env({**_torchrun(4, 3), "LOCAL_WORLD_SIZE": "4"})
+    assert env == cp.DistributedEnv(3, 4, 3, 4, "127.0.0.1", 29500)
+    cases = [
+        ({**_torchrun(2), "RANK": "one"}, r"RANK='one' is not an integer"),
+        ({**_torchrun(2), "RANK": "2"}, r"RANK=2 but WORLD_SIZE=2: ranks run from 0"),
+        ({**_torchrun(2), "WORLD_SIZE": "0"}, r"WORLD_SIZE=0 must be >= 1"),
+        (
+            {**_torchrun(2, 1), "LOCAL_WORLD_SIZE": "1"},
+            r"LOCAL_RANK=1 but LOCAL_WORLD_SIZE=1",
+        ),
+        ({**_torchrun(2), "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(DistributedSetupError, match=match):
+            cp.read_env(bad)
+
+
+def test_read_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in _torchrun(2, 1).items():
+        monkeypatch.setenv(k, v)
+    env = cp.read_env()
+    assert env is not None
+    assert (env.rank, env.world_size) == (1, 2)
+
+
+# --------------------------------------------------------------------------- parallelize (CPU)
+
+
+def test_parallelize_cpu_passthrough_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    net = nn.Linear(3, 2)
+    with caplog.at_level(logging.INFO, logger="cudakit"):
+        out = cp.parallelize(net, device="cpu")
+    assert out is net
+    records = [r for r in caplog.records if r.name == "cudakit"]
+    assert len(records) == 1
+    assert "single device cpu" in records[0].getMessage()
+
+
+def test_parallelize_auto_ignores_ddp_kwargs_with_a_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="cudakit"):
+        cp.parallelize(nn.Linear(3, 2), device="cpu", find_unused_parameters=True)
+    assert "DDP options {'find_unused_parameters': True} ignored" in caplog.text
+
+
+def test_parallelize_errors() -> None:
+    with pytest.raises(DeviceError, match=r"needs CUDA devices.*strategy='auto' to fall back"):
+        cp.parallelize(nn.Linear(2, 2), "dp", device="cpu")
+    with pytest.raises(DistributedSetupError, match=r"torchrun --nproc-per-node N script.py"):
+        cp.parallelize(nn.Linear(2, 2), "ddp", device="cpu")
+    with pytest.raises(DistributedSetupError, match=r"strategy='fsdp' needs one process"):
+        cp.parallelize(nn.Linear(2, 2), "fsdp", device="cpu")
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"got SGD\. Pass the model, not the optimizer"):
+        cp.parallelize(opt)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expects an nn.Module, got list\. +For example"):
+        cp.parallelize([nn.Linear(2, 2)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown strategy 'DDP'; did you mean 'ddp'"):
+        cp.parallelize(nn.Linear(2, 2), "DDP")
+    with pytest.raises(TypeError, match=r"strategy='none'\) takes no wrapper options"):
+        cp.parallelize(nn.Linear(2, 2), "none", device="cpu", gradient_as_bucket_view=True)
+    with pytest.raises(DeviceError, match=r"asks for CUDA"):
+        cp.parallelize(nn.Linear(2, 2), device="cuda:7")
+
+
+def test_parallelize_partial_env_errors_even_for_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    net = nn.Linear(2, 2)
+    before = net.weight.detach().clone()
+    with pytest.raises(DistributedSetupError, match=r"LOCAL_RANK, MASTER_ADDR, MASTER_PORT"):
+        cp.parallelize(net)
+    assert torch.equal(net.weight, before)
+
+
+def test_parallelize_returns_wrapped_models_unchanged() -> None:
+    dp = nn.DataParallel(nn.Linear(2, 2))
+    assert cp.parallelize(dp) is dp
+
+
+def test_parallelize_ddp_single_rank_group(single_rank_env: dict[str, str]) -> None:
+    net = nn.Linear(3, 1)
+    ddp = cp.parallelize(net, "ddp", timeout=30, gradient_as_bucket_view=True)
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    assert cp.unwrap(ddp) is net
+    assert dist.is_initialized()
+    assert dist.get_backend() == "gloo"
+    assert (cp.rank(), cp.world_size(), cp.is_main_process()) == (0, 1, True)
+    auto = cp.parallelize(nn.Linear(3, 1))  # existing group of one: auto -> ddp (world 1: none)
+    assert isinstance(auto, nn.Linear)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"needs a model with trainable parameters"):
+        cp.parallelize(frozen, "ddp")
+    with pytest.raises(TypeError, match=r"'bogus' that DistributedDataParallel does not accept"):
+        cp.parallelize(nn.Linear(2, 2), "ddp", bogus=1)
+    sd = ddp.state_dict()
+    assert list(sd) == ["module.weight", "module.bias"]
+    assert list(cp.state_dict(ddp)) == ["weight", "bias"]
+
+
+# --------------------------------------------------------------------------- process_group
+
+
+def test_process_group_lifecycle(single_rank_env: dict[str, str]) -> None:
+    with cp.process_group(timeout=datetime.timedelta(seconds=42)) as info:
+        assert info.created
+        assert (info.backend, info.rank, info.world_size) == ("gloo", 0, 1)
+        assert info.timeout.total_seconds() == 42
+        with cp.process_group() as inner:  # nested: uses the group, leaves it alone
+            assert not inner.created
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    cp._teardown()  # double teardown never raises
+    cp._teardown()
+
+
+def test_process_group_destroyed_after_exception(single_rank_env: dict[str, str]) -> None:
+    with pytest.raises(KeyError), cp.process_group():
+        raise KeyError("boom")
+    assert not dist.is_initialized()
+
+
+def test_process_group_as_decorator(single_rank_env: dict[str, str]) -> None:
+    @cp.process_group(timeout=30)
+    def body() -> bool:
+        return dist.is_initialized()
+
+    assert body()
+    assert not dist.is_initialized()
+
+
+def test_process_group_leaves_user_groups_alone(single_rank_env: dict[str, str]) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    try:
+        with cp.process_group() as info:
+            assert not info.created
+        assert dist.is_initialized()
+        cp._teardown()  # not cudakit's: the atexit net does not touch it either
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DistributedSetupError, match=r"no launcher environment: .*torchrun"):
+        cp.process_group().__enter__()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DistributedSetupError, match=r"incomplete launcher environment"):
+        cp.process_group().__enter__()
+    with pytest.raises(ValueError, match=r"finite positive duration, got -1"):
+        cp.process_group(timeout=-1)
+    with pytest.raises(ValueError, match=r"finite positive duration, got inf"):
+        cp.process_group(timeout=float("inf"))
+    with pytest.raises(TypeError, match=r"timeout must be seconds .* got str '10'"):
+        cp.process_group(timeout="10")  # type: ignore[arg-type]
+
+
+def test_nccl_unavailable_is_clear(single_rank_env: dict[str, str]) -> None:
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL")
+    with pytest.raises(DistributedSetupError, match=r"backend='nccl' is not available"):
+        cp.process_group("nccl", device="cpu").__enter__()
+
+
+# --------------------------------------------------------------------------- rank helpers
+
+
+def test_rank_helpers_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (cp.rank(), cp.world_size(), cp.local_rank(), cp.is_main_process()) == (0, 1, 0, True)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert (cp.rank(), cp.world_size(), cp.local_rank()) == (3, 4, 0)
+    assert not cp.is_main_process()
+    assert cp.is_main_process(local=True)
+
+
+def test_main_process_first_without_group() -> None:
+    ran = []
+    with cp.main_process_first():
+        ran.append(1)
+
+    @cp.main_process_first(local=True)
+    def f() -> int:
+        return 2
+
+    assert f() == 2
+    assert ran == [1]
+    with pytest.raises(TypeError, match=r"local must be True or False, got int"):
+        cp.main_process_first(local=1)  # type: ignore[arg-type]
+
+
+def test_main_process_first_single_rank_group(single_rank_env: dict[str, str]) -> None:
+    with cp.process_group(), cp.main_process_first():
+        assert cp.is_main_process()
+
+
+# --------------------------------------------------------------------------- unwrap / state
+
+
+def _compile(model: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():  # torch's own import-time deprecation noise
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.compile(model)  # type: ignore[return-value]  # not called: no compile
+
+
+def test_unwrap_nested_wrappers() -> None:
+    net = nn.Linear(2, 2)
+    assert cp.unwrap(net) is net
+    compiled = _compile(net)
+    assert cp.unwrap(compiled) is net
+    nested = nn.DataParallel(_compile(nn.DataParallel(net)))
+    assert cp.unwrap(nested) is net
+    with pytest.raises(TypeError, match=r"unwrap\(\) expects an nn.Module, got dict"):
+        cp.unwrap({})  # type: ignore[arg-type]
+
+
+class _HasModuleAttr(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Linear(2, 2)  # a submodule really named "module"
+        self.bn = nn.BatchNorm1d(2)
+
+
+def test_state_dict_keeps_real_module_names_and_metadata() -> None:
+    own = _HasModuleAttr()
+    wrapped = nn.DataParallel(_compile(nn.DataParallel(own)))
+    sd = wrapped.state_dict()
+    assert next(iter(sd)).startswith("module._orig_mod.module.module.")
+    target = _HasModuleAttr()
+    res = cp.load_state_dict(target, sd)
+    assert res == ([], [])
+    for a, b in zip(target.state_dict().values(), own.state_dict().values()):
+        assert torch.equal(a, b)
+    # bare keys of a model with a `module` submodule load unchanged
+    assert cp.load_state_dict(target, own.state_dict()) == ([], [])
+    assert list(cp.state_dict(wrapped)) == list(own.state_dict())
+    # the input is not modified
+    assert next(iter(sd)).startswith("module.")
+
+
+def test_load_state_dict_errors() -> None:
+    with pytest.raises(TypeError, match=r"expects a mapping .* got list.*checkpoint\['model'\]"):
+        cp.load_state_dict(nn.Linear(2, 2), [])  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"Missing key"):
+        cp.load_state_dict(nn.Linear(2, 2), {"module.weight": torch.zeros(2, 2)})
+    res = cp.load_state_dict(nn.Linear(2, 2), {"module.weight": torch.zeros(2, 2)}, strict=False)
+    assert res.missing_keys == ["bias"]
+
+
+_names = st.text(alphabet="abcxyz_", min_size=1, max_size=6).filter(
+    lambda s: s not in ("module", "_orig_mod")
+)
+_keys = st.lists(
+    st.lists(_names, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6, unique=True
+)
+_stacks = st.lists(st.sampled_from(["module.", "_orig_mod."]), max_size=4)
+
+
+@given(keys=_keys, stack=_stacks, lead=st.booleans())
+def test_strip_prefixes_property(keys: list[str], stack: list[str], lead: bool) -> None:
+    own = [("module." + k if lead else k) for k in keys]  # maybe a real `module` submodule
+    prefix = "".join(stack)
+    sd: OrderedDict[str, int] = OrderedDict((prefix + k, i) for i, k in enumerate(own))
+    out = cp._strip(sd, set(own))
+    assert list(out) == own
+    assert list(out.values()) == list(range(len(own)))
+    assert list(sd) == [prefix + k for k in own]  # untouched
+
+
+# --------------------------------------------------------------------------- distributed_loader
+
+
+def test_distributed_loader_single_process_reshuffles_each_epoch() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+    loader = cp.distributed_loader(data, batch_size=8, seed=3)
+    assert len(loader) == 8
+    assert loader.batch_size == 8
+    assert loader.dataset is data
+    first = torch.cat([b[0] for b in loader]).tolist()
+    second = torch.cat([b[0] for b in loader]).tolist()
+    assert sorted(first) == sorted(second) == list(range(64))
+    assert first != second
+    assert loader.epoch == 2
+    loader.set_epoch(0)
+    assert torch.cat([b[0] for b in loader]).tolist() == first  # resumable
+    assert "next_epoch=1" in repr(loader)
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got -1"):
+        loader.set_epoch(-1)
+
+
+def test_distributed_loader_shards_by_env_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    shards = []
+    for r in range(2):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        loader = cp.distributed_loader(data, batch_size=5, shuffle=False)
+        shards.append(torch.cat([b[0] for b in loader]).tolist())
+    assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+
+class _Stream(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+def test_distributed_loader_errors() -> None:
+    with pytest.raises(TypeError, match=r"map-style dataset .* IterableDataset _Stream"):
+        cp.distributed_loader(_Stream())
+    data = torch.utils.data.TensorDataset(torch.arange(4))
+    with pytest.raises(TypeError, match=r"makes its own DistributedSampler, so sampler="):
+        cp.distributed_loader(data, sampler=None)
+
+
+# --------------------------------------------------------------------------- launch arguments
+
+
+def test_launch_argument_errors() -> None:
+    with pytest.raises(ValueError, match=r"needs nprocs >= 1 .* got 0"):
+        cp.launch(print, nprocs=0)
+    with pytest.raises(TypeError, match=r"cannot be pickled .* Define it at module level"):
+        cp.launch(lambda: None, nprocs=1)
+    with pytest.raises(ValueError, match=r"timeout must be a positive number"):
+        cp.launch(print, nprocs=1, timeout=0)
+    with pytest.raises(ValueError, match=r"start_method must be 'spawn'"):
+        cp.launch(print, nprocs=1, start_method="thread")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expects a function to run, got int"):
+        cp.launch(3, nprocs=1)  # type: ignore[arg-type]
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(cp.LaunchError, CudakitError)
+    assert issubclass(cp.LaunchError, RuntimeError)
+
+
+# --------------------------------------------------------------------------- one GPU
+
+
+@pytest.mark.cuda
+def test_parallelize_one_gpu() -> None:
+    net = cp.parallelize(nn.Linear(2, 2), "none")
+    assert net.weight.device == torch.device("cuda", 0)
+    if torch.cuda.device_count() == 1:
+        assert isinstance(cp.parallelize(nn.Linear(2, 2)), nn.Linear)
+        dp = cp.parallelize(nn.Linear(2, 2), "dp")
+        assert isinstance(dp, nn.DataParallel)
+        assert dp(torch.ones(3, 2, device="cuda")).shape == (3, 2)
