@@ -113,7 +113,7 @@ def _ddp_checks(tmp: str) -> dict[str, Any]:
         bare = _Net()
         cp.load_state_dict(bare, ddp.state_dict())  # prefixed keys into the bare model
         out["bare_matches"] = all(
-            torch.equal(a, b) for a, b in zip(bare.state_dict().values(), sd.values())
+            torch.equal(a, b) for a, b in zip(bare.state_dict().values(), sd.values(), strict=True)
         )
         with torch.no_grad():
             for p in bare.parameters():
@@ -121,7 +121,9 @@ def _ddp_checks(tmp: str) -> dict[str, Any]:
         cp.load_state_dict(ddp, bare.state_dict())  # bare keys into the wrapped model
         out["back_matches"] = all(
             torch.equal(a, b)
-            for a, b in zip(cp.unwrap(ddp).state_dict().values(), bare.state_dict().values())
+            for a, b in zip(
+                cp.unwrap(ddp).state_dict().values(), bare.state_dict().values(), strict=True
+            )
         )
 
         # (2) NaN loss on rank 0 only (gradients finite): both ranks must skip.
@@ -231,7 +233,7 @@ def test_ddp_training_matches_single_process(ddp_results: list[dict[str, Any]]) 
     r0, r1 = ddp_results
     for k in r0["trained"]:
         assert torch.equal(r0["trained"][k], r1["trained"][k]), k  # bitwise across ranks
-    batches = [torch.cat([a, b]) for a, b in zip(r0["seen"], r1["seen"])]
+    batches = [torch.cat([a, b]) for a, b in zip(r0["seen"], r1["seen"], strict=True)]
     ref = _reference(batches)
     for k, v in ref.items():
         torch.testing.assert_close(r0["trained"][k], v, rtol=0, atol=1e-6)
@@ -255,7 +257,8 @@ def test_state_dict_roundtrip(ddp_results: list[dict[str, Any]]) -> None:
 def test_nan_on_one_rank_skips_everywhere(ddp_results: list[dict[str, Any]]) -> None:
     r0, r1 = ddp_results
     assert r0["nan_step"] == r1["nan_step"] == (False, True)
-    assert r0["nan_unchanged"] and r1["nan_unchanged"]
+    assert r0["nan_unchanged"]
+    assert r1["nan_unchanged"]
     assert r0["after_nan_step"] == r1["after_nan_step"] == (True, False)
     for k in r0["after_nan"]:
         assert torch.equal(r0["after_nan"][k], r1["after_nan"][k])
@@ -278,11 +281,12 @@ def test_fsdp2_on_gloo(ddp_results: list[dict[str, Any]]) -> None:
     r0, r1 = ddp_results
     assert r0["fsdp_dtensor"] == "DTensor"
     assert r1["fsdp_sd"] == {}  # full state dict lands on rank 0 only
-    batches = [torch.cat([a, b]) for a, b in zip(r0["seen"][:2], r1["seen"][:2])]
+    batches = [torch.cat([a, b]) for a, b in zip(r0["seen"][:2], r1["seen"][:2], strict=True)]
     ref = _reference(batches)
     for k, v in ref.items():
         torch.testing.assert_close(r0["fsdp_sd"][k], v, rtol=0, atol=1e-6)
-    assert r0["fsdp_roundtrip"] and r1["fsdp_roundtrip"]
+    assert r0["fsdp_roundtrip"]
+    assert r1["fsdp_roundtrip"]
 
 
 def _gone(pid: int) -> bool:
@@ -356,7 +360,7 @@ def test_dataparallel_on_gpus() -> None:
     net = cp.parallelize(_net(), "dp")
     assert isinstance(net, nn.DataParallel)
     assert net.device_ids == list(range(torch.cuda.device_count()))
-    x, y = _data()
+    x, _ = _data()
     out = net(x.cuda())
     assert out.shape == (N_SAMPLES, 1)
     assert out.device == torch.device("cuda", 0)

@@ -164,7 +164,7 @@ def test_choose_strategy_argument_errors() -> None:
 def test_choose_strategy_error_messages() -> None:
     with pytest.raises(
         DistributedSetupError,
-        match=r"strategy='ddp' needs one process per GPU .* `torchrun --nproc-per-node N script.py`",
+        match=r"'ddp' needs one process per GPU .* `torchrun --nproc-per-node N script.py`",
     ):
         cp.choose_strategy("ddp", env={}, device_count=2, device_type="cuda")
     with pytest.raises(DeviceError, match=r"'dp' \(DataParallel\) needs CUDA devices, but this"):
@@ -418,7 +418,7 @@ def test_state_dict_keeps_real_module_names_and_metadata() -> None:
     target = _HasModuleAttr()
     res = cp.load_state_dict(target, sd)
     assert res == ([], [])
-    for a, b in zip(target.state_dict().values(), own.state_dict().values()):
+    for a, b in zip(target.state_dict().values(), own.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     # bare keys of a model with a `module` submodule load unchanged
     assert cp.load_state_dict(target, own.state_dict()) == ([], [])
