@@ -1,0 +1,315 @@
+"""``cudakit demo``: it trains (the loss falls), reports, and rejects bad options clearly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cudakit.demo import DemoSummary, EpochStats, _Progress, main, make_dataset, make_model
+
+# One short epoch: 256 images in batches of 32 -> 8 micro-steps, 4 optimizer steps.
+SHORT = ["--epochs", "1", "--train-size", "256", "--batch-size", "32", "--seed", "3"]
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main([*SHORT, "--json", "--no-progress", *argv]) == 0
+    out = capsys.readouterr().out
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+@pytest.fixture(scope="module")
+def short_run() -> dict[str, Any]:
+    """The JSON summary of one short CPU epoch (run once for the module)."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*SHORT, "--json", "--no-progress"]) == 0
+    result: dict[str, Any] = json.loads(buf.getvalue())
+    return result
+
+
+# -- training ----------------------------------------------------------------------------
+
+
+def test_one_short_epoch_trains_and_the_loss_falls(short_run: dict[str, Any]) -> None:
+    s = short_run
+    assert s["device"] == "cpu"
+    assert s["dtype"] == "bfloat16"  # autocast_step's "auto" on a CPU
+    assert (s["strategy"], s["world_size"]) == ("none", 1)
+    assert (s["batch_size"], s["accumulate"], s["max_grad_norm"]) == (32, 2, 1.0)
+    assert (s["train_samples"], s["val_samples"]) == (256, 256)
+    assert s["loss_fell"] is True
+    assert s["final_loss"] < s["first_loss"] - 0.1
+    assert s["first_loss"] == pytest.approx(2.3, abs=0.3)  # ln(10): chance at the start
+    assert 0.0 <= s["final_accuracy"] <= 1.0
+    (epoch,) = s["epochs"]
+    assert epoch["epoch"] == 1
+    assert epoch["optimizer_steps"] == 4  # 8 micro-steps, accumulate=2
+    assert epoch["skipped_steps"] == s["steps_skipped"] == 0
+    assert epoch["samples_per_s"] > 0
+    assert epoch["seconds"] > 0
+    assert epoch["peak_memory"] > 0
+    assert epoch["memory_kind"] == "rss"
+    assert s["warmup_first_pass_s"] > 0
+    assert s["warmup_last_pass_s"] > 0
+
+
+def test_text_summary_with_progress_auto_batch_and_fp32(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--epochs", "1", "--train-size", "256", "--batch-size", "auto", "--dtype", "fp32"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    for needle in ("device", "cpu", "dtype", "float32", "steps skipped", "samples/s", "peak mem"):
+        assert needle in out
+    assert "loss fell:" in out
+    assert "final held-out accuracy" in out
+    # --batch-size auto searched up to the cap (256 // 8 = 32 per process, multiple of 8).
+    assert "x 2 accumulated, clip 1.0" in out
+    batch = int(out.split("batch", 1)[1].split()[0])
+    assert batch % 8 == 0
+    assert 8 <= batch <= 32
+    # The per-epoch line always goes to stderr, bar or no bar.
+    assert "epoch 1/1: train loss" in captured.err
+    assert "samples/s" in captured.err
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "demo.png"
+    assert main([*SHORT, "--no-progress", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {target}" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_nprocs_2_trains_with_ddp(capsys: pytest.CaptureFixture[str]) -> None:
+    s = _run_json(capsys, "--nprocs", "2")
+    assert (s["strategy"], s["world_size"]) == ("DistributedDataParallel", 2)
+    # Each rank trains on half of the 256 images: 4 micro-steps, 2 optimizer steps.
+    assert s["epochs"][0]["optimizer_steps"] == 2
+    assert s["loss_fell"] is True
+
+
+@pytest.mark.cuda
+def test_demo_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    s = _run_json(capsys, "--device", "cuda")
+    assert s["device"].startswith("cuda:")
+    assert s["dtype"] in ("bfloat16", "float16")
+    assert s["epochs"][0]["memory_kind"] == "allocated"
+    assert s["epochs"][0]["peak_memory"] > 0
+    assert s["loss_fell"] is True
+
+
+@pytest.mark.cuda
+def test_demo_on_cuda_fp16_uses_a_scaler_and_skips_nothing_for_long(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    s = _run_json(capsys, "--device", "cuda", "--dtype", "fp16")
+    assert s["dtype"] == "float16"
+    assert s["steps_skipped"] <= 2  # GradScaler may skip its first step(s) while calibrating
+    assert s["loss_fell"] is True
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_help_names_the_program_and_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cudakit demo")
+    for option in ("--epochs", "--batch-size", "--dtype", "--device", "--seed", "--json"):
+        assert option in out
+    for option in ("--plot", "--nprocs", "--train-size", "--no-progress", "torchrun"):
+        assert option in out
+
+
+def test_cudakit_cli_routes_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from cudakit.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["demo", "--help"])
+    assert "usage: cudakit demo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--epochs", "0"], r"--epochs: expected a positive integer, got 0"),
+        (["--epochs", "two"], r"--epochs: expected a positive integer, got 'two'"),
+        (["--batch-size", "0"], r"--batch-size: expected a positive integer or 'auto'"),
+        (["--batch-size", "big"], r"positive integer or 'auto' .*got 'big'"),
+        (["--dtype", "half"], r"--dtype: invalid choice: 'half' \(choose from '?auto'?, '?bf16"),
+        (["--nprocs", "-1"], r"--nprocs: expected a positive integer, got -1"),
+        (["--device", "gpu"], r"--device gpu: unknown device 'gpu'; did you mean 'cuda'\?"),
+    ],
+)
+def test_bad_options_are_clear_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    import re
+
+    assert re.search(message, _error(capsys, *argv))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CPU-only machine")
+def test_cuda_on_a_cpu_machine_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(capsys, "--device", "cuda")
+    assert "--device cuda: device='cuda' asks for CUDA, but CUDA is not available" in err
+    assert 'Use device="auto"' in err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    err = _error(capsys, "--plot", "out.png")
+    assert "--plot out.png needs matplotlib, which is not installed" in err
+    assert "pip install 'cudakit[plot]'" in err
+
+
+def test_nprocs_inside_torchrun_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    err = _error(capsys, "--nprocs", "2")
+    assert "--nprocs 2 was given inside a launcher (WORLD_SIZE=2)" in err
+    assert "not both" in err
+
+
+def test_batch_larger_than_the_data_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"--batch-size 128 is larger than this rank's share"):
+        main(["--train-size", "64", "--batch-size", "128", "--no-progress"])
+
+
+# -- the pieces ---------------------------------------------------------------------------
+
+
+def test_dataset_is_deterministic_and_the_splits_differ() -> None:
+    x1, y1 = make_dataset(64, seed=5)
+    x2, y2 = make_dataset(64, seed=5)
+    assert torch.equal(x1, x2)
+    assert torch.equal(y1, y2)
+    xv, _ = make_dataset(64, seed=5, split="val")
+    assert not torch.equal(x1, xv)
+    x3, _ = make_dataset(64, seed=6)
+    assert not torch.equal(x1, x3)
+    assert x1.shape == (64, 3, 32, 32)
+    assert y1.dtype == torch.int64
+    assert set(make_dataset(500)[1].tolist()) == set(range(10))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, r"positive number of images n, got 0"),
+        ({"n": True}, r"positive number of images n, got True"),
+        ({"n": 4, "split": "test"}, r"split must be 'train' or 'val', got 'test'"),
+    ],
+)
+def test_dataset_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_dataset(**kwargs)
+
+
+def test_model_is_conv_bn_relu_blocks() -> None:
+    model = make_model(width=4)
+    kinds = [type(m).__name__ for m in model]
+    assert kinds[:3] == ["Conv2d", "BatchNorm2d", "ReLU"]
+    assert kinds.count("BatchNorm2d") == 4
+    assert model(torch.zeros(3, 3, 32, 32)).shape == (3, 10)
+
+
+def _summary(**over: Any) -> DemoSummary:
+    epoch = EpochStats(
+        epoch=1,
+        train_loss=1.5,
+        val_loss=1.4,
+        val_accuracy=0.5,
+        samples_per_s=1234.5,
+        seconds=2.0,
+        optimizer_steps=4,
+        skipped_steps=1,
+        peak_memory=3 * 2**20,
+        memory_kind="allocated",
+    )
+    fields: dict[str, Any] = {
+        "device": "cuda:0",
+        "dtype": "bfloat16",
+        "strategy": "none",
+        "world_size": 1,
+        "batch_size": 64,
+        "accumulate": 2,
+        "max_grad_norm": 1.0,
+        "train_samples": 2048,
+        "val_samples": 512,
+        "seed": 0,
+        "warmup_first_pass_s": 0.5,
+        "warmup_last_pass_s": 0.01,
+        "first_loss": 2.3,
+        "final_loss": 1.2,
+        "final_accuracy": 0.5,
+        "epochs": [epoch],
+        "step_losses": [2.3, 1.2],
+    }
+    fields.update(over)
+    return DemoSummary(**fields)
+
+
+def test_summary_table_and_dict() -> None:
+    s = _summary()
+    text = str(s)
+    assert "warm-up        500.0 ms first pass, 10.0 ms last pass" in text
+    assert "steps skipped  1" in text
+    assert "3.00 MiB" in text
+    assert "1,234" in text
+    assert "50.0%" in text
+    assert "loss fell: 2.3000 -> 1.2000" in text
+    d = s.to_dict()
+    assert "step_losses" not in d
+    assert d["loss_fell"] is True
+    assert d["steps_skipped"] == 1
+    assert json.loads(json.dumps(d)) == d
+    assert "did NOT fall" in str(_summary(final_loss=2.4))
+
+
+def test_plain_progress_prints_one_line_per_epoch(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the "progress" extra missing
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    bar = _Progress(10, "epoch 1/2", enabled=True)
+    assert bar.bar is None
+    bar.update(10, loss=1.0, samples_per_s=5.0)
+    bar.close("train loss 1.0")
+    assert capsys.readouterr().err == "epoch 1/2: train loss 1.0\n"
+    silent = _Progress(10, "epoch 1/2", enabled=False)
+    silent.close("x")
+    assert capsys.readouterr().err == ""
