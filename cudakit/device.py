@@ -311,18 +311,24 @@ def _dict(x: dict[Any, Any], c: _Ctx) -> Any:
     changed = False
     get = _DISPATCH.get
     dev, nb, track = c.device, c.nb, c.track
+    stay = True
     try:
         for k, v in x.items():
             tp = type(v)
             if tp is _Tensor:
-                # Tensor.to returns the tensor itself when it is already there.
-                nv = memo.get(id(v))
+                if stay and v.device == dev:  # adaptive, as in _seq
+                    out[k] = v
+                    continue
+                iv = id(v)
+                nv = memo.get(iv)
                 if nv is None:
                     nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
                     if nv is v:
+                        stay = True
                         out[k] = v
                         continue
-                    memo[id(v)] = nv
+                    stay = False
+                    memo[iv] = nv
                     if track:
                         c.sync.add(v.device)
             else:
@@ -349,17 +355,29 @@ def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
     get = _DISPATCH.get
     memo = c.memo
     dev, nb, track = c.device, c.nb, c.track
+    stay = True
     try:
         for v in x:
             tp = type(v)
             if tp is _Tensor:
-                nv = memo.get(id(v))
+                # Adaptive: while tensors are found already in place, a cheap device
+                # check skips Tensor.to; once they move, go straight to Tensor.to
+                # (which returns the tensor itself when it is already there).
+                if stay and v.device == dev:
+                    append(v)
+                    continue
+                iv = id(v)
+                nv = memo.get(iv)
                 if nv is None:
                     nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
-                    if nv is not v:
-                        memo[id(v)] = nv
-                        if track:
-                            c.sync.add(v.device)
+                    if nv is v:
+                        stay = True
+                        append(v)
+                        continue
+                    stay = False
+                    memo[iv] = nv
+                    if track:
+                        c.sync.add(v.device)
                 append(nv)
             else:
                 h = get(tp)
@@ -373,9 +391,13 @@ def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
 
 
 def _list(x: list[Any], c: _Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    memo = c.memo
+    hit = memo.get(id(x))
+    if hit is not None:
+        if hit is _BUSY:
+            raise _Cycle(x)
         return hit
+    memo[id(x)] = _BUSY
     out = _seq(x, c)
     res = x if out is None else out
     c.memo[id(x)] = res
