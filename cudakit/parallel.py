@@ -435,7 +435,10 @@ def _cuda_index_for(local: int, device_count: int) -> int:
 def _default_device(env_: DistributedEnv | None) -> torch.device:
     """Each rank's own device without starting CUDA: cuda:LOCAL_RANK, else auto."""
     if torch.cuda.is_available():
-        local = 0 if env_ is None else env_.local_rank
+        if env_ is not None:
+            local = env_.local_rank
+        else:  # a group the user built without torchrun: keep the device they selected
+            local = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
         return torch.device("cuda", _cuda_index_for(local, torch.cuda.device_count()))
     return resolve_device(None)
 
