@@ -461,7 +461,7 @@ class MemoryReport:
                 else ""
             ),
         ]
-        cols = f"  {'':<22}{'before':>12}{'after':>12}{'delta':>12}{'peak':>12}"
+        cols = f"  {'':<22}{'before':>13}{'after':>13}{'delta':>13}{'peak':>13}"
         for d in self.devices:
             rows.append(f"  {d.device}")
             if d.cuda_started is False:
@@ -470,15 +470,15 @@ class MemoryReport:
             rows.append(cols)
             cpu = d.reserved_before is None
             rows.append(
-                f"    {'RSS' if cpu else 'allocated':<20}{format_bytes(d.allocated_before):>12}"
-                f"{format_bytes(d.allocated_after):>12}{_signed(d.allocated_delta):>12}"
-                f"{format_bytes(d.peak_allocated):>12}"
+                f"    {'RSS' if cpu else 'allocated':<20}{format_bytes(d.allocated_before):>13}"
+                f"{format_bytes(d.allocated_after):>13}{_signed(d.allocated_delta):>13}"
+                f"{format_bytes(d.peak_allocated):>13}"
             )
             if not cpu:
                 rows.append(
-                    f"    {'reserved':<20}{format_bytes(d.reserved_before):>12}"
-                    f"{format_bytes(d.reserved_after):>12}{_signed(d.reserved_delta):>12}"
-                    f"{format_bytes(d.peak_reserved):>12}"
+                    f"    {'reserved':<20}{format_bytes(d.reserved_before):>13}"
+                    f"{format_bytes(d.reserved_after):>13}{_signed(d.reserved_delta):>13}"
+                    f"{format_bytes(d.peak_reserved):>13}"
                 )
             if d.total is not None:
                 rows.append(

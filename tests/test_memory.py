@@ -507,7 +507,7 @@ def test_real_proc_backend_reads_and_resets() -> None:
 
 
 def test_cpu_peak_ignores_a_stale_thread_exit_high_water_mark() -> None:
-    # A thread that exits makes the kernel save the high-water mark into the
+    # A thread that exits may make the kernel save the high-water mark into the
     # getrusage peak, which clear_refs cannot reset; the report must not show it.
     def work() -> None:
         x = torch.ones(40 * 2**20)  # 160 MiB
