@@ -646,8 +646,9 @@ def _open_frame(device: str, index: int) -> _Frame:
 
 def _close_frame(frame: _Frame) -> DeviceMemory:
     """Read the "after" numbers and pass the peak on to reports still open. Holds _LOCK."""
-    frames = _OPEN[frame.device]
-    frames.remove(frame)
+    frames = _OPEN.setdefault(frame.device, [])
+    if frame in frames:  # absent only in a child forked while the report was open
+        frames.remove(frame)
     if frame.index < 0:
         rss, peak = _cpu.rss_peak()
         _absorb(frames, peak, 0)
@@ -934,7 +935,7 @@ class MemoryReporter(ContextDecorator):
                     _cuda.dump_history(self._history)
                 except Exception as e:  # report the block anyway, then raise below
                     history_error = e
-                _HISTORY_DEPTH -= 1
+                _HISTORY_DEPTH = max(0, _HISTORY_DEPTH - 1)
                 if _HISTORY_DEPTH == 0:
                     _cuda.stop_history()
             self._frames = None
