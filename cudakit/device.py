@@ -349,13 +349,13 @@ def _dict(x: dict[Any, Any], c: _Ctx) -> Any:
 
 def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
     """Move the items of a list or tuple; None when no item changed."""
-    i = id(x)
     out: list[Any] = []
     append = out.append
     get = _DISPATCH.get
     memo = c.memo
     dev, nb, track = c.device, c.nb, c.track
     stay = True
+    changed = False
     try:
         for v in x:
             tp = type(v)
@@ -379,15 +379,17 @@ def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
                     if track:
                         c.sync.add(v.device)
                 append(nv)
+                changed = True
             else:
                 h = get(tp)
-                append(h(v, c) if h is not None else _slow(v, c))
+                nv = h(v, c) if h is not None else _slow(v, c)
+                append(nv)
+                if nv is not v:
+                    changed = True
     except _Bad as e:
-        e.add(f"[{len(out)}]", i)
+        e.add(f"[{len(out)}]", id(x))
         raise
-    if all(map(operator.is_, out, x)):
-        return None
-    return out
+    return out if changed else None
 
 
 def _list(x: list[Any], c: _Ctx) -> Any:
