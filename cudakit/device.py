@@ -699,10 +699,12 @@ def _reject_loader(x: Any, c: _Ctx) -> NoReturn:
 
 
 def _reject_iterator(x: Any, c: _Ctx) -> NoReturn:
-    kind = "generator" if isinstance(x, types.GeneratorType) else f"iterator ({type(x).__name__})"
+    kind = (
+        "a generator" if isinstance(x, types.GeneratorType) else f"an iterator ({type(x).__name__})"
+    )
     raise _Bad(
         TypeError,
-        f"on_device() cannot move a {kind} (found at {{where}}): its items are produced "
+        f"on_device() cannot move {kind} (found at {{where}}): its items are produced "
         f"lazily and moving them would consume it. {_PREFETCH_HINT}",
     )
 
