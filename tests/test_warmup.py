@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import random
@@ -17,7 +18,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import cudakit.warmup as wu
 from cudakit.exceptions import BatchSizeSearchError, CudakitError
 from cudakit.warmup import (
     MemoryReserveError,
@@ -29,6 +29,10 @@ from cudakit.warmup import (
     warmed,
     warmup,
 )
+
+# Not `import cudakit.warmup as wu`: once cudakit/__init__.py exports the function `warmup`,
+# the attribute cudakit.warmup is the function; the module is in sys.modules.
+wu = importlib.import_module("cudakit.warmup")
 
 # --------------------------------------------------------------------------- helpers
 
