@@ -421,6 +421,11 @@ class AutocastStep:
         self._scale_snapshot: torch.Tensor | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._block: ExitStack | None = None
+        # Buffers (BatchNorm running stats...) as they were when the window opened,
+        # restored when the window's step is skipped: a NaN batch must not poison them.
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_copies: list[torch.Tensor] = []
+        self._buffers_saved = False
 
     # ------------------------------------------------------------------ read-only state
 
@@ -510,6 +515,8 @@ class AutocastStep:
             raise self._nested_error(active[0])
         token = _ACTIVE.set((self, "decorated"))
         try:
+            if self.model is not None and self.skip_nonfinite and not self._buffers_saved:
+                self._save_buffers()
             if self._no_sync is not None and self._position + 1 < self.accumulate:
                 self._window_unsynced = True
                 with self._no_sync():
@@ -540,11 +547,24 @@ class AutocastStep:
                 stack.enter_context(self._no_sync())
                 self._window_unsynced = True
             stack.enter_context(self.autocast())
+            if self.model is not None and self.skip_nonfinite and not self._buffers_saved:
+                self._save_buffers()
         except BaseException:
             stack.close()
             raise
         self._block = stack
         return self
+
+    def _save_buffers(self) -> None:
+        bufs = [b for b in cast(torch.nn.Module, self.model).buffers() if b is not None]
+        if len(bufs) != len(self._buffers) or any(
+            a is not b for a, b in zip(bufs, self._buffers, strict=True)
+        ):
+            self._buffers = bufs
+            self._buffer_copies = [torch.empty_like(b) for b in bufs]
+        if bufs:
+            torch._foreach_copy_(self._buffer_copies, bufs)
+        self._buffers_saved = True
 
     def __exit__(
         self,
@@ -659,6 +679,9 @@ class AutocastStep:
             if skipped:
                 if scaler is not None:
                     scaler.update()  # lowers the scale; the optimizer never runs
+                if self._buffers_saved and self._buffers:
+                    with torch.no_grad():
+                        torch._foreach_copy_(self._buffers, self._buffer_copies)
                 self._skipped_steps += 1
                 self._consecutive_skipped += 1
             else:
@@ -681,6 +704,7 @@ class AutocastStep:
             self._window_losses.clear()
             self._window_unsynced = False
             self._scale_snapshot = None
+            self._buffers_saved = False
         if skipped and self._consecutive_skipped >= self.max_skipped:
             raise NonFiniteStepsError(
                 f"autocast_step skipped {self._consecutive_skipped} optimizer steps in a row "
@@ -867,9 +891,7 @@ class AutocastStep:
         self._skipped_steps = int(state["skipped_steps"])
         self._consecutive_skipped = int(state["consecutive_skipped"])
         self._window_losses = [torch.as_tensor(t) for t in state["window_losses"]]
-        self._scale_snapshot = None
-        if self._position and self._scaling:
-            self._scale_snapshot = cast(torch.Tensor, cast(Any, self.scaler)._scale).clone()
+        self._scale_snapshot = None  # taken again by the next backward
 
 
 def autocast_step(
@@ -905,8 +927,10 @@ def autocast_step(
 
     Args:
         optimizer: the optimizer to step; its parameters' device picks ``device_type``.
-        model: the model being trained; when it has ``no_sync`` (DDP), micro-steps that
-            do not step run under it, so gradients are all-reduced once per step.
+        model: the model being trained (optional). When it has ``no_sync`` (DDP),
+            micro-steps that do not step run under it, so gradients are all-reduced once
+            per step; and its buffers (BatchNorm statistics) are restored when a step is
+            skipped, so a NaN batch cannot poison them.
         dtype: ``"auto"`` (bf16 on CPU and on GPUs with native bf16, else fp16),
             ``torch.bfloat16``, ``torch.float16`` or ``torch.float32`` (autocast off).
         enabled: False turns autocast and scaling off (a plain fp32 step).
