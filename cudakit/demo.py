@@ -452,11 +452,11 @@ def _plot(summary: DemoSummary, path: str) -> None:
 class _Progress:
     """A tqdm bar per epoch when tqdm is installed, else one plain line per epoch."""
 
-    def __init__(self, total: int, desc: str, *, enabled: bool) -> None:
+    def __init__(self, total: int, desc: str, *, enabled: bool, bar: bool = True) -> None:
         self.desc = desc
         self.bar: Any = None
         self.enabled = enabled
-        if enabled:
+        if enabled and bar:
             try:
                 tqdm = importlib.import_module("tqdm.auto").tqdm
             except ImportError:  # the optional "progress" extra is not installed
@@ -643,9 +643,10 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int) 
     step_losses: list[torch.Tensor] = []
     step_memory: list[int] = []
     epochs: list[EpochStats] = []
-    show = main_rank and not args.no_progress
     for epoch in range(1, args.epochs + 1):
-        progress = _Progress(micro_steps, f"epoch {epoch}/{args.epochs}", enabled=show)
+        progress = _Progress(
+            micro_steps, f"epoch {epoch}/{args.epochs}", enabled=main_rank, bar=not args.no_progress
+        )
         steps_before, skipped_before = step.steps, step.skipped_steps
         epoch_losses: list[torch.Tensor] = []
         _sync(device)

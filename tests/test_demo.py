@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -80,6 +81,8 @@ def test_text_summary_with_progress_auto_batch_and_fp32(
     assert 8 <= batch <= 32
     # The per-epoch line always goes to stderr, bar or no bar.
     assert "epoch 1/1: train loss" in captured.err
+    if importlib.util.find_spec("tqdm") is not None:  # the bar, when tqdm is installed
+        assert f"{256 // batch}/{256 // batch} [" in captured.err
     assert "samples/s" in captured.err
 
 
@@ -310,6 +313,10 @@ def test_plain_progress_prints_one_line_per_epoch(
     bar.update(10, loss=1.0, samples_per_s=5.0)
     bar.close("train loss 1.0")
     assert capsys.readouterr().err == "epoch 1/2: train loss 1.0\n"
-    silent = _Progress(10, "epoch 1/2", enabled=False)
+    no_bar = _Progress(10, "epoch 1/2", enabled=True, bar=False)  # --no-progress
+    assert no_bar.bar is None
+    no_bar.close("x")
+    assert capsys.readouterr().err == "epoch 1/2: x\n"
+    silent = _Progress(10, "epoch 1/2", enabled=False)  # ranks other than 0
     silent.close("x")
     assert capsys.readouterr().err == ""
