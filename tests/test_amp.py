@@ -7,7 +7,7 @@ import copy
 import io
 import os
 import socket
-import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -165,7 +165,8 @@ def test_resolved_attributes_and_autocast() -> None:
     fp32 = autocast_step(opt, dtype=torch.float32)
     assert (fp32.dtype, fp32.enabled) == (torch.float32, False)
     fp16 = autocast_step(opt, dtype="fp16")
-    assert fp16.dtype == torch.float16 and isinstance(fp16.scaler, torch.amp.GradScaler)
+    assert fp16.dtype == torch.float16
+    assert isinstance(fp16.scaler, torch.amp.GradScaler)
     assert autocast_step(opt, dtype="bf16").dtype == torch.bfloat16
     assert "dtype=torch.bfloat16" in repr(step)
 
@@ -174,10 +175,13 @@ def test_user_scaler_is_used_and_selects_fp16() -> None:
     model, opt = make()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     step = autocast_step(opt, scaler=scaler)
-    assert step.scaler is scaler and step.dtype == torch.float16
+    assert step.scaler is scaler
+    assert step.dtype == torch.float16
     x, y = batches(1)[0]
     r = step(lambda: loss_of(model, x, y))()
-    assert r.stepped and r.scale is not None and float(r.scale) == 1024.0
+    assert r.stepped
+    assert r.scale is not None
+    assert float(r.scale) == 1024.0
     assert scaler.get_scale() == 1024.0
 
 
@@ -202,8 +206,12 @@ def test_return_forms(form: str) -> None:
 
     r = train_step(x, y)
     assert isinstance(r, StepResult)
-    assert r.stepped and not r.skipped and r.scale is None and r.grad_norm is None
-    assert not r.loss.requires_grad and r.loss.dim() == 0
+    assert r.stepped
+    assert not r.skipped
+    assert r.scale is None
+    assert r.grad_norm is None
+    assert not r.loss.requires_grad
+    assert r.loss.dim() == 0
     assert type(r.output).__name__ == {"tensor": "Tensor", "tuple": "tuple", "list": "list",
                                        "dict": "dict"}[form]  # fmt: skip
     assert train_step.__name__ == "train_step"
@@ -295,10 +303,12 @@ def test_clipping_once_per_step_after_unscale(monkeypatch: pytest.MonkeyPatch) -
         results.append(step.backward(loss))
     assert stages == ["UNSCALED"]
     norm = results[-1].grad_norm
-    assert norm is not None and results[-1].stepped
+    assert norm is not None
+    assert results[-1].stepped
     # An unscaled norm (the scale is 65536): close to the fp32 reference.
     torch.testing.assert_close(norm.float(), ref_norm, rtol=2e-2, atol=1e-4)
-    assert results[0].scale is not None and float(results[0].scale) == 65536.0
+    assert results[0].scale is not None
+    assert float(results[0].scale) == 65536.0
 
 
 def test_flush_steps_partial_window_as_mean() -> None:
@@ -317,8 +327,11 @@ def test_flush_steps_partial_window_as_mean() -> None:
     for b in data:
         assert not train_step(*b).stepped
     r = train_step.flush()
-    assert r is not None and r.stepped and r.output is None
-    assert train_step.autocast_step.position == 0 and train_step.autocast_step.steps == 1
+    assert r is not None
+    assert r.stepped
+    assert r.output is None
+    assert train_step.autocast_step.position == 0
+    assert train_step.autocast_step.steps == 1
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert train_step.flush() is None
@@ -361,16 +374,22 @@ def test_nonfinite_step_is_skipped_and_changes_nothing(kind: str, dtype: torch.d
     for h in inject.handles:  # type: ignore[attr-defined]
         h.remove()
     inject.handles.clear()  # type: ignore[attr-defined]
-    assert r.skipped and not r.stepped and r.grad_norm is None
+    assert r.skipped
+    assert not r.stepped
+    assert r.grad_norm is None
     assert_identical(snapshot(model, opt), before)  # weights, buffers, optimizer state
-    assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 1
+    assert opt.param_groups[0]["lr"] == lr
+    assert sched.last_epoch == 1
     assert all(p.grad is None for p in model.parameters())
     if step.scaler is not None and kind != "nan_loss":
         assert step.scaler.get_scale() == scale_before * 0.5  # type: ignore[operator]
-    assert step.skipped_steps == 1 and step.steps == 1
+    assert step.skipped_steps == 1
+    assert step.steps == 1
     # Training continues on the next good batch.
     r = train_step(*good[2])
-    assert r.stepped and not r.skipped and sched.last_epoch == 2
+    assert r.stepped
+    assert not r.skipped
+    assert sched.last_epoch == 2
 
 
 def test_skip_nonfinite_false_steps_anyway_in_bf16() -> None:
@@ -380,7 +399,8 @@ def test_skip_nonfinite_false_steps_anyway_in_bf16() -> None:
     with step:
         loss = loss_of(model, x, y) * float("nan")
     r = step.backward(loss)
-    assert r.stepped and not r.skipped
+    assert r.stepped
+    assert not r.skipped
     assert torch.isnan(model.fc2.weight).all()
 
 
@@ -395,8 +415,11 @@ def test_too_many_skipped_steps_raise() -> None:
             loss = loss_of(model, x, y) * float("inf")
         return step.backward(loss)
 
-    assert bad().skipped and bad().skipped
-    with pytest.raises(NonFiniteStepsError, match="skipped 3 optimizer steps in a row.*max_skipped"):
+    assert bad().skipped
+    assert bad().skipped
+    with pytest.raises(
+        NonFiniteStepsError, match="skipped 3 optimizer steps in a row.*max_skipped"
+    ):
         bad()
     assert_identical(snapshot(model, opt)["opt"], before["opt"])
     assert isinstance(NonFiniteStepsError("x"), (CudakitError, RuntimeError))
@@ -466,7 +489,8 @@ def test_state_dict_round_trip_mid_accumulation(dtype: torch.dtype) -> None:
     opt2.load_state_dict(ckpt["opt"])
     step2 = autocast_step(opt2, dtype=dtype, accumulate=3, max_grad_norm=1.0)
     step2.load_state_dict(ckpt["step"])
-    assert step2.position == 2 and step2.steps == 1
+    assert step2.position == 2
+    assert step2.steps == 1
     run(model2, step2, data[5:])
     assert_identical(snapshot(model2, opt2), expected)
 
@@ -474,7 +498,7 @@ def test_state_dict_round_trip_mid_accumulation(dtype: torch.dtype) -> None:
 def test_load_state_dict_errors_change_nothing() -> None:
     _, opt = make()
     step = autocast_step(opt, accumulate=2)
-    x, y = batches(1)[0]
+    _x, y = batches(1)[0]
     with step:
         loss = step.optimizer.param_groups[0]["params"][0].sum() * 0 + y.sum()
     step.backward(loss)
@@ -679,7 +703,8 @@ def _ddp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) 
         net = torch.nn.Linear(4, 1)
         ddp = torch.nn.parallel.DistributedDataParallel(net)
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-        step = autocast_step(opt, model=ddp, dtype=dtype, accumulate=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
+        step = autocast_step(opt, model=ddp, dtype=dtype, accumulate=2, scaler=scaler)
 
         @step
         def train_step(x: torch.Tensor, poison: bool) -> torch.Tensor:
@@ -706,13 +731,19 @@ def _ddp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) 
 def test_ddp_ranks_skip_together(tmp_path: Any, dtype: torch.dtype) -> None:
     import torch.multiprocessing as mp
 
-    mp.start_processes(
+    ctx = mp.start_processes(
         _ddp_worker,
         args=(2, _free_port(), dtype, str(tmp_path)),
         nprocs=2,
-        join=True,
-        start_method="fork" if sys.platform == "linux" else "spawn",
+        join=False,
+        start_method="spawn",
     )
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-process gloo run did not finish within 120 s")
     r0 = torch.load(tmp_path / "0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "1.pt", weights_only=True)
     assert r0["flags"] == r1["flags"]
@@ -754,9 +785,11 @@ def test_cuda_auto_dtype_and_skip() -> None:
     with step:
         loss = loss_of(model, x, y) * float("inf")
     r = step.backward(loss)
-    assert r.skipped and not r.stepped
+    assert r.skipped
+    assert not r.stepped
     assert_identical(snapshot(model, opt), before)
     with step:
         loss = loss_of(model, x, y)
     r = step.backward(loss)
-    assert r.stepped and r.loss.device.type == "cuda"
+    assert r.stepped
+    assert r.loss.device.type == "cuda"
