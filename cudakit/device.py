@@ -830,12 +830,26 @@ def _resolve_cached(spec: DeviceLike) -> torch.device:
     return dev
 
 
-def _move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
-    c = _Ctx(device, non_blocking)
+def _traverse(x: Any, c: _Ctx, root: str) -> Any:
+    """Move ``x`` within ``c``, turning internal errors into the user-facing ones."""
     try:
-        out = _move(x, c)
+        return _move(x, c)
     except _Bad as e:
         raise e.exc_type(e.render(root)) from None
+    except NotImplementedError as err:
+        if "meta tensor" not in str(err):
+            raise
+        raise ValueError(
+            f"on_device() cannot copy a tensor in {root} from the meta device to {c.device}: "
+            "meta tensors have a shape but no data. Create it on the target device instead "
+            "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
+            "`module.to_empty(device=...)` and then initialise or load its weights."
+        ) from err
+
+
+def _move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
+    c = _Ctx(device, non_blocking)
+    out = _traverse(x, c, root)
     _finish(c)
     return out
 
@@ -888,12 +902,8 @@ class OnDeviceDecorator:
 
         def move_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
             c = _Ctx(_resolve_cached(spec), non_blocking)
-            try:
-                new_args = _move(args[skip:], c) if len(args) > skip else ()
-                new_kwargs = _move(kwargs, c) if kwargs else kwargs
-            except _Bad as e:
-                root = f"{name}() args" if e.path and len(e.path) else f"{name}()"
-                raise e.exc_type(e.render(root)) from None
+            new_args = _traverse(args[skip:], c, f"{name}() args") if len(args) > skip else ()
+            new_kwargs = _traverse(kwargs, c, f"{name}() kwargs") if kwargs else kwargs
             _finish(c)
             return (*args[:skip], *new_args), new_kwargs
 

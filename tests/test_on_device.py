@@ -21,6 +21,7 @@ from cudakit.device import OnDeviceDecorator, on_device, resolve_device
 from cudakit.exceptions import DeviceError
 
 META = torch.device("meta")
+PLAIN = (int, float, str, bytes, type(None), torch.dtype, torch.device)
 # Hypothesis reports the (tensor-heavy) examples it draws; that cost is not ours to test.
 big_repr_ok = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
@@ -43,9 +44,9 @@ def walk_pairs(orig: Any, moved: Any, out: list[tuple[Any, Any]]) -> None:
             walk_pairs(a, b, out)
     elif isinstance(orig, frozenset | set):
         assert len(orig) == len(moved)
-        # set order is by hash (identity for tensors): compare the non-tensor items only
-        assert {x for x in orig if not isinstance(x, torch.Tensor | tuple | Frozen)} == {
-            x for x in moved if not isinstance(x, torch.Tensor | tuple | Frozen)
+        # set order is by hash (identity for tensors): compare the plain leaves only
+        assert {x for x in orig if isinstance(x, PLAIN)} == {
+            x for x in moved if isinstance(x, PLAIN)
         }
     elif dataclasses.is_dataclass(orig):
         for f in dataclasses.fields(orig):
@@ -531,6 +532,21 @@ def test_iterator_error() -> None:
         on_device(iter([torch.ones(1)]), device="meta")
 
 
+def test_meta_tensor_error() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"cannot copy a tensor in obj from the meta device to cpu: .*`torch\.empty_like",
+    ):
+        on_device([torch.ones(1, device="meta")], device="cpu")
+
+
+def test_packed_sequence_uses_its_to() -> None:
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.ones(3, 2, 4), [3, 2])
+    out = on_device(packed, device="meta")
+    assert type(out) is torch.nn.utils.rnn.PackedSequence
+    assert out.data.device == META
+
+
 def test_dataloader_error() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)))
     with pytest.raises(
@@ -658,6 +674,8 @@ def test_decorator_errors_name_the_function() -> None:
 
     with pytest.raises(TypeError, match=r"cannot move a generator \(found at .*f\(\) args\[0\]"):
         f(x for x in [1])
+    with pytest.raises(TypeError, match=r"\(found at .*f\(\) kwargs\['x'\]\[1\]\)"):
+        f(x=[1, iter([])])
 
 
 def test_decorator_misuse() -> None:
