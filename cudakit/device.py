@@ -876,8 +876,16 @@ class OnDeviceDecorator:
 
     def __init__(self, device: DeviceLike = None, non_blocking: bool | None = None) -> None:
         _check_non_blocking(non_blocking)
-        if device is not None:
-            resolve_device(device)  # fail at decoration time on a misspelt device
+        if isinstance(device, str) and device != "auto":
+            # A misspelt device fails at decoration time; whether the device exists is
+            # checked at call time, so decorated code still imports on a CPU-only box.
+            try:
+                torch.device(device)
+            except (RuntimeError, ValueError):
+                resolve_device(device)  # raises DeviceError with a suggestion
+                raise  # pragma: no cover - resolve_device always raises here
+        elif device is not None and not isinstance(device, (int, torch.device)):
+            resolve_device(device)  # raises TypeError naming the accepted types
         self.device = device
         self.non_blocking = non_blocking
 

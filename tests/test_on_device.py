@@ -686,6 +686,21 @@ def test_decorator_misuse() -> None:
         on_device("gpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_decorating_for_missing_cuda_fails_at_call_time_not_import_time() -> None:
+    @on_device("cuda")
+    def f(x: Any) -> Any:
+        return x
+
+    with pytest.raises(DeviceError, match="asks for CUDA, but CUDA is not available"):
+        f(torch.ones(1))
+
+
+def test_decorator_bad_device_type() -> None:
+    with pytest.raises(TypeError, match="device must be a torch.device"):
+        on_device(device=1.5)  # type: ignore[call-overload]
+
+
 def test_no_arguments_gives_a_decorator() -> None:
     assert isinstance(on_device(), OnDeviceDecorator)
 
