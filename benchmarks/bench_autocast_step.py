@@ -1,0 +1,224 @@
+"""Benchmark ``cudakit.amp.autocast_step`` against the hand-written bf16 training step.
+
+Run ``python benchmarks/bench_autocast_step.py`` (``--quick`` for a smoke run,
+``--device cuda`` on a GPU machine, where the hand-written loop uses the same
+dtype ``autocast_step(dtype="auto")`` picks there, with a GradScaler for fp16).
+One process; every round times each implementation on each case in turn
+(interleaved, so drift hits all of them alike); the table shows the median time
+per step and the median over rounds of its ratio to the hand-written loop.
+
+Implementations: the hand-written loop (autocast, backward, ``opt.step()``,
+``opt.zero_grad()``); ``@autocast_step(opt)`` with the default non-finite guard;
+the explicit form (``with step:`` + ``step.backward(loss)``); the decorator with
+``skip_nonfinite=False``; and, when importable, accelerate
+(``Accelerator(mixed_precision="bf16")``) and lightning-fabric
+(``Fabric(precision="bf16-mixed")``) doing the same step.
+
+Cases: an MLP 64 wide (batch 32) and one 1024 wide (batch 256), AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from cudakit.amp import autocast_step
+except ImportError:  # run from a checkout without installing
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from cudakit.amp import autocast_step
+
+Step = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+def mlp(width: int, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    ).to(device)
+
+
+def make_steps(width: int, device: torch.device) -> dict[str, Step]:
+    dev_type = device.type
+    steps: dict[str, Step] = {}
+
+    model = mlp(width, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probe = autocast_step(opt)  # the dtype autocast_step picks here
+    dtype = probe.dtype
+    scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
+
+    def hand(x: torch.Tensor, y: torch.Tensor) -> Any:
+        with torch.autocast(dev_type, dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        return loss
+
+    steps["hand-written"] = hand
+
+    m2 = mlp(width, device)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
+
+    @autocast_step(o2)
+    def decorated(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m2(x), y)
+
+    steps["cudakit @autocast_step"] = decorated
+
+    m3 = mlp(width, device)
+    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-4)
+    s3 = autocast_step(o3)
+
+    def explicit(x: torch.Tensor, y: torch.Tensor) -> Any:
+        with s3:
+            loss = F.cross_entropy(m3(x), y)
+        return s3.backward(loss)
+
+    steps["cudakit explicit form"] = explicit
+
+    m4 = mlp(width, device)
+    o4 = torch.optim.AdamW(m4.parameters(), lr=1e-4)
+
+    @autocast_step(o4, skip_nonfinite=False)
+    def unguarded(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m4(x), y)
+
+    steps["cudakit, guard off"] = unguarded
+
+    precision = "bf16" if dtype == torch.bfloat16 else "fp16"
+    try:
+        from accelerate import Accelerator
+
+        acc = Accelerator(mixed_precision=precision, cpu=dev_type == "cpu")
+        m5 = mlp(width, device)
+        m5, o5 = acc.prepare(m5, torch.optim.AdamW(m5.parameters(), lr=1e-4))
+
+        def accelerate_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            loss = F.cross_entropy(m5(x), y)
+            acc.backward(loss)
+            o5.step()
+            o5.zero_grad()
+            return loss
+
+        steps["accelerate"] = accelerate_step
+    except Exception as e:  # not installed, or broken against this torch
+        print(f"# accelerate skipped: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+    try:
+        from lightning_fabric import Fabric
+
+        fabric = Fabric(
+            accelerator="cuda" if dev_type == "cuda" else "cpu",
+            devices=1,
+            precision=f"{precision}-mixed",
+        )
+        m6 = mlp(width, device)
+        m6, o6 = fabric.setup(m6, torch.optim.AdamW(m6.parameters(), lr=1e-4))
+
+        def fabric_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            loss = F.cross_entropy(m6(x), y)
+            fabric.backward(loss)
+            o6.step()
+            o6.zero_grad()
+            return loss
+
+        steps["lightning-fabric"] = fabric_step
+    except Exception as e:
+        print(f"# lightning-fabric skipped: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+    return steps
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: least noise on shared CPUs)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rounds = args.rounds or (3 if args.quick else 21)
+    cases = [("MLP 64 wide, batch 32", 64, 32), ("MLP 1024 wide, batch 256", 1024, 256)]
+
+    print(
+        f"# torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "
+        f"{rounds} rounds"
+    )
+    header = "| case | implementation | median per step | ratio to hand-written |"
+    print(header)
+    print("|---|---|---:|---:|")
+    for name, width, batch in cases:
+        steps = make_steps(width, device)
+        x = torch.randn(batch, 64, device=device)
+        y = torch.randint(0, 10, (batch,), device=device)
+        target = 0.02 if args.quick else 0.25  # seconds per implementation per round
+        # Calibrate the number of steps per timing on the hand-written loop (warms all up).
+        for fn in steps.values():
+            for _ in range(5):
+                fn(x, y)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            steps["hand-written"](x, y)
+        sync(device)
+        per = (time.perf_counter() - t0) / 20
+        n = max(5, int(target / per))
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        ratios: dict[str, list[float]] = {k: [] for k in steps}
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(rounds):
+                this: dict[str, float] = {}
+                for key, fn in steps.items():
+                    sync(device)
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        fn(x, y)
+                    sync(device)
+                    this[key] = (time.perf_counter() - t0) / n
+                    times[key].append(this[key])
+                for key in steps:
+                    ratios[key].append(this[key] / this["hand-written"])
+        finally:
+            if gc_was:
+                gc.enable()
+        for key in steps:
+            med = statistics.median(times[key]) * 1e6
+            print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
+        with contextlib.suppress(Exception):
+            del steps
+
+
+if __name__ == "__main__":
+    main()
