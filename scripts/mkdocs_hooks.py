@@ -1,11 +1,16 @@
-"""MkDocs hook: render ``>>>`` doctest examples in docstrings as ``pycon`` code blocks.
+"""MkDocs hook: render cudakit's docstrings (doctests, Sphinx roles) as good Markdown.
 
-cudakit's docstrings put a runnable ``>>>`` example right after the summary line (the
-doctests pytest runs). Markdown would read those lines as nested block quotes, so
-this hook adds a small Markdown preprocessor that fences every run of doctest lines
-(from a ``>>>`` line to the next blank line) as ```` ```pycon ````. It applies to the
-pages and to the docstrings mkdocstrings renders, since both use the site's Markdown
-extensions. Code already inside a fence is left alone.
+cudakit's docstrings are read by three audiences: ``help()``, pytest's doctests and this
+site. Two of their conventions are not Markdown, so this hook adds a small Markdown
+preprocessor (it applies to the pages and to the docstrings mkdocstrings renders, since
+both use the site's Markdown extensions; code inside fences is left alone):
+
+* a run of ``>>>`` doctest lines (up to the next blank line) is fenced as
+  ```` ```pycon ````; Markdown would otherwise read it as nested block quotes;
+* Sphinx roles become code: ``:func:`~cudakit.device.on_device``` links to the API
+  reference entry (as ``on_device``), roles naming something outside cudakit become
+  plain code spans;
+* ``.. versionadded:: 0.1`` becomes "*Added in version 0.1.*".
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ from markdown.preprocessors import Preprocessor
 from mkdocs.plugins import event_priority
 
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_ROLE = re.compile(r":(?:func|class|meth|attr|data|exc|mod|obj):`(~?)([\w.]+)(\(\))?`")
+_VERSION = re.compile(r"^(\s*)\.\. version(added|changed):: *(\S+)\s*$")
+
+
+def _role(m: re.Match[str]) -> str:
+    short, target, call = m.group(1), m.group(2), m.group(3) or ""
+    shown = (target.rsplit(".", 1)[-1] if short else target) + call
+    if target.startswith("cudakit."):
+        return f"[`{shown}`][{target}]"
+    return f"`{shown}`"
+
+
+def _prose(line: str) -> str:
+    v = _VERSION.match(line)
+    if v:
+        what = "Added" if v.group(2) == "added" else "Changed"
+        return f"{v.group(1)}*{what} in version {v.group(3)}.*"
+    return _ROLE.sub(_role, line) if ":`" in line else line
 
 
 class _DoctestFences(Preprocessor):
@@ -48,7 +71,7 @@ class _DoctestFences(Preprocessor):
                 out.extend([f"{indent}```pycon", line])
                 in_doctest = True
             else:
-                out.append(line)
+                out.append(_prose(line))
         if in_doctest:
             out.append(f"{indent}```")
         return out
