@@ -267,11 +267,12 @@ def test_dataloader_workers_are_released_on_break() -> None:
         TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1, prefetch_factor=2
     )
     threads = set(threading.enumerate())
+    children = set(multiprocessing.active_children())
     for i, _ in enumerate(prefetch(loader, device="cpu")):
         if i == 1:
             break
     gc.collect()
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= children
     assert set(threading.enumerate()) == threads
 
 
