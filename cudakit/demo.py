@@ -370,6 +370,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         resolve_device(args.device)
     except (ValueError, TypeError) as exc:
         p.error(f"--device {args.device}: {exc}")
+    if args.nprocs > 1 and args.device in ("auto", "cuda") and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if args.nprocs > gpus:
+            p.error(
+                f"--nprocs {args.nprocs} starts one process per GPU, but this machine has "
+                f"{gpus} visible GPU(s); use --nprocs {gpus}, or --device cpu for CPU processes."
+            )
     if args.nprocs > 1 and read_env() is not None:
         p.error(
             f"--nprocs {args.nprocs} was given inside a launcher (WORLD_SIZE="
@@ -529,11 +536,15 @@ def _copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def _all_reduce(values: list[float], device: torch.device, world: int) -> list[float]:
+def _all_reduce(
+    values: list[float], device: torch.device, world: int, *, op: str = "sum"
+) -> list[float]:
+    """Sum (or ``op="min"``) ``values`` over the ranks; the values themselves on one process."""
     if world == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
+    reduce_op = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.SUM
+    torch.distributed.all_reduce(t, op=reduce_op)
     return [float(v) for v in t.tolist()]
 
 
@@ -588,7 +599,7 @@ def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int) 
         cap = max(8, min(1024, n_train // (world * 8)) // 8 * 8)
         found = _find_batch_size(model, loss_fn, probe_step, device, cap)
         # Every rank must use the same size: take the smallest any rank found.
-        batch_size = int(-_all_reduce([-float(found)], device, world)[0]) if world > 1 else found
+        batch_size = int(_all_reduce([float(found)], device, world, op="min")[0])
 
     model = parallelize(model, device=device)
     lr = 2e-3 * math.sqrt(batch_size * ACCUMULATE * world / 128)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,25 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.distributed
-def test_nprocs_2_trains_with_ddp(capsys: pytest.CaptureFixture[str]) -> None:
-    s = _run_json(capsys, "--nprocs", "2")
+def test_nprocs_2_trains_with_ddp_and_agrees_on_the_auto_batch_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The later --batch-size wins over SHORT's; each rank searches, the smallest is used.
+    s = _run_json(capsys, "--nprocs", "2", "--batch-size", "auto", "--device", "cpu")
     assert (s["strategy"], s["world_size"]) == ("DistributedDataParallel", 2)
-    # Each rank trains on half of the 256 images: 4 micro-steps, 2 optimizer steps.
-    assert s["epochs"][0]["optimizer_steps"] == 2
+    batch = s["batch_size"]
+    assert batch % 8 == 0
+    assert 8 <= batch <= 16  # the cap: 256 images / (2 ranks x 8 batches)
+    # Each rank trains on its half (128 images): 128 // batch micro-steps, accumulate 2.
+    assert s["epochs"][0]["optimizer_steps"] == math.ceil(128 // batch / 2)
     assert s["loss_fell"] is True
+
+
+@pytest.mark.cuda
+def test_nprocs_beyond_the_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    n = torch.cuda.device_count() + 1
+    err = _error(capsys, "--nprocs", str(n))
+    assert f"--nprocs {n} starts one process per GPU, but this machine has {n - 1}" in err
 
 
 @pytest.mark.cuda
