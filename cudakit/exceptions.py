@@ -7,7 +7,11 @@ exception type that describes it, so ``except ValueError`` keeps working::
     ├── DeviceError(ValueError)              a device spec that cannot be honoured
     ├── NonFiniteStepsError(RuntimeError)    too many skipped (inf/NaN) steps in a row
     ├── BatchSizeSearchError(RuntimeError)   not even the lower batch-size bound fits
-    └── DistributedSetupError(RuntimeError)  a launcher environment that is incomplete
+    ├── MemoryReserveError(ValueError)       warmup(reserve=...) asked for more than is free
+    ├── DistributedSetupError(RuntimeError)  a launcher environment that is incomplete
+    └── LaunchError(RuntimeError)            a rank started by launch() failed
+
+    ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) on a device without a cache
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
 ``TypeError``/``ValueError``; calls made in the wrong order raise ``RuntimeError``.
@@ -21,7 +25,10 @@ __all__ = [
     "CudakitError",
     "DeviceError",
     "DistributedSetupError",
+    "LaunchError",
+    "MemoryReserveError",
     "NonFiniteStepsError",
+    "ReserveIgnoredWarning",
 ]
 
 
@@ -43,3 +50,55 @@ class BatchSizeSearchError(CudakitError, RuntimeError):
 
 class DistributedSetupError(CudakitError, RuntimeError):
     """The distributed environment is incomplete or inconsistent."""
+
+
+class ReserveIgnoredWarning(UserWarning):
+    """``warmup(reserve=...)`` was called for a device without a caching allocator (CPU, MPS).
+
+    Filter it with ``warnings.filterwarnings("ignore", category=ReserveIgnoredWarning)``
+    when the same script runs on CPU and GPU machines.
+
+    .. versionadded:: 0.1
+    """
+
+
+class MemoryReserveError(CudakitError, ValueError):
+    """``warmup(reserve=...)`` asked for more memory than the device has free.
+
+    Raised before anything is allocated.
+
+    .. versionadded:: 0.1
+    """
+
+
+class LaunchError(CudakitError, RuntimeError):
+    """A process started by :func:`launch` failed; carries the rank and its traceback.
+
+    Attributes:
+        rank: the rank that failed first.
+        pid: its process id.
+        exitcode: its exit code (negative: killed by that signal), ``None`` if it
+            was still running when the launch timed out.
+        traceback_text: the child's formatted traceback (empty when it died
+            without raising, e.g. from a signal or ``os._exit``).
+        pids: the process ids of every rank (all terminated and reaped by then).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None,
+        pid: int | None,
+        exitcode: int | None,
+        traceback_text: str = "",
+        pids: list[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.pids = list(pids or [])
+        self.rank = rank
+        self.pid = pid
+        self.exitcode = exitcode
+        self.traceback_text = traceback_text

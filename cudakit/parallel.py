@@ -38,7 +38,7 @@ from typing_extensions import ParamSpec, Self
 
 from ._contextlib import ContextDecorator
 from .device import DeviceLike, resolve_device
-from .exceptions import CudakitError, DeviceError, DistributedSetupError
+from .exceptions import DeviceError, DistributedSetupError, LaunchError
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
@@ -80,39 +80,6 @@ StrategyRequest = Literal["auto", "none", "dp", "ddp", "fsdp"]
 _REQUESTS: tuple[str, ...] = get_args(StrategyRequest)
 _ENV_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class LaunchError(CudakitError, RuntimeError):
-    """A process started by :func:`launch` failed; carries the rank and its traceback.
-
-    Attributes:
-        rank: the rank that failed first.
-        pid: its process id.
-        exitcode: its exit code (negative: killed by that signal), ``None`` if it
-            was still running when the launch timed out.
-        traceback_text: the child's formatted traceback (empty when it died
-            without raising, e.g. from a signal or ``os._exit``).
-        pids: the process ids of every rank (all terminated and reaped by then).
-
-    .. versionadded:: 0.1
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int | None,
-        pid: int | None,
-        exitcode: int | None,
-        traceback_text: str = "",
-        pids: list[int] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.pids = list(pids or [])
-        self.rank = rank
-        self.pid = pid
-        self.exitcode = exitcode
-        self.traceback_text = traceback_text
 
 
 def _launch_hint(world: int | None = None) -> str:

@@ -43,7 +43,7 @@ from typing_extensions import ParamSpec, Self
 
 from ._contextlib import ContextDecorator
 from .device import DeviceLike, resolve_device
-from .exceptions import BatchSizeSearchError, CudakitError
+from .exceptions import BatchSizeSearchError, MemoryReserveError, ReserveIgnoredWarning
 
 __all__ = [
     "MemoryReserveError",
@@ -62,25 +62,6 @@ R = TypeVar("R")
 _log = logging.getLogger(__name__)
 
 ReserveSpec = int | float | str | None
-
-
-class ReserveIgnoredWarning(UserWarning):
-    """``warmup(reserve=...)`` was called for a device without a caching allocator (CPU, MPS).
-
-    Filter it with ``warnings.filterwarnings("ignore", category=ReserveIgnoredWarning)``
-    when the same script runs on CPU and GPU machines.
-
-    .. versionadded:: 0.1
-    """
-
-
-class MemoryReserveError(CudakitError, ValueError):
-    """``warmup(reserve=...)`` asked for more memory than the device has free.
-
-    Raised before anything is allocated.
-
-    .. versionadded:: 0.1
-    """
 
 
 # --------------------------------------------------------------------------- no trace
@@ -770,10 +751,9 @@ def warmed(
     >>> step(model, torch.ones(4, 2))           # 2 warm-up calls, rolled back, then the real one
     >>> len(calls)
     3
-    >>> torch.optim.SGD(twin.parameters(), lr=0.1).zero_grad()
+    >>> twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     >>> twin(torch.ones(4, 2)).square().mean().backward()
-    >>> with torch.no_grad():
-    ...     _ = [p.sub_(0.1 * p.grad) for p in twin.parameters()]
+    >>> twin_opt.step()
     >>> torch.equal(model.weight, twin.weight)   # exactly one step happened
     True
 
