@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -243,7 +244,7 @@ class DemoSummary:
         head = [
             ("device", self.device),
             ("dtype", self.dtype),
-            ("parallel", f"{self.strategy} ({self.world_size} process(es))"),
+            ("parallel", f"{self.strategy} ({_plural(self.world_size, 'process')})"),
             (
                 "batch",
                 f"{self.batch_size} per process x {self.accumulate} accumulated, "
@@ -280,6 +281,10 @@ class DemoSummary:
             f"final held-out accuracy {self.final_accuracy:.1%} (chance: {1 / NUM_CLASSES:.0%})"
         )
         return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
 
 
 # -- command line ----------------------------------------------------------------------
@@ -358,13 +363,17 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject what cannot work before any process starts or any data is made."""
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             p.error(
                 f"--plot {args.plot} needs matplotlib, which is not installed; "
                 "install it with `pip install 'cudakit[plot]'` (or `pip install matplotlib`), "
                 "or drop --plot."
+            )
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            p.error(
+                f"--plot {args.plot}: the folder {folder} does not exist; create it first "
+                "or write the plot somewhere else."
             )
     try:
         resolve_device(args.device)
@@ -418,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _launched(args: argparse.Namespace) -> DemoSummary:
     """One rank of ``--nprocs N`` (module level so that spawn can pickle it)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    # N processes share the cores: give each its share instead of all of them.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     return _train(args)
 
 
@@ -434,12 +445,13 @@ def _finish(summary: DemoSummary, args: argparse.Namespace) -> None:
 
 
 def _plot(summary: DemoSummary, path: str) -> None:
-    import matplotlib
+    # The object-oriented API with no pyplot: no display needed, and the caller's
+    # matplotlib backend and global state are left alone.
+    # (Imported by name so that type checking works without the optional extra.)
+    figure_cls = importlib.import_module("matplotlib.figure").Figure
 
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_mem) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig = figure_cls(figsize=(8, 6))
+    ax_loss, ax_mem = fig.subplots(2, 1, sharex=True)
     steps = range(1, len(summary.step_losses) + 1)
     ax_loss.plot(steps, summary.step_losses, linewidth=1)
     ax_loss.set_ylabel("training loss")
@@ -450,7 +462,6 @@ def _plot(summary: DemoSummary, path: str) -> None:
     ax_mem.set_xlabel("micro-step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # -- training --------------------------------------------------------------------------

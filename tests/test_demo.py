@@ -203,6 +203,15 @@ def test_plot_without_matplotlib_is_a_clear_error(
     assert "pip install 'cudakit[plot]'" in err
 
 
+def test_plot_into_a_missing_folder_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "nope" / "demo.png"
+    err = _error(capsys, "--plot", str(target))
+    assert f"--plot {target}: the folder {target.parent} does not exist" in err
+
+
 def test_nprocs_inside_torchrun_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
