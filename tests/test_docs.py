@@ -169,3 +169,85 @@ def test_errors_point_at_the_markdown_line(tmp_path: Path) -> None:
     frame = info.traceback[-1]
     assert Path(str(frame.path)) == page
     assert frame.lineno + 1 == 5
+
+
+# -- the site ----------------------------------------------------------------------
+
+ROOT = DOCS.parent
+
+
+def test_site_builds_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every page in the nav exists, links and API refs resolve."""
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        pytest.importorskip(module, reason='the "docs" extra: pip install -e ".[docs]"')
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "api" / "index.html").exists()
+
+
+def _hooks() -> Any:
+    pytest.importorskip("mkdocs", reason='the "docs" extra: pip install -e ".[docs]"')
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "scripts/mkdocs_hooks.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hook_fences_doctests_and_converts_roles() -> None:
+    hooks = _hooks()
+    lines = [
+        "Move it with :func:`~cudakit.device.on_device`, like :meth:`torch.Tensor.to`.",
+        "",
+        ">>> x = 1",
+        "... # continued",
+        "1",
+        "",
+        "```python",
+        ">>> untouched = True",
+        "```",
+        "    .. versionadded:: 0.1",
+    ]
+    out = hooks._DoctestFences(None).run(lines)
+    assert out == [
+        "Move it with [`on_device`][cudakit.device.on_device], like `torch.Tensor.to`.",
+        "",
+        "```pycon",
+        ">>> x = 1",
+        "... # continued",
+        "1",
+        "```",
+        "",
+        "```python",
+        ">>> untouched = True",
+        "```",
+        "    *Added in version 0.1.*",
+    ]
+
+
+def test_hook_closes_a_doctest_at_the_end_and_keeps_its_indent() -> None:
+    hooks = _hooks()
+    assert hooks._DoctestFences(None).run(["text", "    >>> 1 + 1", "    2"]) == [
+        "text",
+        "",
+        "    ```pycon",
+        "    >>> 1 + 1",
+        "    2",
+        "    ```",
+    ]
