@@ -420,6 +420,8 @@ class AutocastStep:
         self._window_unsynced = False  # a micro-step of this window ran under no_sync
         self._scale_snapshot: torch.Tensor | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        self._world: int | None = None
         self._block: ExitStack | None = None
         # Buffers (BatchNorm running stats...) as they were when the window opened,
         # restored when the window's step is skipped: a NaN batch must not poison them.
@@ -640,8 +642,24 @@ class AutocastStep:
             one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
         return one
 
+    def _flag_on(self, device: torch.device) -> torch.Tensor:
+        # Persistent flags, zero between steps (re-zeroed only after a hit): no
+        # allocation and no fill kernel on the hot path.
+        flag = self._flags.get(device)
+        if flag is None:
+            flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return flag
+
     def _found_nonfinite(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """A 1-element float tensor, > 0 iff a tensor has an inf/NaN; one fused kernel per group."""
+        # With inv_scale == 1 the kernel's "unscale" multiplies by one: values are unchanged.
+        device = tensors[0].device
+        try:  # fast path: one device, dense tensors (mixed dtypes are fine)
+            flag = self._flag_on(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self._ones_on(device))
+            return flag
+        except RuntimeError:
+            pass  # several devices, or sparse gradients: group them
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             if t.is_sparse:
@@ -650,10 +668,7 @@ class AutocastStep:
         found: torch.Tensor | None = None
         per_device: dict[torch.device, torch.Tensor] = {}
         for (device, _), group in groups.items():
-            flag = per_device.get(device)
-            if flag is None:
-                flag = per_device[device] = torch.zeros(1, dtype=torch.float32, device=device)
-            # With inv_scale == 1 the "unscale" multiplies by one: values are unchanged.
+            flag = per_device[device] = self._flag_on(device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, self._ones_on(device))
         for flag in per_device.values():
             found = flag if found is None else found + flag.to(found.device)
@@ -728,14 +743,28 @@ class AutocastStep:
                 checks.extend(_grads(self.optimizer))
         else:
             checks.extend(_grads(self.optimizer))
-        found = self._found_nonfinite(checks) if checks else None
+        clean = False
+        try:
+            found = self._found_nonfinite(checks) if checks else None
+            skipped = self._reduce_verdict(found, scaler_found)
+            clean = not skipped
+            return skipped
+        finally:
+            if not clean:
+                for flag in self._flags.values():
+                    flag.zero_()
+
+    def _reduce_verdict(
+        self, found: torch.Tensor | None, scaler_found: dict[torch.device, torch.Tensor] | None
+    ) -> bool:
         if scaler_found:
             for flag in scaler_found.values():
                 found = flag.clone() if found is None else found + flag.to(found.device)
         if found is None:
             return False
-        world = _distributed_world()
-        if world > 1:
+        if self._world is None:  # decided once, at the first optimizer step
+            self._world = _distributed_world()
+        if self._world > 1:
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
             if scaler_found:  # every rank's scaler must back off (or not) together
                 for flag in scaler_found.values():
