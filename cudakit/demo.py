@@ -324,7 +324,9 @@ def _parser() -> argparse.ArgumentParser:
             "`torchrun --nproc-per-node 2 -m cudakit demo`."
         ),
     )
-    p.add_argument("--epochs", type=_positive_int, default=3, help="epochs (default 3)")
+    p.add_argument(
+        "--epochs", type=_positive_int, default=3, metavar="N", help="epochs (default 3)"
+    )
     p.add_argument(
         "--batch-size",
         type=_batch_size,
@@ -339,13 +341,15 @@ def _parser() -> argparse.ArgumentParser:
         help="autocast dtype; auto: bf16 where supported natively, else fp16 (default auto)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the data and the weights"
+    )
     p.add_argument(
         "--train-size",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="training images (default 2048 on CPU, 16384 on a GPU); 1/4 as many held out",
+        help="training images (default 2048 on a CPU, 16384 on a GPU); 1/4 as many held out",
     )
     p.add_argument(
         "--nprocs",
