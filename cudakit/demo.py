@@ -588,9 +588,26 @@ def _evaluate(
 
 
 def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int) -> DemoSummary:
+    """Train with the global RNGs and ``cudnn.benchmark`` put back afterwards.
+
+    ``main()`` may be called from Python (a notebook, the tests): the demo seeds torch
+    and turns on cuDNN autotuning, and must not leave either behind.
+    """
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    benchmark = torch.backends.cudnn.benchmark
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            if device.type == "cuda":
+                torch.backends.cudnn.benchmark = True  # warmup() autotunes up front
+            return _train_loop(args, device, world, rank)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
+
+
+def _train_loop(
+    args: argparse.Namespace, device: torch.device, world: int, rank: int
+) -> DemoSummary:
     main_rank = rank == 0
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # warmup() runs the autotuning up front
     n_train = args.train_size or (2048 if device.type == "cpu" else 16384)
     n_val = max(256, n_train // 4)
 

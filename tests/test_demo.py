@@ -68,7 +68,9 @@ def test_text_summary_with_progress_auto_batch_and_fp32(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["--epochs", "1", "--train-size", "256", "--batch-size", "auto", "--dtype", "fp32"]
+    rng = torch.get_rng_state()
     assert main(argv) == 0
+    assert torch.equal(torch.get_rng_state(), rng)  # the demo seeds; the caller's RNG is kept
     captured = capsys.readouterr()
     out = captured.out
     for needle in ("device", "cpu", "dtype", "float32", "steps skipped", "samples/s", "peak mem"):
