@@ -2,26 +2,83 @@
 
 Five composable utilities, each a plain call, a decorator or a ``with`` block:
 :func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`
-and :func:`parallelize`, plus device detection and data-loading helpers.
+and :func:`parallelize`, plus device detection (:func:`device_info`) and
+data-loading helpers (:func:`prefetch`, :func:`loader_kwargs`).
+
+Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
+``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``.
 """
 
 from ._version import __version__
-from .device import DeviceLike, resolve_device
+from .amp import AutocastStep, StepResult, autocast_step
+from .data import loader_kwargs, prefetch
+from .device import DeviceLike, on_device, resolve_device
 from .exceptions import (
     BatchSizeSearchError,
     CudakitError,
     DeviceError,
     DistributedSetupError,
+    LaunchError,
+    MemoryReserveError,
     NonFiniteStepsError,
+    ReserveIgnoredWarning,
 )
+from .info import CudaDeviceInfo, DeviceInfo, device_info
+from .memory import MemoryReport, MemorySnapshot, memory_report, memory_snapshot
+from .parallel import (
+    choose_strategy,
+    distributed_loader,
+    is_main_process,
+    launch,
+    local_rank,
+    main_process_first,
+    parallelize,
+    process_group,
+    rank,
+    unwrap,
+    world_size,
+)
+from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmup
 
 __all__ = [
+    "AutocastStep",
     "BatchSizeSearchError",
+    "CudaDeviceInfo",
     "CudakitError",
     "DeviceError",
+    "DeviceInfo",
     "DeviceLike",
     "DistributedSetupError",
+    "LaunchError",
+    "MemoryReport",
+    "MemoryReserveError",
+    "MemorySnapshot",
     "NonFiniteStepsError",
+    "ReserveIgnoredWarning",
+    "StepResult",
+    "WarmupReport",
     "__version__",
+    "autocast_step",
+    "choose_strategy",
+    "device_info",
+    "distributed_loader",
+    "find_batch_size",
+    "is_main_process",
+    "launch",
+    "loader_kwargs",
+    "local_rank",
+    "main_process_first",
+    "memory_report",
+    "memory_snapshot",
+    "on_device",
+    "parallelize",
+    "prefetch",
+    "preserve_state",
+    "process_group",
+    "rank",
     "resolve_device",
+    "unwrap",
+    "warmed",
+    "warmup",
+    "world_size",
 ]
