@@ -538,7 +538,7 @@ class process_group(ContextDecorator):
             is available, else the CPU.
 
     Yields:
-        A :class:`ProcessGroupInfo`.
+        ProcessGroupInfo: what was set up (backend, rank, world size, whether it was created here).
 
     Raises:
         DistributedSetupError: no or an incomplete launcher environment, or NCCL missing.
