@@ -1,0 +1,36 @@
+"""README.md starts with the two commands, and CI runs the test command verbatim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```bash\n(.+?)\n```", text)
+
+
+def test_readme_starts_with_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    head = text.split("\n\n", 3)
+    assert head[0] == "# cudakit"
+    assert head[1].startswith("```bash\n")
+    assert head[2].startswith("```bash\n")
+    demo, tests = _commands()[:2]
+    assert demo.endswith("cudakit demo")
+    assert tests.endswith("python -m pytest")
+    for cmd in (demo, tests):
+        # the CPU wheel on this disk first, so no multi-GB CUDA build is pulled
+        assert "pip install torch==2.13.0 && pip install -e" in cmd
+
+
+def test_ci_runs_readme_test_command_verbatim() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _commands()[1] in ci.splitlines()
+    checks = ("ruff check .", "ruff format --check .", "mypy --strict cudakit/", "mkdocs build")
+    for check in checks:
+        assert check in ci
+    assert "set -euo pipefail" in ci
