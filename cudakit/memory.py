@@ -43,8 +43,9 @@ from typing_extensions import ParamSpec, Self
 
 from ._contextlib import ContextDecorator
 from ._units import format_bytes
-from .device import DeviceLike, resolve_device
+from .device import DeviceLike, _current_cuda_index, resolve_device
 from .exceptions import DeviceError
+from .warmup import is_oom_error
 
 __all__ = [
     "DeviceMemory",
@@ -92,6 +93,10 @@ class _TorchCuda:
     def device_count(self) -> int:
         return int(torch.cuda.device_count())
 
+    def current_index(self) -> int:
+        """This thread's current CUDA device, without starting CUDA (0 before it starts)."""
+        return _current_cuda_index()
+
     def stats(self, index: int) -> tuple[int, int, int, int]:
         """(allocated, reserved, peak allocated, peak reserved) since the last reset."""
         s = torch.cuda.memory_stats_as_nested_dict(index)
@@ -105,8 +110,9 @@ class _TorchCuda:
 
     def free_total(self, index: int) -> tuple[int | None, int | None]:
         """Free and total device memory, without creating a context on ``index``."""
+        # mem_get_info switches to ``index``, which creates a context there (CUDA 12).
         has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-        if has_ctx is None or has_ctx(index):
+        if has_ctx(index) if has_ctx is not None else index == torch.cuda.current_device():
             free, total = torch.cuda.mem_get_info(index)
             return int(free), int(total)
         return None, int(torch.cuda.get_device_properties(index).total_memory)
@@ -357,8 +363,15 @@ class MemoryReport:
     shared: bool = False
     history: str | None = None
     done: bool = dataclasses.field(default=False, repr=False, compare=False)
+    failed: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _devs(self) -> tuple[DeviceMemory, ...]:
+        if self.failed is not None:
+            raise RuntimeError(
+                f"memory report {self.label or ''!r} has no numbers: reading the memory "
+                f"counters when the block ended failed with {self.failed}. The block's own "
+                "error, if any, carries a note saying so; fix that error first."
+            )
         if not self.done:
             raise RuntimeError(
                 f"memory report {self.label or ''!r} is still open: its numbers exist once the "
@@ -449,6 +462,8 @@ class MemoryReport:
         return f"{head} {body}{tail}"
 
     def __str__(self) -> str:
+        if self.failed is not None:
+            return f"memory_report {self.label or ''!r} (no numbers: {self.failed})"
         if not self.done:
             return f"memory_report {self.label or ''!r} (still open)"
         rows = [
@@ -501,7 +516,7 @@ class MemoryReport:
         ['devices', 'elapsed', 'history', 'label', 'raised', 'shared']
         """
         self._devs()
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "done"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
         out["devices"] = [dataclasses.asdict(d) for d in self.devices]
         return out
 
@@ -684,6 +699,13 @@ def _close_frame(frame: _Frame) -> DeviceMemory:
 _CPU_TARGET: Final = (("cpu", -1),)
 
 
+def _follows_current(device: object) -> bool:
+    """Whether ``device=`` means "this thread's current CUDA device" rather than a fixed one."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda" and device.index is None
+    return device is None or (isinstance(device, str) and device in ("auto", "cuda"))
+
+
 def _targets(device: DeviceLike | Literal["all"], who: str) -> tuple[tuple[str, int], ...]:
     """Resolve ``device=`` to ``((name, cuda_index_or_-1), ...)``."""
     if device == "cpu":
@@ -707,6 +729,66 @@ def _targets(device: DeviceLike | Literal["all"], who: str) -> tuple[tuple[str, 
         f"{who}() measures CUDA devices and the CPU process, got device={device!r} ({dev.type}). "
         "Use device='cuda:N', 'all' or 'cpu' (on Apple MPS, 'cpu' reports the process's RSS)."
     )
+
+
+def _begin_history() -> None:
+    """Start the allocator history for the first open ``record_history`` report. Holds _LOCK."""
+    global _HISTORY_DEPTH
+    if _HISTORY_DEPTH == 0:
+        _cuda.start_history()
+    _HISTORY_DEPTH += 1
+
+
+def _end_history() -> None:
+    """Stop the allocator history when the last ``record_history`` report closes. Holds _LOCK."""
+    global _HISTORY_DEPTH
+    _HISTORY_DEPTH = max(0, _HISTORY_DEPTH - 1)
+    if _HISTORY_DEPTH == 0:
+        _cuda.stop_history()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        add_note(note)
+
+
+def _explain_oom(exc: BaseException, rep: MemoryReport) -> None:
+    """Add what the user needs to act on an out-of-memory error, once per device."""
+    noted: set[str] = getattr(exc, "_cudakit_memory_noted", set())
+    for d in rep.devices:
+        if d.device in noted or d.cuda_started is False:
+            continue  # an inner report already explained this device
+        noted.add(d.device)
+        if d.reserved_before is None:
+            _add_note(
+                exc,
+                f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak RSS "
+                f"{format_bytes(d.peak_allocated)} in this block (RSS "
+                f"{format_bytes(d.allocated_before)} at its start); available system "
+                f"memory {format_bytes(d.free)} of {format_bytes(d.total)}.",
+            )
+            continue
+        try:
+            largest = _cuda.largest_free_block(int(d.device.split(":")[1]))
+        except Exception:
+            largest = None
+        cached = (d.reserved_after or 0) - d.allocated_after
+        _add_note(
+            exc,
+            f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak allocated "
+            f"{format_bytes(d.peak_allocated)} in this block ({_signed(d.peak_increase)} over "
+            f"its start); now allocated {format_bytes(d.allocated_after)}, reserved "
+            f"{format_bytes(d.reserved_after)} ({format_bytes(cached)} cached but unused); "
+            f"largest free cached block {format_bytes(largest)}; device free "
+            f"{format_bytes(d.free)} of {format_bytes(d.total)}. If cached-but-unused is "
+            "large the cache is fragmented: set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Otherwise lower the batch "
+            "size (cudakit.warmup.find_batch_size) or use mixed precision (autocast_step); "
+            f"record_history='oom.pickle' shows what held the memory ({_MEMORY_VIZ}).",
+        )
+    with contextlib.suppress(AttributeError, TypeError):
+        exc._cudakit_memory_noted = noted  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- reporter
@@ -830,6 +912,7 @@ class MemoryReporter(ContextDecorator):
         self._every = every
         self._history = None if record_history is None else os.fspath(record_history)
         self._targets = _targets if _targets is not None else self._resolve()
+        self._follow = _follows_current(device)
         self._agg_ = _agg  # created on first use: most `with` reports never need it
         self._frames: list[_Frame] | None = None
         self._report: MemoryReport | None = None
@@ -895,7 +978,13 @@ class MemoryReporter(ContextDecorator):
         return wrapped  # type: ignore[no-any-return]
 
     def __enter__(self) -> MemoryReport:
-        global _HISTORY_DEPTH
+        targets = self._targets
+        if self._follow and targets[0][1] >= 0:
+            # device=None/"auto"/"cuda" follows this thread's current device, which may
+            # have changed since decoration (torch.cuda.set_device(local_rank) in DDP).
+            index = _cuda.current_index()
+            if index != targets[0][1]:
+                targets = self._targets = ((f"cuda:{index}", index),)
         rep = MemoryReport(self.label)
         with _LOCK:
             if self._frames is not None:
@@ -904,11 +993,21 @@ class MemoryReporter(ContextDecorator):
                     "measures one block at a time. For a nested block write a new "
                     "`with memory_report(...)`, or decorate the function with @memory_report."
                 )
-            if self._history is not None:
-                if _HISTORY_DEPTH == 0:
-                    _cuda.start_history()
-                _HISTORY_DEPTH += 1
-            self._frames = [_open_frame(name, index) for name, index in self._targets]
+            frames: list[_Frame] = []
+            recording = False
+            try:
+                if self._history is not None:
+                    _begin_history()
+                    recording = True
+                for name, index in targets:
+                    frames.append(_open_frame(name, index))
+            except BaseException:
+                for f in frames:  # leave no half-opened report behind
+                    _OPEN[f.device].remove(f)
+                if recording:
+                    _end_history()
+                raise
+            self._frames = frames
         self._report = rep
         self._t0 = time.perf_counter()
         return rep
@@ -919,80 +1018,62 @@ class MemoryReporter(ContextDecorator):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        global _HISTORY_DEPTH
         elapsed = time.perf_counter() - self._t0
         frames, rep = self._frames, self._report
         if frames is None or rep is None:
             raise RuntimeError(
                 "memory_report.__exit__ called without __enter__; use `with memory_report():`."
             )
+        read_error: BaseException | None = None
         history_error: BaseException | None = None
+        devices: list[DeviceMemory] = []
         with _LOCK:
-            devices = tuple(_close_frame(f) for f in frames)
-            shared = any(f.shared for f in frames)
+            self._frames = None
+            self._report = None
+            for f in frames:  # _close_frame unregisters the frame before it reads anything
+                try:
+                    devices.append(_close_frame(f))
+                except Exception as e:  # e.g. a sticky CUDA error after a device-side assert
+                    read_error = read_error or e
             if self._history is not None:
                 try:
                     _cuda.dump_history(self._history)
                 except Exception as e:  # report the block anyway, then raise below
                     history_error = e
-                _HISTORY_DEPTH = max(0, _HISTORY_DEPTH - 1)
-                if _HISTORY_DEPTH == 0:
-                    _cuda.stop_history()
-            self._frames = None
-            self._report = None
-        rep.devices = devices
+                finally:
+                    _end_history()
+        if read_error is not None:
+            rep.failed = f"{type(read_error).__name__}: {read_error}"
+            msg = (
+                f"memory_report {rep.label or ''!r} has no numbers: reading the memory "
+                f"counters failed with {rep.failed}"
+            )
+            if exc is None:
+                raise RuntimeError(msg) from read_error
+            _add_note(exc, f"cudakit.{msg}")  # the block's own error goes on unchanged
+            return
+        rep.devices = tuple(devices)
         rep.elapsed = elapsed
         rep.raised = None if exc_type is None else exc_type.__qualname__
-        rep.shared = shared
+        rep.shared = any(f.shared for f in frames)
         rep.history = self._history if history_error is None else None
         rep.done = True
-        if exc is not None and isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-            self._explain_oom(exc, rep)
+        if exc is not None and is_oom_error(exc):
+            _explain_oom(exc, rep)
         if self._file is None and self._log is None:
             self._agg.count(rep)  # silent: keep .last and .calls, format nothing
         else:
             line = self._agg.add(rep)
             if line is not None:
                 self._write(line)
-        if history_error is not None and exc is None:
-            raise RuntimeError(
+        if history_error is not None:
+            msg = (
                 f"memory_report could not write the allocator history to {self._history!r}: "
                 f"{history_error}. Check that the directory exists and is writable."
-            ) from history_error
-
-    def _explain_oom(self, exc: BaseException, rep: MemoryReport) -> None:
-        add_note = getattr(exc, "add_note", None)
-        if add_note is None or getattr(exc, "_cudakit_memory_noted", False):
-            return  # Python 3.10, or an inner report already explained it
-        exc._cudakit_memory_noted = True  # type: ignore[attr-defined]
-        for d in rep.devices:
-            if d.reserved_before is None:
-                add_note(
-                    f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak RSS "
-                    f"{format_bytes(d.peak_allocated)} in this block (RSS "
-                    f"{format_bytes(d.allocated_before)} at its start); available system "
-                    f"memory {format_bytes(d.free)} of {format_bytes(d.total)}."
-                )
-                continue
-            if d.cuda_started is False:
-                continue
-            try:
-                largest = _cuda.largest_free_block(int(d.device.split(":")[1]))
-            except Exception:
-                largest = None
-            cached = (d.reserved_after or 0) - d.allocated_after
-            add_note(
-                f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak allocated "
-                f"{format_bytes(d.peak_allocated)} in this block ({_signed(d.peak_increase)} over "
-                f"its start); now allocated {format_bytes(d.allocated_after)}, reserved "
-                f"{format_bytes(d.reserved_after)} ({format_bytes(cached)} cached but unused); "
-                f"largest free cached block {format_bytes(largest)}; device free "
-                f"{format_bytes(d.free)} of {format_bytes(d.total)}. If cached-but-unused is "
-                "large the cache is fragmented: set "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Otherwise lower the batch "
-                "size (cudakit.warmup.find_batch_size) or use mixed precision (autocast_step); "
-                f"record_history='oom.pickle' shows what held the memory ({_MEMORY_VIZ})."
             )
+            if exc is None:
+                raise RuntimeError(msg) from history_error
+            _add_note(exc, f"cudakit.{msg}")
 
     def _write(self, line: str) -> None:
         file = self._file

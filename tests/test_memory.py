@@ -47,6 +47,7 @@ class FakeCuda:
     def __init__(self, count: int = 1, initialized: bool = True) -> None:
         self.count = count
         self.initialized = initialized
+        self.current = 0  # torch.cuda.current_device() of the calling thread
         self.alloc = [0] * count
         self.res = [0] * count
         self.peak_a = [0] * count
@@ -77,6 +78,9 @@ class FakeCuda:
 
     def device_count(self) -> int:
         return self.count
+
+    def current_index(self) -> int:
+        return self.current
 
     def stats(self, i: int) -> tuple[int, int, int, int]:
         if not self.initialized:
@@ -351,6 +355,44 @@ def test_device_index_selects_that_device(fake2: FakeCuda) -> None:
     assert rep.peak_allocated == 5 * MiB
 
 
+def test_default_device_follows_the_current_device_at_each_call(fake2: FakeCuda) -> None:
+    # A decorator (or a reused reporter) made before torch.cuda.set_device(local_rank)
+    # must measure the device current when it runs, not the one current at decoration.
+    @memory_report(file=None)
+    def step() -> None:
+        fake2.malloc(5 * MiB, fake2.current)
+
+    reused = memory_report(file=None)
+    pinned = memory_report(device="cuda:0", file=None)
+    fake2.current = 1
+    step()
+    last = step.memory_report.last
+    assert last is not None
+    assert (last.device, last.peak_allocated) == ("cuda:1", 5 * MiB)
+    with reused as rep, pinned as rep0:
+        fake2.malloc(7 * MiB, 1)
+    assert (rep.device, rep.peak_increase) == ("cuda:1", 7 * MiB)
+    assert (rep0.device, rep0.peak_increase) == ("cuda:0", 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "follows"),
+    [
+        (None, True),
+        ("auto", True),
+        ("cuda", True),
+        (torch.device("cuda"), True),
+        ("cuda:0", False),
+        (0, False),
+        (torch.device("cuda", 1), False),
+        ("cpu", False),
+        ("all", False),
+    ],
+)
+def test_which_device_specs_follow_the_current_device(device: Any, follows: bool) -> None:
+    assert mem._follows_current(device) is follows
+
+
 def test_device_all_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mem, "_cuda", FakeCuda(count=0))
     with pytest.raises(DeviceError, match=r"device='all'.*CUDA is not available.*device=None"):
@@ -428,6 +470,86 @@ def test_cpu_memory_error_gets_a_note(fcpu: FakeCpu) -> None:
     with pytest.raises(MemoryError) as info:
         _run_in(memory_report(device="cpu", file=None), body, [])
     assert "peak RSS 400.00 MiB" in info.value.__notes__[0]
+
+
+def test_real_cpu_allocator_failure_gets_a_note() -> None:
+    # torch raises a RuntimeError (not MemoryError) when the CPU allocator fails.
+    with (
+        pytest.raises(RuntimeError, match="DefaultCPUAllocator") as info,
+        memory_report("huge", device="cpu", file=None),
+    ):
+        torch.empty(2**50, dtype=torch.uint8)
+    assert any("memory_report 'huge' on cpu: peak RSS" in n for n in info.value.__notes__)
+
+
+def test_oom_note_once_per_device_across_nested_reports(fake: FakeCuda) -> None:
+    err = torch.OutOfMemoryError("CUDA out of memory")
+    with (
+        pytest.raises(torch.OutOfMemoryError) as info,
+        memory_report("gpu", file=None),
+        memory_report("host", device="cpu", file=None),
+    ):
+        raise err
+    notes = info.value.__notes__
+    assert len(notes) == 2
+    assert "'host' on cpu" in notes[0]
+    assert "'gpu' on cuda:0" in notes[1]
+
+
+def test_other_errors_get_no_memory_note(fake: FakeCuda) -> None:
+    with pytest.raises(RuntimeError, match="shapes") as info, memory_report(file=None):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert not getattr(info.value, "__notes__", None)
+
+
+def test_failure_while_opening_leaves_nothing_open(fake2: FakeCuda) -> None:
+    real_stats = fake2.stats
+
+    def stats(i: int) -> tuple[int, int, int, int]:
+        if i == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return real_stats(i)
+
+    fake2.stats = stats  # type: ignore[method-assign]
+    r = memory_report(device="all", file=None, record_history="h.pickle")
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        r.__enter__()
+    assert not mem._OPEN.get("cuda:0")  # the frame opened for cuda:0 was rolled back
+    assert fake2.calls[-1] == "stop_history"
+    fake2.stats = real_stats  # type: ignore[method-assign]
+    with r as rep:  # the object is usable again
+        fake2.malloc(MiB, 1)
+    assert rep.devices[1].peak_allocated == MiB
+
+
+def test_failure_while_closing_does_not_replace_the_blocks_error(fake: FakeCuda) -> None:
+    # After a device-side assert every CUDA call fails; the user's error must go on unchanged.
+    err = IndexError("target 12 is out of bounds")
+    r = memory_report("step", file=None)
+    reps: list[MemoryReport] = []
+
+    def body() -> None:
+        fake.free_total = _raise_cuda_error  # type: ignore[method-assign]
+        raise err
+
+    with pytest.raises(IndexError) as info:
+        _run_in(r, body, reps)
+    assert info.value is err
+    assert (
+        "'step' has no numbers: reading the memory counters failed with RuntimeError: CUDA "
+        in (info.value.__notes__[0])
+    )
+    with pytest.raises(RuntimeError, match=r"'step' has no numbers.*device-side assert"):
+        _ = reps[0].peak_allocated
+    assert "no numbers" in str(reps[0])
+    # without an error in the block, the failure itself is raised
+    with pytest.raises(RuntimeError, match=r"'step' has no numbers.*device-side") as info2, r:
+        pass
+    assert isinstance(info2.value.__cause__, RuntimeError)
+
+
+def _raise_cuda_error(i: int) -> tuple[int, int]:
+    raise RuntimeError("CUDA error: device-side assert triggered")
 
 
 # --------------------------------------------------------------------------- CPU fallback
@@ -850,6 +972,19 @@ def test_record_history_write_failure_is_a_clear_error(fake: FakeCuda) -> None:
         memory_report(file=None, record_history="/nope/x.pickle"),
     ):
         pass
+    assert fake.calls[-1] == "stop_history"
+
+
+def test_record_history_write_failure_after_an_error_is_a_note(fake: FakeCuda) -> None:
+    fake.history_error = PermissionError("read-only file system")
+    err = ValueError("bad batch")
+    with (
+        pytest.raises(ValueError, match="bad batch") as info,
+        memory_report(file=None, record_history="/ro/x.pickle"),
+    ):
+        raise err
+    assert info.value is err
+    assert "could not write the allocator history to '/ro/x.pickle'" in info.value.__notes__[0]
     assert fake.calls[-1] == "stop_history"
 
 
