@@ -7,6 +7,7 @@ optimizers, nested containers) onto it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -207,6 +208,7 @@ class _Bad(Exception):
         self.exc_type = exc_type
         self.message = message
         self.path: list[str] = []  # innermost first
+        self.cause: BaseException | None = None  # chained to the user-facing error
 
     def add(self, step: str, container_id: int) -> None:
         self.path.append(step)
@@ -216,6 +218,28 @@ class _Bad(Exception):
 
     def render(self, root: str) -> str:
         return self.message.replace("{where}", self.where(root))
+
+
+def _meta_copy_error(err: Exception, c: _Ctx) -> _Bad:
+    """The user-facing error for copying a meta tensor; any other error is re-raised."""
+    if not isinstance(err, NotImplementedError) or "meta tensor" not in str(err):
+        raise err
+    bad = _Bad(
+        ValueError,
+        f"on_device() cannot copy the tensor at {{where}} from the meta device to {c.device}: "
+        "meta tensors have a shape but no data. Create it on the target device instead "
+        "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
+        "`module.to_empty(device=...)` and then initialise or load its weights.",
+    )
+    bad.cause = err
+    return bad
+
+
+def _located(err: Exception, step: str, container_id: int, c: _Ctx) -> _Bad:
+    """``err``, raised inside a container, as a :class:`_Bad` with ``step`` added to its path."""
+    bad = err if isinstance(err, _Bad) else _meta_copy_error(err, c)
+    bad.add(step, container_id)
+    return bad
 
 
 class _Cycle(_Bad):
@@ -339,9 +363,8 @@ def _dict(x: dict[Any, Any], c: _Ctx) -> Any:
                     continue
             changed = True
             out[k] = nv
-    except _Bad as e:
-        e.add(f"[{k!r}]", i)
-        raise
+    except (_Bad, NotImplementedError) as e:
+        raise _located(e, f"[{k!r}]", i, c) from None
     res = out if changed else x
     memo[i] = res
     return res
@@ -386,9 +409,8 @@ def _seq(x: list[Any] | tuple[Any, ...], c: _Ctx) -> list[Any] | None:
                 append(nv)
                 if nv is not v:
                     changed = True
-    except _Bad as e:
-        e.add(f"[{len(out)}]", id(x))
-        raise
+    except (_Bad, NotImplementedError) as e:
+        raise _located(e, f"[{len(out)}]", id(x), c) from None
     return out if changed else None
 
 
@@ -470,8 +492,6 @@ def _list_subclass(x: list[Any], c: _Ctx) -> Any:
         res: Any = x
     else:
         # copy.copy keeps instance attributes; then swap the items.
-        import copy
-
         try:
             res = copy.copy(x)
             res[:] = out
@@ -494,9 +514,8 @@ def _mapping_items(x: Mapping[Any, Any], c: _Ctx) -> dict[Any, Any] | None:
             nv = h(v, c) if h is not None else _slow(v, c)
             if nv is not v:
                 changed[k] = nv
-    except _Bad as e:
-        e.add(f"[{k!r}]", i)
-        raise
+    except (_Bad, NotImplementedError) as e:
+        raise _located(e, f"[{k!r}]", i, c) from None
     return changed or None
 
 
@@ -510,8 +529,6 @@ def _dict_subclass(x: dict[Any, Any], c: _Ctx) -> Any:
     if changed is None:
         res: Any = x
     else:
-        import copy
-
         try:
             res = copy.copy(x)
             for k, nv in changed.items():
@@ -545,9 +562,8 @@ def _set(x: set[Any] | frozenset[Any], c: _Ctx) -> Any:
         return hit
     try:
         out = [_move(v, c) for v in x]
-    except _Bad as e:
-        e.add("{...}", id(x))
-        raise
+    except (_Bad, NotImplementedError) as e:
+        raise _located(e, "{...}", id(x), c) from None
     if all(map(operator.is_, out, x)):
         res: Any = x
     else:
@@ -575,16 +591,13 @@ def _dataclass(x: Any, c: _Ctx) -> Any:
             nv = _move(v, c)
             if nv is not v:
                 updates.append((name, nv))
-    except _Bad as e:
-        e.add(f".{name}", id(x))
-        raise
+    except (_Bad, NotImplementedError) as e:
+        raise _located(e, f".{name}", id(x), c) from None
     if not updates:
         res: Any = x
     else:
         # A shallow copy with the moved fields written back: works for frozen and slotted
         # dataclasses and init=False fields, and does not rerun __init__/__post_init__.
-        import copy
-
         try:
             res = copy.copy(x)
             for name, nv in updates:
@@ -653,9 +666,8 @@ def _optimizer(opt: torch.optim.Optimizer, c: _Ctx) -> Any:
                 continue
             try:
                 nv = _move(v, c)
-            except _Bad as e:
-                e.add(f".state[<param {tuple(p.shape)}>][{k!r}]", id(opt))
-                raise
+            except (_Bad, NotImplementedError) as e:
+                raise _located(e, f".state[<param {tuple(p.shape)}>][{k!r}]", id(opt), c) from None
             if nv is not v:
                 updates.append((state, k, nv))
     if updates:
@@ -834,17 +846,9 @@ def _traverse(x: Any, c: _Ctx, root: str) -> Any:
     """Move ``x`` within ``c``, turning internal errors into the user-facing ones."""
     try:
         return _move(x, c)
-    except _Bad as e:
-        raise e.exc_type(e.render(root)) from None
-    except NotImplementedError as err:
-        if "meta tensor" not in str(err):
-            raise
-        raise ValueError(
-            f"on_device() cannot copy a tensor in {root} from the meta device to {c.device}: "
-            "meta tensors have a shape but no data. Create it on the target device instead "
-            "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
-            "`module.to_empty(device=...)` and then initialise or load its weights."
-        ) from err
+    except (_Bad, NotImplementedError) as e:
+        bad = e if isinstance(e, _Bad) else _meta_copy_error(e, c)
+        raise bad.exc_type(bad.render(root)) from bad.cause
 
 
 def _move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:

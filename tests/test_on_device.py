@@ -532,12 +532,35 @@ def test_iterator_error() -> None:
         on_device(iter([torch.ones(1)]), device="meta")
 
 
-def test_meta_tensor_error() -> None:
+@pytest.mark.parametrize(
+    ("make", "where"),
+    [
+        (lambda t: t, "obj"),
+        (lambda t: [1, t], r"obj\[1\]"),
+        (lambda t: {"a": (0, {"b": t})}, r"obj\['a'\]\[1\]\['b'\]"),
+        (lambda t: Record(Pair(t, 1)), r"obj\.value\[0\]"),
+        (lambda t: OrderedDict(x=[t]), r"obj\['x'\]\[0\]"),
+        (lambda t: frozenset([t]), r"obj\{\.\.\.\}"),
+        (lambda t: torch.nn.Parameter(t), "obj"),
+    ],
+)
+def test_meta_tensor_error_names_where(make: Any, where: str) -> None:
     with pytest.raises(
         ValueError,
-        match=r"cannot copy a tensor in obj from the meta device to cpu: .*`torch\.empty_like",
-    ):
-        on_device([torch.ones(1, device="meta")], device="cpu")
+        match=rf"cannot copy the tensor at {where} from the meta device to cpu: "
+        r".*`torch\.empty_like",
+    ) as info:
+        on_device(make(torch.ones(1, device="meta")), device="cpu")
+    assert isinstance(info.value.__cause__, NotImplementedError)  # torch's own error kept
+
+
+def test_other_not_implemented_errors_pass_through() -> None:
+    class Unsupported:
+        def to(self, device: torch.device, non_blocking: bool = False) -> None:
+            raise NotImplementedError("no such backend")
+
+    with pytest.raises(NotImplementedError, match="no such backend"):
+        on_device([Unsupported()], device="meta")
 
 
 def test_packed_sequence_uses_its_to() -> None:
