@@ -614,6 +614,30 @@ def _same_place(t: torch.Tensor, device: torch.device) -> bool:
     return d == device or (index is None and d.type == device.type)
 
 
+_IN_PLACE: dict[tuple[torch.device, torch.device], bool] = {}
+
+
+def _moved_in_place(p: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``Module.to(device)`` keeps the Parameter object ``p`` (``Module._apply``'s rule).
+
+    It does with ``torch.__future__``'s swap flag, and when the old and new tensors have
+    compatible types (CPU and CUDA: ``param.data`` is swapped); not for ``meta`` or when
+    the overwrite flag is set, where the module gets a new Parameter.
+    """
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return True
+    if type(p) is not torch.nn.Parameter or (
+        torch.__future__.get_overwrite_module_params_on_conversion()
+    ):
+        return False
+    key = (p.device, device)
+    kept = _IN_PLACE.get(key)
+    if kept is None:
+        probe = torch.empty(0, dtype=p.dtype, device=device)
+        kept = _IN_PLACE[key] = bool(torch._has_compatible_shallow_copy_type(p, probe))
+    return kept
+
+
 def _module(m: torch.nn.Module, c: _Ctx) -> Any:
     if id(m) in c.memo:
         return m
@@ -635,6 +659,10 @@ def _module(m: torch.nn.Module, c: _Ctx) -> Any:
             if not _same_place(t, device):
                 needs_move = True
                 sources.add(t.device)
+                if kind == "parameter" and _moved_in_place(t, device):
+                    # Module.to keeps this Parameter object: the same tensor found
+                    # elsewhere in the input after the module is shared, not copied.
+                    c.memo.setdefault(id(t), t)
     if needs_move:
         nb = c.nb
         if c.track:
@@ -689,8 +717,12 @@ def _duck(x: Any, c: _Ctx) -> Any:
     nb = c.nb and not c.track
     try:
         res = x.to(c.device, non_blocking=nb)
-    except TypeError:
-        res = x.to(c.device)  # a .to() that does not take non_blocking
+    except TypeError as err:
+        # Only a .to() that does not take non_blocking is called again without it; any
+        # other TypeError is the object's own and must not be hidden by a second call.
+        if "non_blocking" not in str(err):
+            raise
+        res = x.to(c.device)
     c.memo[id(x)] = res
     return res
 
@@ -873,6 +905,19 @@ class OnDeviceDecorator:
     >>> where(torch.ones(2), y={"t": torch.zeros(1)})
     (device(type='meta'), device(type='meta'))
 
+    ``@on_device`` may sit above or below ``@staticmethod`` and ``@classmethod``; the
+    class of a classmethod is never moved.
+
+    Args:
+        device: Target, as for :func:`resolve_device`. A misspelt name, a wrong type or
+            a negative index fails at decoration; whether the device exists here is
+            checked at each call, so decorated code imports on any machine.
+        non_blocking: As for :func:`on_device`.
+
+    Raises:
+        DeviceError: ``device`` is misspelt or a negative index.
+        TypeError: ``device`` or ``non_blocking`` has the wrong type.
+
     .. versionadded:: 0.1
     """
 
@@ -888,16 +933,35 @@ class OnDeviceDecorator:
             except (RuntimeError, ValueError):
                 resolve_device(device)  # raises DeviceError with a suggestion
                 raise  # pragma: no cover - resolve_device always raises here
-        elif device is not None and not isinstance(device, (int, torch.device)):
+        elif isinstance(device, bool) or not isinstance(device, (int, torch.device, type(None))):
             resolve_device(device)  # raises TypeError naming the accepted types
+        elif isinstance(device, int) and device < 0:
+            resolve_device(device)  # raises DeviceError: a negative index is never valid
         self.device = device
         self.non_blocking = non_blocking
 
     def __repr__(self) -> str:
         return f"on_device(device={self.device!r}, non_blocking={self.non_blocking!r})"
 
-    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        """Wrap ``func`` so that its arguments are moved before every call."""
+    @overload
+    def __call__(self, func: staticmethod[P, R]) -> staticmethod[P, R]: ...
+    @overload
+    def __call__(self, func: classmethod[T, P, R]) -> classmethod[T, P, R]: ...
+    @overload
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]: ...
+    def __call__(self, func: Any) -> Any:
+        """Wrap ``func`` so that its arguments are moved before every call.
+
+        ``staticmethod`` and ``classmethod`` objects are unwrapped, decorated and
+        wrapped again, so ``@on_device`` may sit above or below them.
+
+        Raises:
+            TypeError: ``func`` is not callable.
+        """
+        if isinstance(func, staticmethod):
+            return staticmethod(self._wrap(func.__func__, skip=0))
+        if isinstance(func, classmethod):
+            return classmethod(self._wrap(func.__func__, skip=1))
         if not callable(func):
             raise TypeError(
                 f"on_device(...) used as a decorator expects a function, got "
@@ -908,7 +972,9 @@ class OnDeviceDecorator:
             params = list(inspect.signature(func).parameters)
         except (TypeError, ValueError):
             params = []
-        skip = 1 if params and params[0] in ("self", "cls") else 0
+        return self._wrap(func, skip=1 if params and params[0] in ("self", "cls") else 0)
+
+    def _wrap(self, func: Callable[P, R], *, skip: int) -> Callable[P, R]:
         spec, non_blocking = self.device, self.non_blocking
         name = getattr(func, "__qualname__", type(func).__name__)
 
@@ -1016,7 +1082,7 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
         return OnDeviceDecorator(device, non_blocking)
     if len(objs) == 1:
         obj = objs[0]
-        if isinstance(obj, (types.FunctionType, types.MethodType)):
+        if isinstance(obj, (types.FunctionType, types.MethodType, staticmethod, classmethod)):
             return OnDeviceDecorator(device, non_blocking)(obj)
         if device is None and isinstance(obj, (str, torch.device)):
             return OnDeviceDecorator(obj, non_blocking)

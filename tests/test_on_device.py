@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import types
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
@@ -164,6 +165,70 @@ def test_module_moved_in_place_and_returned() -> None:
     assert out is model
     assert all(p.device == META for p in model.parameters())
     assert all(b.device == META for b in model.buffers())
+
+
+@pytest.fixture
+def swap_params_on_conversion() -> Iterator[None]:
+    """torch.__future__'s swap flag: Module.to keeps Parameter objects even to `meta`."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _model_and_sgd() -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.SGD]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    params = list(model.parameters())
+    return model, params, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _check_params_kept(model: torch.nn.Module, params: list[Any], opt: Any, dev: Any) -> None:
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert all(type(p) is torch.nn.Parameter and p.device == dev for p in params)
+    # the optimizer still updates the model's parameters, not stale copies
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params, strict=True))
+
+
+@pytest.mark.usefixtures("swap_params_on_conversion")
+def test_module_move_keeps_parameter_objects_and_optimizer_links() -> None:
+    model, params, opt = _model_and_sgd()
+    on_device(model, opt, device="meta")
+    _check_params_kept(model, params, opt, META)
+
+
+@pytest.mark.usefixtures("swap_params_on_conversion")
+def test_parameter_after_its_module_is_shared_not_copied() -> None:
+    model = torch.nn.Linear(2, 2)
+    weight = model.weight
+    out = on_device({"model": model, "w": weight, "ws": [weight]}, device="meta")
+    assert out["w"] is weight is model.weight  # moved in place with the module, shared
+    assert out["ws"][0] is weight
+    assert weight.device == META
+
+
+def test_moved_in_place_follows_module_apply() -> None:
+    # the prediction agrees with what Module.to really does, flag by flag
+    for swap in (False, True):
+        before = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        try:
+            model = torch.nn.Linear(2, 2)
+            weight = model.weight
+            predicted = device_mod._moved_in_place(weight, META)
+            model.to(META)
+            assert predicted is (model.weight is weight) is swap
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_parameter_next_to_its_module_without_swap_flag() -> None:
+    # Module.to("meta") gives the module new Parameters; the loose one is moved as well
+    model = torch.nn.Linear(2, 2)
+    out = on_device({"model": model, "w": model.weight}, device="meta")
+    assert out["w"].device == META
+    assert model.weight.device == META
 
 
 def test_loss_module_with_buffers() -> None:
@@ -416,6 +481,19 @@ def test_objects_with_to() -> None:
 def test_objects_whose_to_rejects_non_blocking() -> None:
     out = on_device(HasOldTo(torch.ones(1)), device="meta", non_blocking=True)
     assert out.t.device == META
+
+
+def test_a_to_that_raises_type_error_is_not_called_twice() -> None:
+    calls: list[object] = []
+
+    class Picky:
+        def to(self, device: torch.device, non_blocking: bool = False) -> Picky:
+            calls.append(device)
+            raise TypeError("Picky.to wants a dtype too")
+
+    with pytest.raises(TypeError, match="Picky.to wants a dtype too"):
+        on_device([Picky()], device="meta")
+    assert calls == [META]
 
 
 def test_other_leaves_are_the_same_objects() -> None:
@@ -719,9 +797,65 @@ def test_decorating_for_missing_cuda_fails_at_call_time_not_import_time() -> Non
         f(torch.ones(1))
 
 
-def test_decorator_bad_device_type() -> None:
+@pytest.mark.parametrize("device", [1.5, True, [0]])
+def test_decorator_bad_device_type(device: Any) -> None:
     with pytest.raises(TypeError, match="device must be a torch.device"):
-        on_device(device=1.5)  # type: ignore[call-overload]
+        on_device(device=device)
+
+
+def test_decorator_negative_index_fails_at_decoration() -> None:
+    with pytest.raises(DeviceError, match="negative CUDA index"):
+        on_device(device=-1)
+
+
+def test_decorator_keeps_the_signature() -> None:
+    def f(x: torch.Tensor, /, y: int = 2, *, z: Any = None) -> int:
+        return y
+
+    wrapped = on_device("meta")(f)
+    assert inspect.signature(wrapped) == inspect.signature(f)
+    assert wrapped.__annotations__ == f.__annotations__
+
+
+class WithMethods:
+    """@on_device above and below staticmethod/classmethod, bare and with a device."""
+
+    @on_device("meta")
+    @staticmethod
+    def static_below(x: torch.Tensor) -> torch.device:
+        return x.device
+
+    @staticmethod
+    @on_device("meta")
+    def static_above(x: torch.Tensor) -> torch.device:
+        return x.device
+
+    @on_device
+    @staticmethod
+    def static_bare(x: torch.Tensor) -> torch.device:
+        return x.device
+
+    @on_device("meta")
+    @classmethod
+    def class_below(klass, x: torch.Tensor) -> tuple[type, torch.device]:
+        return klass, x.device
+
+    @on_device(device="meta")
+    @classmethod
+    def class_kw(cls, x: torch.Tensor) -> tuple[type, torch.device]:
+        return cls, x.device
+
+
+@pytest.mark.parametrize("via_instance", [False, True])
+def test_decorator_on_static_and_class_methods(via_instance: bool) -> None:
+    owner: Any = WithMethods() if via_instance else WithMethods
+    t = torch.ones(1)
+    assert owner.static_below(t) == META
+    assert owner.static_above(t) == META
+    assert owner.static_bare(t) == resolve_device()
+    assert isinstance(WithMethods.__dict__["static_bare"], staticmethod)
+    assert owner.class_below(t) == (WithMethods, META)  # the class is not moved
+    assert owner.class_kw(t) == (WithMethods, META)
 
 
 def test_no_arguments_gives_a_decorator() -> None:
@@ -784,6 +918,15 @@ def test_cuda_capturable_optimizer_step_moves_with_params() -> None:
         assert s["step"].is_cuda
     model(torch.ones(1, 3, device="cuda")).sum().backward()
     opt.step()
+
+
+@pytest.mark.cuda
+def test_cuda_module_move_keeps_parameter_objects_and_shares_them() -> None:
+    model, params, opt = _model_and_sgd()
+    weight = params[0]
+    _m, out, _o = on_device(model, {"w": weight}, opt, device="cuda")
+    _check_params_kept(model, params, opt, resolve_device("cuda"))
+    assert out["w"] is weight  # not a second copy on the GPU
 
 
 @pytest.mark.cuda
