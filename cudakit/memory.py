@@ -130,6 +130,8 @@ class _TorchCuda:
         return best
 
     def start_history(self) -> None:
+        # The allocator records only for devices it has set up: start CUDA first (asked for).
+        torch.cuda.init()
         torch.cuda.memory._record_memory_history(enabled="all", max_entries=100_000)
 
     def dump_history(self, path: str) -> None:
@@ -142,7 +144,10 @@ class _TorchCuda:
 class _ProcCpu:
     """Resident memory of this process, read cheaply from ``/proc`` (Linux)."""
 
+    forks = 0  # incremented in every forked child
+
     def __init__(self) -> None:
+        self._forks = -1
         self._pid = -1
         self._status = -1
         self._statm = -1
@@ -157,9 +162,11 @@ class _ProcCpu:
 
     def _open(self) -> None:
         # Cached descriptors; reopened after fork (``/proc/self`` is resolved at open time).
-        pid = os.getpid()
-        if pid == self._pid:
+        # A fork bumps ``forks`` (see _after_fork), which is cheaper than os.getpid() per read.
+        if self._forks == _ProcCpu.forks:
             return
+        self._forks = _ProcCpu.forks
+        pid = os.getpid()
         for fd in (self._status, self._statm, self._clear, self._meminfo):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -199,6 +206,9 @@ class _ProcCpu:
     def rss(self) -> int:
         """Resident set size now (``/proc/self/statm``: the cheapest read)."""
         self._open()
+        return self._rss()
+
+    def _rss(self) -> int:
         if self._statm < 0:
             return self._maxrss()
         return int(os.pread(self._statm, 128, 0).split()[1]) * self.page
@@ -220,7 +230,7 @@ class _ProcCpu:
     def rss_peak(self) -> tuple[int, int]:
         """(RSS, peak RSS since the last reset or process start)."""
         self._open()
-        return self.rss(), self.peak()
+        return self._rss(), self.peak()
 
     def reset_peak(self, rss_before: int) -> bool:
         """Reset the peak RSS to the current RSS; False where the kernel refuses."""
@@ -617,6 +627,7 @@ _HISTORY_DEPTH = 0
 
 def _after_fork() -> None:
     global _LOCK, _HISTORY_DEPTH
+    _ProcCpu.forks += 1  # reopen /proc/self descriptors: they still name the parent
     _LOCK = threading.Lock()
     _OPEN.clear()
     _HISTORY_DEPTH = 0
@@ -802,11 +813,13 @@ class _Aggregate:
         self.lock = threading.Lock()
         self.calls = 0
         self.last: MemoryReport | None = None
-        self._reset(_monotonic())
+        self.n = 0
+        self.first: MemoryReport | None = None
+        self.since: float | None = None  # the output window starts at the first add()
 
     def _reset(self, now: float) -> None:
         self.n = 0
-        self.first: MemoryReport | None = None
+        self.first = None
         self.peak_max = 0
         self.peak_sum = 0
         self.delta_sum = 0
@@ -826,6 +839,10 @@ class _Aggregate:
             self.calls += 1
             self.last = rep
             now = _monotonic()
+            since = self.since
+            if since is None:  # the first report opens the first window
+                self._reset(now)
+                since = now
             if rep.raised is not None:
                 return rep.line()  # failures are rare and always worth a line
             if self.n == 0:
@@ -840,7 +857,7 @@ class _Aggregate:
             due = (
                 self.n >= self.every
                 if self.every is not None
-                else self.calls == 1 or now - self.since >= AUTO_INTERVAL_S
+                else self.calls == 1 or now - since >= AUTO_INTERVAL_S
             )
             return self._emit(now) if due else None
 

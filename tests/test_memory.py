@@ -630,6 +630,24 @@ def test_real_proc_backend_reads_and_resets() -> None:
     assert cpu.reset_peak(cpu.rss()) in (True, False)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux /proc")
+def test_proc_backend_reads_the_child_after_a_fork() -> None:
+    # Descriptors opened on /proc/self name the parent; a forked child must reopen them.
+    cpu = mem._cpu
+    cpu.rss()  # open them in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no torch ops, exit code is the verdict
+        code = 1
+        try:
+            before = cpu.rss()
+            blob = b"x" * (64 * MiB)  # every page written
+            code = 0 if cpu.rss() - before >= 48 * MiB and len(blob) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_cpu_peak_ignores_a_stale_thread_exit_high_water_mark() -> None:
     # A thread that exits may make the kernel save the high-water mark into the
     # getrusage peak, which clear_refs cannot reset; the report must not show it.
