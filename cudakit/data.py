@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, overload
@@ -46,6 +48,9 @@ class _Pinner:
 
     Pinning is only an optimisation: whatever this does not recognise is returned
     unchanged and :func:`on_device` still moves it correctly, from pageable memory.
+    A container in which nothing needed pinning (a DataLoader with ``pin_memory=True``)
+    comes back as itself, so such batches are not rebuilt twice per step. Objects with
+    a ``pin_memory()`` method are pinned through it, as the DataLoader does.
     ``saw_device_tensor`` tells whether the batch already holds non-CPU tensors
     (their producers must be ordered before the side-stream copy).
     """
@@ -63,8 +68,9 @@ class _Pinner:
             if obj.device.type != "cpu":
                 self.saw_device_tensor = True
                 return obj
-            # Parameters and tensor subclasses go to on_device as they are.
-            if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
+            # Parameters, tensor subclasses, sparse and nested tensors go to on_device
+            # as they are.
+            if type(obj) is not torch.Tensor or obj.layout is not torch.strided or obj.is_nested:
                 return obj
             hit = self.memo.get(id(obj))
             if hit is not None:
@@ -75,11 +81,20 @@ class _Pinner:
         cls = type(obj)
         # Fast paths for what default_collate produces.
         if cls is tuple or cls is list:
-            return cls(self(v) for v in obj)
+            items = [self(v) for v in obj]
+            return obj if all(map(operator.is_, items, obj)) else cls(items)
         if cls is dict:
-            return {k: self(v) for k, v in obj.items()}
-        if isinstance(obj, (str, bytes, bytearray)) or obj is None:
+            changed = False
+            out = {}
+            for k, v in obj.items():
+                out[k] = nv = self(v)
+                changed = changed or nv is not v
+            return out if changed else obj
+        if isinstance(obj, (str, bytes, bytearray)) or obj is None or isinstance(obj, type):
             return obj
+        pin = getattr(obj, "pin_memory", None)
+        if callable(pin):
+            return pin()  # a custom batch type (the DataLoader's memory-pinning protocol)
         try:
             if isinstance(obj, tuple):
                 if hasattr(obj, "_fields"):  # namedtuple
@@ -93,7 +108,7 @@ class _Pinner:
                 items = copy.copy(obj)
                 items[:] = [self(v) for v in obj]
                 return items
-            if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            if dataclasses.is_dataclass(obj):
                 instance = copy.copy(obj)
                 for f in dataclasses.fields(obj):
                     # object.__setattr__ also works on frozen dataclasses.
@@ -104,27 +119,96 @@ class _Pinner:
         return obj
 
 
-def _collect_cuda(obj: Any, out: list[torch.Tensor]) -> None:
-    """Append every CUDA tensor reachable through the containers on_device builds."""
-    if isinstance(obj, torch.Tensor):
+# Leaves that can hold no tensor; anything else found inside an object that on_device
+# moved through its own .to() may hide tensors from _collect_cuda.
+_PLAIN_LEAVES = (
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    type(None),
+    range,
+    slice,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type,  # a class, not an instance
+)
+_UNSET = object()
+
+
+def _slot_values(obj: object) -> list[Any] | None:
+    """The values of an object's ``__dict__`` and ``__slots__``; None if it has neither."""
+    values: list[Any] = []
+    found = False
+    instance_dict = getattr(obj, "__dict__", None)
+    if isinstance(instance_dict, dict):
+        values.extend(instance_dict.values())
+        found = True
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            found = True
+            value = getattr(obj, name, _UNSET)
+            if value is not _UNSET:  # a slot never set has nothing to walk
+                values.append(value)
+    return values if found else None
+
+
+def _collect_cuda(
+    obj: Any, out: list[torch.Tensor], seen: set[int], in_moved: bool = False
+) -> bool:
+    """Append every CUDA tensor reachable through the containers on_device builds.
+
+    Returns False when ``obj`` may hold CUDA tensors that could not be found: an
+    object that on_device moved through its own ``.to()`` holding something that is
+    neither a known container nor a plain leaf. (Outside such objects an unknown
+    object is a leaf that on_device did not touch, so it holds no new tensors.)
+    """
+    cls = type(obj)
+    values: Iterable[Any]
+    if cls is torch.Tensor or isinstance(obj, torch.Tensor):
         if obj.is_cuda:
             out.append(obj)
-        return
-    if isinstance(obj, (str, bytes, bytearray)) or obj is None:
-        return
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            _collect_cuda(v, out)
-    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-        for v in obj:
-            _collect_cuda(v, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _collect_cuda(getattr(obj, f.name), out)
-    elif callable(getattr(obj, "to", None)) and hasattr(obj, "__dict__"):
-        # A duck-typed batch that on_device moved through its own .to().
-        for v in vars(obj).values():
-            _collect_cuda(v, out)
+        return True
+    if (cls is tuple or cls is list) and not in_moved:  # the common case, quickly
+        values = obj
+    elif isinstance(obj, _PLAIN_LEAVES):
+        return True
+    else:
+        moved_here = not in_moved and callable(getattr(obj, "to", None))
+        if in_moved or moved_here:
+            # Inside an object that .to() made anything may refer back (a parent pointer).
+            if id(obj) in seen:
+                return True
+            seen.add(id(obj))
+        if isinstance(obj, Mapping):
+            values = obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            values = obj
+        elif dataclasses.is_dataclass(obj):
+            values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+        elif in_moved or moved_here:
+            # Moved by its own .to() (or found inside such an object): walk its attributes.
+            # A function found there may hold tensors in its closure: not walkable.
+            found = None if in_moved and callable(obj) else _slot_values(obj)
+            if found is None:
+                return False
+            values = found
+            in_moved = True
+        else:
+            return True
+    complete = True
+    for v in values:
+        if not _collect_cuda(v, out, seen, in_moved):
+            complete = False
+    return complete
 
 
 # -- iterators ----------------------------------------------------------------------
@@ -270,7 +354,8 @@ class _CudaPrefetchIterator(_LookaheadIterator[T]):
         self._device = device
         self._side = torch.cuda.Stream(device)
         # Set when a delivered batch held a tensor record_stream cannot cover (sparse,
-        # nested...): from then on every copy waits for the compute stream instead,
+        # nested, a subclass without it, or one hidden inside a custom object moved by
+        # its own .to()): from then on every copy waits for the compute stream instead,
         # so memory the user freed is never overwritten while still being read.
         self._order_after_compute = False
 
@@ -290,14 +375,18 @@ class _CudaPrefetchIterator(_LookaheadIterator[T]):
         consumer = torch.cuda.current_stream(self._device)
         consumer.wait_event(event)
         tensors: list[torch.Tensor] = []
-        _collect_cuda(batch, tensors)
+        if not _collect_cuda(batch, tensors, set()):
+            self._order_after_compute = True  # some tensors may have been missed
         for t in tensors:
             if t.layout is torch.strided and not t.is_nested:
                 # Memory allocated on the side stream and used on the consumer:
                 # the allocator must not hand it out again before the consumer is done.
-                t.record_stream(consumer)
-            else:
-                self._order_after_compute = True
+                try:
+                    t.record_stream(consumer)
+                    continue
+                except (RuntimeError, NotImplementedError, TypeError):
+                    pass  # a tensor subclass without record_stream
+            self._order_after_compute = True
         return batch  # type: ignore[no-any-return]
 
 

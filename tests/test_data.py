@@ -10,12 +10,13 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import Frozen, Pair, Record, nested
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -37,17 +38,6 @@ from cudakit.data import (
 from cudakit.exceptions import DeviceError
 
 
-class Pair(NamedTuple):
-    x: torch.Tensor
-    y: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Frozen:
-    a: torch.Tensor
-    b: Any
-
-
 def _threads_settle_to(baseline: set[threading.Thread], timeout: float = 10.0) -> bool:
     """True once no thread outside ``baseline`` is alive (daemon helpers exit a bit late)."""
     deadline = time.monotonic() + timeout
@@ -61,6 +51,8 @@ def _threads_settle_to(baseline: set[threading.Thread], timeout: float = 10.0) -
 def assert_same(a: Any, b: Any) -> None:
     """Structural equality: same container types, equal tensors on the same device."""
     assert type(a) is type(b)
+    if a is b:
+        return
     if isinstance(a, torch.Tensor):
         assert a.device == b.device
         assert a.dtype == b.dtype
@@ -86,29 +78,10 @@ def drain(batches: Any, into: list[Any]) -> None:
         into.append(b)
 
 
-tensors = st.builds(
-    lambda shape, dtype: torch.arange(int(torch.tensor(shape).prod())).reshape(shape).to(dtype),
-    st.lists(st.integers(0, 3), min_size=0, max_size=3),
-    st.sampled_from([torch.float32, torch.int64, torch.bool, torch.float16]),
-)
-leaves = tensors | st.integers() | st.text(max_size=3) | st.none()
-batches = st.recursive(
-    leaves,
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.lists(inner, max_size=3).map(tuple)
-        | st.dictionaries(st.text(max_size=3), inner, max_size=3)
-        | st.builds(Pair, inner, inner)
-        | st.builds(Frozen, tensors, inner)
-    ),
-    max_leaves=8,
-)
-
-
 # -- prefetch on the CPU: a plain moving iterator -------------------------------------
 
 
-@given(st.lists(batches, max_size=4))
+@given(st.lists(nested(max_leaves=8), max_size=4))
 def test_every_batch_type_round_trips_in_order(source: list[Any]) -> None:
     wrapped = prefetch(source, device="cpu")
     assert len(wrapped) == len(source)
@@ -511,7 +484,7 @@ def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     return pinned
 
 
-@given(batches)
+@given(nested(max_leaves=8))
 def test_pinner_keeps_structure(batch: Any) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
@@ -524,19 +497,64 @@ def test_pinner_pins_through_special_containers(fake_pinning: list[torch.Tensor]
     batch = {
         "dd": dd,
         "od": collections.OrderedDict(b=torch.ones(2)),
-        "frozen": Frozen(torch.ones(3), [torch.zeros(1)]),
+        "frozen": Frozen([torch.ones(3), torch.zeros(1)]),
+        "record": Record(torch.full((2,), 7.0)),
         "pair": Pair(torch.ones(1), "label"),
     }
     out = _Pinner()(batch)
-    assert len(fake_pinning) == 5
+    assert len(fake_pinning) == 6
     assert out["dd"].default_factory is list
     assert type(out["od"]) is collections.OrderedDict
-    assert out["frozen"].a is fake_pinning[2]
-    assert out["frozen"].b[0] is fake_pinning[3]
+    assert type(out["frozen"]) is Frozen
+    assert out["frozen"].value[0] is fake_pinning[2]
+    assert out["frozen"].value[1] is fake_pinning[3]
+    assert out["record"].value is fake_pinning[4]
+    assert out["record"].note == "note"  # the init=False field is kept
     assert type(out["pair"]) is Pair
-    assert out["pair"].y == "label"
-    assert batch["frozen"].a is not fake_pinning[2]  # the user's batch is untouched
+    assert out["pair"].second == "label"
+    # The user's batch is untouched.
+    assert batch["frozen"].value[0] is not fake_pinning[2]
+    assert batch["record"].value is not fake_pinning[4]
     assert batch["dd"]["a"] is not out["dd"]["a"]
+
+
+def test_pinner_returns_containers_with_nothing_to_pin_as_themselves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What a DataLoader with pin_memory=True yields: not rebuilt before on_device.
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
+    batch = [torch.zeros(2), (torch.ones(1), "label"), {"x": torch.ones(3), "n": 1}]
+    out = _Pinner()(batch)
+    assert out is batch
+    assert out[1] is batch[1]
+    assert out[2] is batch[2]
+
+
+def test_pinner_uses_a_custom_batchs_pin_memory(fake_pinning: list[torch.Tensor]) -> None:
+    class CustomBatch:
+        """The DataLoader's memory-pinning protocol: a pin_memory() method."""
+
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+        def pin_memory(self) -> CustomBatch:
+            return CustomBatch(self.x.pin_memory())
+
+    batch = CustomBatch(torch.zeros(2))
+    out = _Pinner()({"b": batch, "cls": CustomBatch})
+    assert out["b"].x is fake_pinning[0]
+    assert out["cls"] is CustomBatch  # a class is not a batch: left alone
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_pinner_leaves_nested_and_sparse_tensors(fake_pinning: list[torch.Tensor]) -> None:
+    parts = [torch.zeros(2), torch.zeros(3)]
+    strided_nested = torch.nested.nested_tensor(parts)  # layout strided, but nested
+    jagged = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    sparse = torch.zeros(3).to_sparse()
+    batch = (strided_nested, jagged, sparse)
+    assert _Pinner()(batch) is batch
+    assert fake_pinning == []
 
 
 def test_pinner_pins_a_shared_tensor_once(fake_pinning: list[torch.Tensor]) -> None:
@@ -676,7 +694,7 @@ def test_cuda_nested_batches_and_device_tensors() -> None:
     already = torch.arange(3, device="cuda") * 2  # produced on the compute stream
     source = [
         {"x": torch.randn(5, 7), "meta": Pair(torch.arange(5), "ok"), "dev": already},
-        [Frozen(torch.ones(2), [torch.zeros(3)]), "text"],
+        [Frozen([torch.ones(2), torch.zeros(3)]), Record(torch.ones(1)), "text"],
     ]
     for got, want in zip(prefetch(source, device="cuda"), source, strict=True):
         assert_same(got, on_cuda(want))
@@ -816,14 +834,13 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: False)
 
+    real_on_device = data.on_device
+
     def fake_on_device(obj: Any, *, device: Any = None, non_blocking: Any = None) -> Any:
         assert non_blocking is True
         assert current[-1].name == "side"  # the copy is issued on the side stream
         log.append("copy")
-        out = torch.utils._pytree.tree_map(
-            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, obj
-        )
-        return out
+        return real_on_device(obj, device="meta", non_blocking=True)
 
     monkeypatch.setattr(data, "on_device", fake_on_device)
     monkeypatch.setattr(data, "resolve_device", lambda spec=None: torch.device("cuda", 0))
@@ -863,3 +880,98 @@ def test_cuda_protocol_orders_copies_after_device_tensors(fake_cuda: list[str]) 
     assert x is already
     assert y.device.type == "meta"
     assert fake_cuda[:2] == ["side wait_stream compute", "copy"]
+
+
+class SlottedBatch:
+    """A custom batch moved by its own .to(), its tensors in __slots__."""
+
+    __slots__ = ("parent", "x")
+
+    def __init__(self, x: torch.Tensor, parent: Any = None) -> None:
+        self.x = x
+        self.parent = parent
+
+    def to(self, device: Any, non_blocking: bool = False) -> SlottedBatch:
+        moved = SlottedBatch(self.x.to(device, non_blocking=non_blocking))
+        moved.parent = moved  # a back-reference must not send the walk in circles
+        return moved
+
+
+class DictBatch:
+    """A custom batch moved by its own .to(), with a back-reference to itself."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.me = self
+
+    def to(self, device: Any, non_blocking: bool = False) -> DictBatch:
+        return DictBatch(self.x.to(device, non_blocking=non_blocking))
+
+
+def test_cuda_protocol_records_tensors_inside_custom_batches(fake_cuda: list[str]) -> None:
+    source = [{"b": SlottedBatch(torch.zeros(5))}, {"b": DictBatch(torch.zeros(6))}]
+    out = list(prefetch(source, device="cuda", depth=1))
+    assert out[0]["b"].x.device.type == out[1]["b"].x.device.type == "meta"
+    assert "record_stream numel=5 on compute" in fake_cuda
+    assert "record_stream numel=6 on compute" in fake_cuda
+    assert "side wait_stream compute" not in fake_cuda  # all found: no fallback
+
+
+class Opaque:
+    """A custom batch whose .to() keeps its tensor where a walk cannot see it."""
+
+    __slots__ = ("hidden",)
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.hidden = (lambda: x,)  # a closure: no attribute to walk into
+
+    def to(self, device: Any, non_blocking: bool = False) -> Opaque:
+        return Opaque(self.hidden[0]().to(device, non_blocking=non_blocking))
+
+
+def test_cuda_protocol_orders_copies_after_compute_when_tensors_may_hide(
+    fake_cuda: list[str],
+) -> None:
+    source = [Opaque(torch.zeros(1)), torch.zeros(2), torch.zeros(3)]
+    list(prefetch(source, device="cuda", depth=1))
+    assert fake_cuda == [
+        "copy",
+        "side record side#1",
+        "compute wait side#1",  # batch 0 cannot be searched for tensors to record,
+        "side wait_stream compute",  # so every later copy waits for the compute stream
+        "copy",
+        "side record side#2",
+        "compute wait side#2",
+        "record_stream numel=2 on compute",
+        "side wait_stream compute",
+        "copy",
+        "side record side#3",
+        "compute wait side#3",
+        "record_stream numel=3 on compute",
+    ]
+
+
+def test_cuda_protocol_orders_copies_after_compute_when_record_stream_fails(
+    fake_cuda: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def record_stream(self: torch.Tensor, s: Any) -> None:
+        raise RuntimeError("record_stream is not supported for this tensor subclass")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream, raising=False)
+    list(prefetch([torch.zeros(1), torch.zeros(2)], device="cuda", depth=1))
+    assert fake_cuda == [
+        "copy",
+        "side record side#1",
+        "compute wait side#1",
+        "side wait_stream compute",  # batch 0 could not be recorded: copies wait
+        "copy",
+        "side record side#2",
+        "compute wait side#2",
+    ]
+
+
+def test_cuda_protocol_keeps_overlap_when_every_tensor_is_recorded(fake_cuda: list[str]) -> None:
+    source = [(torch.zeros(1), [Pair(torch.zeros(2), "a")], {"r": Record(torch.zeros(3))})] * 4
+    list(prefetch(source, device="cuda", depth=2))
+    assert "side wait_stream compute" not in fake_cuda
+    assert sum(e.startswith("record_stream") for e in fake_cuda) == 4 * 3
