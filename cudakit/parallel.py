@@ -424,23 +424,56 @@ def _resolve_rank_device(device: DeviceLike, env_: DistributedEnv | None) -> tor
     return resolve_device(device)
 
 
-def _teardown() -> None:
-    """Destroy the default process group if cudakit created it. Idempotent, never raises."""
+def _exit_barrier() -> None:
+    """Wait until every rank has reached the end of its work, before the group goes away.
+
+    gloo gets ``monitored_barrier``, whose error names the ranks that never arrived;
+    it runs under the group's own (finite) timeout.
+    """
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(wait_all_ranks=True)
+    else:
+        _barrier()
+
+
+def _teardown(*, sync: bool = False) -> None:
+    """Destroy the default process group if cudakit created it. Idempotent, never raises.
+
+    ``sync=True`` (a clean exit) first waits in a barrier for the other ranks: a
+    rank that destroys its gloo group while a peer is still finishing its last
+    collective can make either process abort ("terminate called without an active
+    exception"). After an exception there is no barrier: the peers may be gone.
+    """
     global _owned_group
     with _lock:
         if not _owned_group:
             return
         _owned_group = False
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if sync:
+            try:
+                if dist.get_world_size() > 1:
+                    _exit_barrier()
+            except Exception as exc:  # a peer died: destroy our side anyway
+                logger.warning(
+                    "cudakit: not every rank reached the end of its work before the process "
+                    "group was destroyed (%s); destroying it on this rank anyway",
+                    exc,
+                )
         try:
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-                logger.debug("cudakit: destroyed the default process group")
+            dist.destroy_process_group()
+            logger.debug("cudakit: destroyed the default process group")
         except Exception as exc:  # teardown must never mask the real error
             logger.warning("cudakit: destroying the process group failed: %r", exc)
 
 
 def _ensure_group(
-    backend: str | None, timeout: float | datetime.timedelta | None, device: DeviceLike
+    backend: str | None,
+    timeout: float | datetime.timedelta | None,
+    device: DeviceLike,
+    *,
+    announce: bool = True,
 ) -> ProcessGroupInfo:
     global _owned_group, _atexit_registered
     td = _check_timeout(timeout)
@@ -491,7 +524,7 @@ def _ensure_group(
         if not _atexit_registered:
             atexit.register(_teardown)
             _atexit_registered = True
-        log = logger.info if env_.rank == 0 else logger.debug
+        log = logger.info if env_.rank == 0 and announce else logger.debug
         log(
             "cudakit: process group initialised: backend=%s world_size=%d rank=%d "
             "local_rank=%d device=%s timeout=%ss",
@@ -528,7 +561,11 @@ class process_group(ContextDecorator):
     silent 30), and ``torch.cuda.set_device(LOCAL_RANK)`` runs before anything
     touches CUDA. A group that already exists is used and left alone; a group this
     block created is destroyed once on exit, also after an exception, and an
-    ``atexit`` safety net destroys it if the process ends first. Works as
+    ``atexit`` safety net destroys it if the process ends first. On a clean exit the
+    ranks first wait for each other in a barrier (``monitored_barrier`` on gloo, so
+    a rank that never arrives is named), because a rank that destroys its group
+    while a peer is still in its last collective can abort either process; after
+    an exception there is no barrier, since the peers may be gone. Works as
     ``@process_group()`` too.
 
     Args:
@@ -576,7 +613,7 @@ class process_group(ContextDecorator):
     ) -> None:
         if self._created:
             self._created = False
-            _teardown()
+            _teardown(sync=exc_type is None)
 
 
 # --------------------------------------------------------------------------- rank helpers
@@ -967,7 +1004,9 @@ def parallelize(
     request = _check_request(strategy)
     ddp_type = nn.parallel.DistributedDataParallel
     if isinstance(model, (ddp_type, nn.DataParallel)) or _is_fsdp2(model):
-        logger.info("cudakit: parallelize(): model is already %s; returned as is", type(model))
+        logger.info(
+            "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
+        )
         return model
 
     env_ = _read_env(os.environ, strict=request in ("ddp", "fsdp"))
@@ -995,7 +1034,7 @@ def parallelize(
                     f"{type(model).__name__} has none requiring grad. Unfreeze some, or use "
                     "strategy='none' for inference."
                 )
-        info = _ensure_group(backend, timeout, dev)
+        info = _ensure_group(backend, timeout, dev, announce=False)  # logged once, below
         dev = info.device if device is None else dev
         if dev.type == "cuda" and torch.cuda.current_device() != dev.index:
             torch.cuda.set_device(dev)
@@ -1009,13 +1048,16 @@ def parallelize(
                 kw.setdefault("output_device", dev.index)
             wrapped = ddp_type(model, **kw)
         log(
-            "cudakit: parallelize(strategy=%r) -> %s on %s (rank %d of %d, backend %s)",
+            "cudakit: parallelize(strategy=%r) -> %s on %s (rank %d of %d, backend %s, %s)",
             request,
             chosen.upper(),
             dev,
             dist.get_rank(),
             dist.get_world_size(),
             info.backend,
+            f"process group created, timeout {int(info.timeout.total_seconds())}s"
+            if info.created
+            else "existing process group",
         )
         return wrapped
 
@@ -1190,24 +1232,39 @@ def _child(
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID="cudakit-launch",
     )
+    clean = False
     try:
-        out = fn(*args, **kwargs)
         try:
-            payload = pickle.dumps(out)
-        except Exception as exc:
-            raise TypeError(
-                f"launch(): rank {index}'s return value of type {type(out).__name__} cannot be "
-                f"pickled back to the parent ({exc}); return plain data (tensors, numbers, "
-                "dicts)."
-            ) from exc
-    except Exception:
-        # Timestamped, so the parent can name the rank that failed *first* rather than
-        # one that failed later because its peer was gone ("Connection closed by peer").
-        results.put((index, False, time.time(), traceback.format_exc().encode()))
-        raise
+            out = fn(*args, **kwargs)
+            try:
+                payload = pickle.dumps(out)
+            except Exception as exc:
+                raise TypeError(
+                    f"launch(): rank {index}'s return value of type {type(out).__name__} cannot "
+                    f"be pickled back to the parent ({exc}); return plain data (tensors, "
+                    "numbers, dicts)."
+                ) from exc
+        except Exception:
+            # Timestamped, so the parent can name the rank that failed *first* rather than
+            # one that failed later because its peer was gone ("Connection closed by peer").
+            results.put((index, False, time.time(), traceback.format_exc().encode()))
+            raise
+        # The result goes out before the teardown: a crash while the process shuts down
+        # must not lose what fn returned (the parent then keeps it, with a warning).
+        results.put((index, True, time.time(), payload))
+        clean = True
     finally:
-        _teardown()  # a group cudakit created; the user's own group is theirs to destroy
-    results.put((index, True, time.time(), payload))
+        # A group cudakit created (parallelize() inside fn); the user's own group is theirs
+        # to destroy. After a clean return the ranks meet in a barrier first.
+        _teardown(sync=clean)
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
 
 
 _ECHOES = (
@@ -1287,6 +1344,11 @@ def launch(
     waiting in a collective for the dead rank cannot hang the launch, and the
     parent raises :class:`LaunchError` with the failing rank's traceback.
 
+    A process group cudakit created inside ``fn`` (``parallelize()`` without a
+    ``process_group()`` block) is destroyed when ``fn`` returns, after the ranks
+    meet in a barrier. A rank that returned its result and then died while shutting
+    down (gloo can abort in its teardown) costs a logged warning, not the results.
+
     Args:
         fn: a module-level (picklable) function; its return values come back.
         *args: positional arguments for ``fn``; must be picklable.
@@ -1301,19 +1363,33 @@ def launch(
 
     Raises:
         LaunchError: a rank raised or died, or the launch timed out.
-        TypeError, ValueError: bad arguments, or ``fn`` that cannot be pickled.
+        TypeError, ValueError: bad arguments, or ``fn`` or its arguments cannot be pickled.
 
     .. versionadded:: 0.1
     """
     if not callable(fn):
         raise TypeError(f"launch() expects a function to run, got {type(fn).__name__}.")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(
+            f"launch() needs nprocs, the number of processes, as an int, got "
+            f"{type(nprocs).__name__} {nprocs!r}; e.g. nprocs=2."
+        )
+    if nprocs < 1:
         raise ValueError(
             f"launch() needs nprocs >= 1 (the number of processes), got {nprocs!r}; "
             "e.g. nprocs=torch.cuda.device_count()."
         )
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(
+                f"launch() timeout must be a number of seconds or None, got "
+                f"{type(timeout).__name__} {timeout!r}; e.g. timeout=600."
+            )
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(
+                f"launch() timeout must be a positive, finite number of seconds or None, got "
+                f"{timeout!r}; e.g. timeout=600, or None to wait for as long as the ranks run."
+            )
     if start_method not in ("spawn", "forkserver", "fork"):
         raise ValueError(
             f"start_method must be 'spawn', 'forkserver' or 'fork', got {start_method!r}."
@@ -1346,13 +1422,22 @@ def launch(
             else:
                 failures[i] = (when, payload)
 
-    procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-        _child,
-        args=(fn, args, kwargs, nprocs, store.port, results),
-        nprocs=nprocs,
-        join=False,
-        start_method=start_method,
-    )
+    try:
+        procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _child,
+            args=(fn, args, kwargs, nprocs, store.port, results),
+            nprocs=nprocs,
+            join=False,
+            start_method=start_method,
+        )
+    except Exception as exc:
+        if start_method != "fork" and not _picklable((args, kwargs)):
+            raise TypeError(
+                f"launch() must send fn's arguments to new processes, but they cannot be "
+                f"pickled ({exc}). Pass plain data (tensors, numbers, paths) and build "
+                "locks, open files or connections inside fn, or use start_method='fork'."
+            ) from None
+        raise
     assert procs is not None  # join=False returns the context
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     try:
@@ -1366,10 +1451,30 @@ def launch(
                     failures[exc.error_index] = (0.0, text.encode())
                 raise _first_failure(failures, nprocs, procs.pids()) from None
             except mp.ProcessExitedException as exc:  # type: ignore[attr-defined]
+                drain()  # join() has stopped and joined every process: all messages are in
+                if failures:  # another rank's Python exception explains more than a signal
+                    raise _first_failure(failures, nprocs, procs.pids()) from None
+                if len(out) == nprocs:
+                    # Every rank returned; this one then died while shutting down (e.g.
+                    # gloo's teardown aborting). The results are complete: keep them.
+                    logger.warning(
+                        "cudakit: launch(): rank %d returned its result, then died while "
+                        "shutting down (%s); the results are kept",
+                        exc.error_index,
+                        exc.msg,
+                    )
+                    break
+                returned = (
+                    "returned its result, then died while shutting down"
+                    if exc.error_index in out
+                    else "died without a Python exception"
+                )
+                stopped = [i for i in range(nprocs) if i not in out and i != exc.error_index]
+                also = f"; rank(s) {stopped} were stopped before returning" if stopped else ""
                 raise LaunchError(
-                    f"rank {exc.error_index} of {nprocs} (pid {exc.error_pid}) died without a "
-                    f"Python exception ({exc.msg}); look for a segfault, os._exit or the OOM "
-                    "killer in its output.",
+                    f"rank {exc.error_index} of {nprocs} (pid {exc.error_pid}) {returned} "
+                    f"({exc.msg}){also}. Look for sys.exit(), os._exit(), a segfault or the "
+                    "OOM killer in its output.",
                     rank=exc.error_index,
                     pid=exc.error_pid,
                     exitcode=exc.exit_code,

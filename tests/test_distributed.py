@@ -6,6 +6,8 @@ so each launch runs many checks and returns what the parent needs to compare.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import math
 import multiprocessing
 import os
@@ -189,6 +191,12 @@ def _ddp_checks(tmp: str) -> dict[str, Any]:
                 time.sleep(0.3)
                 marker.write_text("ready")
             out["mpf"] = marker.read_text()
+
+        # A clean exit waits for every rank before destroying the group: rank 1 is late.
+        if r == 1:
+            time.sleep(0.5)
+        out["body_done"] = time.time()
+    out["left"] = time.time()
     out["destroyed"] = not dist.is_initialized()
     return out
 
@@ -209,6 +217,37 @@ def _hang() -> None:
     time.sleep(120)
 
 
+def _abort_at_exit() -> None:
+    os.abort()  # SIGABRT, as gloo's teardown race does ("terminate called without ...")
+
+
+def _returns_then_aborts(crashing_rank: int, peer_sleeps: float) -> int:
+    """``crashing_rank`` returns, then dies by SIGABRT while its interpreter shuts down."""
+    r = cp.rank()
+    if r == crashing_rank:
+        atexit.register(_abort_at_exit)
+    else:
+        time.sleep(peer_sleeps)
+    return r * 10
+
+
+def _after_failure(flag: str) -> None:
+    Path(flag).write_text("reported")  # after the failure message went to the parent
+    time.sleep(30)  # stay alive: the peer's signal death is what the parent sees first
+
+
+def _raise_then_peer_aborts(tmp: str) -> None:
+    """Rank 1 raises; rank 0 then dies by a signal while rank 1 is still alive."""
+    flag = Path(tmp) / "rank1-reported"
+    if cp.rank() == 1:
+        atexit.register(_after_failure, str(flag))
+        raise ValueError("the real cause, on rank 1")
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.abort()
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -227,6 +266,8 @@ def test_launch_environment_and_group(ddp_results: list[dict[str, Any]]) -> None
         assert res["wrapper"] == "DistributedDataParallel"
         assert res["destroyed"]
         assert res["mpf"] == "ready"
+    # Clean exit of process_group(): rank 0 left only after the late rank 1 was done.
+    assert ddp_results[0]["left"] >= ddp_results[1]["body_done"]
 
 
 def test_ddp_training_matches_single_process(ddp_results: list[dict[str, Any]]) -> None:
@@ -309,6 +350,40 @@ def test_failing_rank_raises_in_parent_without_hanging(tmp_path: Path) -> None:
     assert all(_gone(pid) for pid in err.pids)
     assert multiprocessing.active_children() == []
     assert (tmp_path / "rank1.txt").read_text() == "initialized=False"
+
+
+def test_launch_keeps_results_of_a_rank_that_dies_at_shutdown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="cudakit"):
+        assert cp.launch(_returns_then_aborts, 1, 0.0, nprocs=2, timeout=120) == [0, 10]
+    assert "rank 1 returned its result, then died while shutting down" in caplog.text
+    assert "SIGABRT" in caplog.text
+    assert multiprocessing.active_children() == []
+
+
+def test_launch_names_a_shutdown_death_that_cost_a_peer() -> None:
+    with pytest.raises(
+        cp.LaunchError,
+        match=r"rank 0 of 2 \(pid \d+\) returned its result, then died while shutting down "
+        r"\(process 0 terminated with signal SIGABRT\); rank\(s\) \[1\] were stopped before "
+        r"returning\. Look for sys\.exit\(\)",
+    ) as ei:
+        cp.launch(_returns_then_aborts, 0, 60.0, nprocs=2, timeout=120)
+    assert ei.value.rank == 0
+    assert all(_gone(pid) for pid in ei.value.pids)
+    assert multiprocessing.active_children() == []
+
+
+def test_launch_prefers_a_python_exception_to_a_peer_signal(tmp_path: Path) -> None:
+    with pytest.raises(
+        cp.LaunchError, match=r"rank 1 of 2 .* failed: ValueError: the real cause, on rank 1"
+    ) as ei:
+        cp.launch(_raise_then_peer_aborts, str(tmp_path), nprocs=2, timeout=120)
+    assert ei.value.rank == 1
+    assert "raise ValueError" in ei.value.traceback_text
+    assert all(_gone(pid) for pid in ei.value.pids)
+    assert multiprocessing.active_children() == []
 
 
 def test_launch_timeout_kills_every_rank() -> None:

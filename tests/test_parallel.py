@@ -266,9 +266,18 @@ def test_parallelize_returns_wrapped_models_unchanged() -> None:
     assert cp.parallelize(dp) is dp
 
 
-def test_parallelize_ddp_single_rank_group(single_rank_env: dict[str, str]) -> None:
+def test_parallelize_ddp_single_rank_group(
+    single_rank_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
     net = nn.Linear(3, 1)
-    ddp = cp.parallelize(net, "ddp", timeout=30, gradient_as_bucket_view=True)
+    with caplog.at_level(logging.INFO, logger="cudakit"):
+        ddp = cp.parallelize(net, "ddp", timeout=30, gradient_as_bucket_view=True)
+    infos = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(infos) == 1, infos  # the decision, logged once (with the group it created)
+    assert (
+        "-> DDP on cpu (rank 0 of 1, backend gloo, process group created, timeout 30s)"
+        in (infos[0])
+    )
     assert isinstance(ddp, nn.parallel.DistributedDataParallel)
     assert cp.unwrap(ddp) is net
     assert dist.is_initialized()
@@ -341,6 +350,51 @@ def test_process_group_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         cp.process_group(timeout=float("inf"))
     with pytest.raises(TypeError, match=r"timeout must be seconds .* got str '10'"):
         cp.process_group(timeout="10")  # type: ignore[arg-type]
+
+
+def _pretend_two_ranks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A one-process group that reports two ranks, with the exit barrier recorded."""
+    calls: list[str] = []
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(cp, "_exit_barrier", lambda: calls.append("barrier"))
+    return calls
+
+
+def test_process_group_clean_exit_waits_for_the_other_ranks(
+    single_rank_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _pretend_two_ranks(monkeypatch)
+    with cp.process_group():
+        pass
+    assert calls == ["barrier"]  # clean exit: the ranks meet before the group goes away
+    assert not dist.is_initialized()
+    with pytest.raises(KeyError), cp.process_group():
+        raise KeyError("boom")
+    assert calls == ["barrier"]  # after an exception: no barrier, the peers may be gone
+    assert not dist.is_initialized()
+
+
+def test_process_group_exit_barrier_failure_still_destroys(
+    single_rank_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
+
+    def peer_gone() -> None:
+        raise RuntimeError("Rank 1 failed to pass monitoredBarrier")
+
+    monkeypatch.setattr(cp, "_exit_barrier", peer_gone)
+    with caplog.at_level(logging.WARNING, logger="cudakit"), cp.process_group():
+        pass
+    assert not dist.is_initialized()
+    assert "not every rank reached the end of its work" in caplog.text
+    assert "Rank 1 failed to pass monitoredBarrier" in caplog.text
+
+
+def test_exit_barrier_single_rank_gloo(single_rank_env: dict[str, str]) -> None:
+    with cp.process_group():
+        cp._exit_barrier()  # monitored_barrier on gloo: returns at once with one rank
 
 
 def test_nccl_unavailable_is_clear(single_rank_env: dict[str, str]) -> None:
@@ -507,10 +561,15 @@ def test_distributed_loader_errors() -> None:
 def test_launch_argument_errors() -> None:
     with pytest.raises(ValueError, match=r"needs nprocs >= 1 .* got 0"):
         cp.launch(print, nprocs=0)
+    with pytest.raises(TypeError, match=r"nprocs, the number of processes, as an int, got str"):
+        cp.launch(print, nprocs="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"timeout must be a number of seconds or None, got str"):
+        cp.launch(print, nprocs=1, timeout="10")  # type: ignore[arg-type]
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"positive, finite number of seconds or None, got"):
+            cp.launch(print, nprocs=1, timeout=bad)
     with pytest.raises(TypeError, match=r"cannot be pickled .* Define it at module level"):
         cp.launch(lambda: None, nprocs=1)
-    with pytest.raises(ValueError, match=r"timeout must be a positive number"):
-        cp.launch(print, nprocs=1, timeout=0)
     with pytest.raises(ValueError, match=r"start_method must be 'spawn'"):
         cp.launch(print, nprocs=1, start_method="thread")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"expects a function to run, got int"):
