@@ -24,6 +24,7 @@ import copy
 import functools
 import gc
 import inspect
+import itertools
 import logging
 import math
 import random
@@ -42,6 +43,7 @@ from torch import nn
 from typing_extensions import ParamSpec, Self
 
 from ._contextlib import ContextDecorator
+from ._units import format_bytes
 from .device import DeviceLike, resolve_device
 from .exceptions import BatchSizeSearchError, MemoryReserveError, ReserveIgnoredWarning
 
@@ -76,7 +78,11 @@ def _clone_value(value: Any) -> Any:
 def _restore_value(original: Any, saved: Any) -> Any:
     """Put ``saved`` back into ``original`` in place when it is a tensor; return the object."""
     if isinstance(original, torch.Tensor) and isinstance(saved, torch.Tensor):
-        if original.shape == saved.shape and original.dtype == saved.dtype:
+        if (original.shape, original.dtype, original.device) == (
+            saved.shape,
+            saved.dtype,
+            saved.device,
+        ):
             original.copy_(saved)
         else:
             original.data = saved
@@ -105,9 +111,10 @@ class _Snapshot:
         modules = list(model.modules()) if model is not None else []
         with torch.no_grad():
             # Attribute dicts (shallow: which object sits under which name, `training` too),
-            # and the parameter/buffer slots of every submodule.
+            # and the parameter, buffer and submodule slots of every submodule.
             self.modules = [
-                (m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in modules
+                (m, dict(vars(m)), [(d, dict(d)) for d in (m._parameters, m._buffers, m._modules)])
+                for m in modules
             ]
             seen: set[int] = set()
             tensors: list[torch.Tensor] = []
@@ -138,13 +145,12 @@ class _Snapshot:
             ]
             self.optimizer = optimizer
             if optimizer is not None:
+                # vars() holds the `state` and `param_groups` objects themselves.
                 self.opt_vars = dict(vars(optimizer))
-                self.opt_state_obj = optimizer.state
                 self.opt_state = {
                     p: (s, {k: (v, _clone_value(v)) for k, v in s.items()})
                     for p, s in optimizer.state.items()
                 }
-                self.opt_groups_obj = optimizer.param_groups
                 self.opt_groups = [
                     (
                         g,
@@ -164,10 +170,14 @@ class _Snapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for m, attrs, params, buffers in self.modules:
+            # Extras first: their load_state_dict() may set tensors (AutocastStep rebinds
+            # .grad mid-window) that the exact restore below must have the last word on.
+            for obj, state in self.extra:
+                obj.load_state_dict(state)
+            for m, attrs, slots in self.modules:
                 _restore_dict(vars(m), attrs)
-                _restore_dict(m._parameters, params)
-                _restore_dict(m._buffers, buffers)
+                for target, saved_slots in slots:
+                    _restore_dict(target, saved_slots)
             for t, data, requires_grad, grad, grad_data in self.tensors:
                 _restore_value(t, data)
                 if t.requires_grad != requires_grad:
@@ -179,21 +189,15 @@ class _Snapshot:
             opt = self.optimizer
             if opt is not None:
                 _restore_dict(vars(opt), self.opt_vars)
-                opt.state = self.opt_state_obj
-                for key in [p for p in opt.state if p not in self.opt_state]:
-                    del opt.state[key]
-                for p, (s, items) in self.opt_state.items():
+                _restore_dict(opt.state, {p: s for p, (s, _) in self.opt_state.items()})
+                for s, items in self.opt_state.values():
                     _restore_dict(s, {k: _restore_value(v, c) for k, (v, c) in items.items()})
-                    opt.state[p] = s
-                opt.param_groups = self.opt_groups_obj
                 opt.param_groups[:] = [g for g, *_ in self.opt_groups]
                 for g, params_obj, group_params, items in self.opt_groups:
                     params_obj[:] = group_params
                     saved: dict[str, Any] = {k: _restore_value(v, c) for k, (v, c) in items.items()}
                     saved["params"] = params_obj
                     _restore_dict(g, saved)
-            for obj, state in self.extra:
-                obj.load_state_dict(state)
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -397,20 +401,11 @@ class WarmupReport:
                 f"{self.pass_times[-1] * 1e3:.2f} ms (x{self.speedup or float('nan'):.1f})"
             )
         na = "not measured on " + self.device.type
-        peak = _fmt_bytes(self.peak_allocated) if self.peak_allocated is not None else na
+        peak = format_bytes(self.peak_allocated) if self.peak_allocated is not None else na
         lines.append(f"  peak allocated in one step: {peak}")
-        reserved = _fmt_bytes(self.reserved_after) if self.reserved_after is not None else na
+        reserved = format_bytes(self.reserved_after) if self.reserved_after is not None else na
         lines.append(f"  reserved by the caching allocator after: {reserved}")
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: int | float) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 _UNITS = {
@@ -467,8 +462,8 @@ def _reserve_cuda(spec: ReserveSpec, kind: str, value: float, device: torch.devi
     target = int(value * total) if kind == "fraction" else int(value)
     if target > total:
         raise MemoryReserveError(
-            f"reserve={spec!r} asks for {_fmt_bytes(target)}, more than {device} has in total "
-            f"({_fmt_bytes(total)}). Nothing was allocated. Ask for less, e.g. reserve='80%'."
+            f"reserve={spec!r} asks for {format_bytes(target)}, more than {device} has in total "
+            f"({format_bytes(total)}). Nothing was allocated. Ask for less, e.g. reserve='80%'."
         )
     held = torch.cuda.memory_reserved(device)
     need = target - held
@@ -478,42 +473,58 @@ def _reserve_cuda(spec: ReserveSpec, kind: str, value: float, device: torch.devi
     if need > free:
         possible = (held + free) / total * 100
         raise MemoryReserveError(
-            f"reserve={spec!r} asks the caching allocator to hold {_fmt_bytes(target)} on "
-            f"{device}; it holds {_fmt_bytes(held)} and the device has only {_fmt_bytes(free)} "
-            f"free of {_fmt_bytes(total)} (the CUDA context and other processes use the rest). "
+            f"reserve={spec!r} asks the caching allocator to hold {format_bytes(target)} on "
+            f"{device}; it holds {format_bytes(held)} and the device has only {format_bytes(free)} "
+            f"free of {format_bytes(total)} (the CUDA context and other processes use the rest). "
             f"Nothing was allocated. Ask for at most about reserve='{math.floor(possible)}%'."
         )
+    # One allocation of `need` bytes may be served from blocks the cache already holds
+    # free, growing nothing; so hold each block until the reservation reaches the target
+    # (every round either grows it or uses up cached free memory), then free them all.
+    blocks: list[torch.Tensor] = []
     try:
         with torch.cuda.device(device):
-            block = torch.empty(need, dtype=torch.uint8, device=device)
-            del block  # back to the cache, not to the driver
+            while need > 0:
+                blocks.append(torch.empty(need, dtype=torch.uint8, device=device))
+                need = target - torch.cuda.memory_reserved(device)
+        blocks.clear()  # back to the cache, not to the driver
     except Exception as exc:
+        blocks.clear()
         if not is_oom_error(exc):
             raise
         raise MemoryReserveError(
-            f"reserve={spec!r}: {_fmt_bytes(need)} looked free on {device} but could not be "
-            "allocated in one piece (another process took it, or the address space is "
-            "fragmented); the allocator released its cache while trying. Ask for less."
+            f"reserve={spec!r}: {format_bytes(target - held)} looked free on {device} but "
+            "could not be allocated (another process took it, or the address space is "
+            "fragmented); the allocator released its free cache while trying. Ask for less."
         ) from None
     return target
 
 
-def _autocast_context(amp: object, device: torch.device) -> Callable[[], Any]:
-    """A factory of fresh autocast context managers for ``amp=``."""
+def _resolve_amp(amp: object, device: torch.device) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+    """A factory of fresh autocast context managers for ``amp=``, and the state to preserve.
+
+    An ``autocast_step`` object (or a function it decorated, via its ``.autocast_step``)
+    is also returned for :class:`preserve_state`'s ``extra``, so a ``loss_fn`` that
+    steps through it leaves its GradScaler and counters untouched.
+    """
     if amp is None:
-        return contextlib.nullcontext
+        return contextlib.nullcontext, ()
+    amp = getattr(amp, "autocast_step", amp)
     factory = getattr(amp, "autocast", None)
     if callable(factory):
-        return factory  # type: ignore[no-any-return]
+        stateful = callable(getattr(amp, "state_dict", None)) and callable(
+            getattr(amp, "load_state_dict", None)
+        )
+        return factory, (amp,) if stateful else ()
     if isinstance(amp, torch.dtype):
         if amp == torch.float32:
-            return contextlib.nullcontext
+            return contextlib.nullcontext, ()
         if not amp.is_floating_point:
             raise ValueError(
                 f"amp={amp} is not a floating-point dtype. Use torch.bfloat16 or "
                 "torch.float16, an autocast_step(...) object, or None for full precision."
             )
-        return functools.partial(torch.autocast, device_type=device.type, dtype=amp)
+        return functools.partial(torch.autocast, device_type=device.type, dtype=amp), ()
     raise TypeError(
         f"amp= expects an autocast_step(...) object (anything with .autocast()), a "
         f"torch.dtype such as torch.bfloat16, or None; got {type(amp).__name__} {amp!r}."
@@ -528,19 +539,33 @@ def _call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def _loss_of(out: Any) -> torch.Tensor | None:
-    """The scalar loss to backpropagate from a model or loss_fn output, if there is one."""
+def _loss_of(out: Any, explicit: bool) -> torch.Tensor | None:
+    """The scalar loss to backpropagate from a model or loss_fn output, if there is one.
+
+    ``explicit``: the output is a loss by contract (``loss_fn``'s result, or a ``.loss``
+    field), so a non-scalar tensor that requires grad is a mistake, not logits.
+    """
     if not isinstance(out, torch.Tensor):
         out = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if isinstance(out, torch.Tensor) and out.ndim == 0 and out.requires_grad:
+        explicit = True
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return None
+    if out.ndim == 0:
         return out
+    if explicit:
+        raise ValueError(
+            f"warmup() got a loss of shape {tuple(out.shape)} that requires grad; backward "
+            "needs a scalar. Reduce it in loss_fn (e.g. `.mean()`), or run backward inside "
+            "loss_fn and return None."
+        )
     return None
 
 
 def _infer_device(model: nn.Module | None, batch: Any) -> torch.device:
     if model is not None:
-        for tensor in (*model.parameters(), *model.buffers()):
-            return tensor.device
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        if first is not None:
+            return first.device
     if isinstance(batch, torch.Tensor):
         return batch.device
     return resolve_device(None)
@@ -559,6 +584,7 @@ def warmup(
     steps: int = 2,
     optimizer: torch.optim.Optimizer | None = None,
     amp: Any = None,
+    extra: Iterable[Any] = (),
     reserve: ReserveSpec = None,
     device: DeviceLike = None,
 ) -> WarmupReport:
@@ -568,8 +594,11 @@ def warmup(
     autocast settings you train with, and backward when ``loss_fn`` is given or the
     model itself returns a scalar loss, so kernels get chosen (``cudnn.benchmark``
     autotuning included) and the caching allocator grows to what a real step needs.
+    The passes run in the mode the model is in (call ``model.train()`` first).
     Afterwards everything :class:`preserve_state` covers is back bit for bit, also when
-    a pass raises or is interrupted. No optimizer is stepped.
+    a pass raises or is interrupted. No optimizer is stepped by ``warmup`` itself. On
+    CUDA the peak-memory statistics are reset to measure the last pass
+    (``torch.cuda.reset_peak_memory_stats``).
 
     >>> import torch
     >>> from cudakit.warmup import warmup
@@ -593,8 +622,11 @@ def warmup(
         steps: Number of passes, at least 1; the first is the slow one.
         optimizer: The optimizer, preserved too (needed when ``loss_fn`` steps it).
         amp: An ``autocast_step(...)`` object (anything whose ``.autocast()`` returns a
-            context manager), a ``torch.dtype`` for ``torch.autocast``, or ``None``
+            context manager; its ``state_dict()`` is preserved too, if it has one) or a
+            function it decorated, a ``torch.dtype`` for ``torch.autocast``, or ``None``
             (full precision).
+        extra: Further objects with ``state_dict()``/``load_state_dict()`` that
+            ``loss_fn`` changes (a scheduler, a GradScaler), preserved too.
         reserve: After the passes, make the CUDA caching allocator hold this much:
             bytes (``int`` or ``"12GiB"``) or a fraction of total device memory
             (``0.8`` or ``"80%"``). A no-op with :class:`ReserveIgnoredWarning` on
@@ -607,10 +639,10 @@ def warmup(
         memory reserved after the call.
 
     Raises:
-        TypeError: a wrong type for ``model``, ``optimizer``, ``amp``, ``steps`` or
-            ``reserve``.
-        ValueError: nothing to do, ``steps < 1``, a malformed ``reserve``, or lazy
-            parameters not yet materialized.
+        TypeError: a wrong type for ``model``, ``optimizer``, ``amp``, ``extra``,
+            ``steps`` or ``reserve``.
+        ValueError: nothing to do, ``steps < 1``, a malformed ``reserve``, lazy
+            parameters not yet materialized, or a loss that is not a scalar.
         MemoryReserveError: ``reserve`` asks for more memory than is free; nothing
             is allocated.
 
@@ -644,34 +676,35 @@ def warmup(
         )
     parsed = None if reserve is None else _parse_reserve(reserve)
     dev = resolve_device(device) if device is not None else _infer_device(model, example_batch)
-    autocast = _autocast_context(amp, dev)
+    autocast, amp_state = _resolve_amp(amp, dev)
+    extra_items = _check_extra(extra, "warmup()")
 
     times: list[float] = []
     backward = False
     peak: int | None = None
     if model is not None:
-        with preserve_state(model, optimizer):
+        with preserve_state(model, optimizer, extra=(*amp_state, *extra_items)):
             for i in range(steps):
-                if dev.type == "cuda" and i == steps - 1:
-                    _sync(dev)
-                    torch.cuda.reset_peak_memory_stats(dev)
+                last_on_cuda = dev.type == "cuda" and i == steps - 1
                 _sync(dev)
+                if last_on_cuda:
+                    torch.cuda.reset_peak_memory_stats(dev)
                 t0 = time.perf_counter()
                 with autocast():
                     if loss_fn is not None:
                         out = loss_fn(model, example_batch)
                     else:
                         out = _call_model(model, example_batch)
-                loss = _loss_of(out)
+                loss = _loss_of(out, explicit=loss_fn is not None)
                 if loss is not None:
                     loss.backward()
                     backward = True
-                elif loss_fn is not None:
+                elif loss_fn is not None and torch.is_grad_enabled():
                     backward = True  # loss_fn ran backward itself
                 del out, loss
                 _sync(dev)
                 times.append(time.perf_counter() - t0)
-                if dev.type == "cuda" and i == steps - 1:
+                if last_on_cuda:
                     peak = torch.cuda.max_memory_allocated(dev)
         _log.debug("warm-up pass times on %s: %s", dev, times)
 
@@ -768,7 +801,8 @@ def warmed(
         The wrapped function (same signature), or a decorator producing it.
 
     Raises:
-        TypeError: ``fn`` is not callable, or a wrong type for the other arguments.
+        TypeError: ``fn`` is not callable or is a generator/coroutine function, or a
+            wrong type for the other arguments.
         ValueError: ``steps < 1``.
 
     .. versionadded:: 0.1
@@ -779,7 +813,11 @@ def warmed(
             "warmed() needs model=, the module the step function trains, so that the warm-up "
             "calls can be rolled back. Write @warmed(model=model, optimizer=optimizer)."
         )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(
+            f"warmed() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}."
+        )
+    if steps < 1:
         raise ValueError(f"warmed() expects steps to be an int >= 1, got {steps!r}.")
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
@@ -787,6 +825,12 @@ def warmed(
             raise TypeError(
                 f"warmed() wraps a step function, got {type(func).__name__}. Use "
                 "@warmed(model=model, optimizer=optimizer) above a `def`."
+            )
+        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"warmed() cannot wrap the generator or coroutine function "
+                f"{getattr(func, '__qualname__', func)!r}: its body runs after the call "
+                "returns, outside the rollback. Wrap a plain step function."
             )
         lock = threading.Lock()
         done = False
@@ -911,74 +955,90 @@ class _Search:
             )
         return cls(s, lo, hi, m, float(margin))
 
-    def run(self, trial: Callable[[int], R]) -> tuple[int, R | None, list[tuple[int, bool]]]:
-        """Search; return (largest fitting size, the trial's result there, tries)."""
+    def run(self, trial: Callable[[int], R]) -> tuple[int, R | None]:
+        """Search; return (largest fitting size, the trial's result there).
+
+        Sizes are counted in units of ``multiple_of``. Every success is above the
+        previous best and every failure below the previous first failure, so one
+        attempt() updates both ends of the bracket.
+        """
         m = self.multiple_of
         lo = -(-self.lower // m)
         hi = None if self.upper is None else self.upper // m
         k = max(lo, self.start // m)
         if hi is not None:
             k = min(k, hi)
-        tries: list[tuple[int, bool]] = []
-        results: list[R] = []
+        tried: list[int] = []
+        best: int | None = None  # largest size that fit
+        best_result: R | None = None
+        fail: int | None = None  # smallest size that did not
         last_oom = ""
 
         def attempt(k: int) -> bool:
-            nonlocal last_oom
-            ok = False
+            nonlocal best, best_result, fail, last_oom
             try:
-                results[:] = [trial(k * m)]
-                ok = True
+                result = trial(k * m)
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
                 last_oom = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            _free_memory()  # outside `except`: the traceback and its tensors are gone
-            tries.append((k * m, ok))
-            _log.debug("find_batch_size: %d %s", k * m, "fits" if ok else "out of memory")
-            return ok
-
-        best_result: R | None = None
-        fail: int | None = None
-        if attempt(k):
-            best = k
-            best_result = results.pop()
-            while hi is None or k < hi:
-                k = 2 * k if hi is None else min(2 * k, hi)
-                if not attempt(k):
-                    fail = k
-                    break
-                best, best_result = k, results.pop()
-        else:
-            fail = k
-            while True:
-                if k == lo:
-                    sizes = ", ".join(str(b) for b, _ in tries)
-                    raise BatchSizeSearchError(
-                        f"find_batch_size(): not even the lower bound batch size {lo * m} fits "
-                        f"in memory (tried {sizes}; last error: {last_oom}). Lower `lower=`, "
-                        "shrink the model or sequence length, train in bfloat16 "
-                        "(autocast_step), accumulate gradients over smaller batches, or free "
-                        "memory held elsewhere (see torch.cuda.memory_summary())."
-                    )
-                k = max(k // 2, lo)
-                if attempt(k):
-                    best, best_result = k, results.pop()
-                    break
                 fail = k
-        while fail is not None and fail - best > 1:
-            mid = (best + fail) // 2
-            if attempt(mid):
-                best, best_result = mid, results.pop()
             else:
-                fail = mid
-        return best * m, best_result, tries
+                best, best_result = k, result
+                del result
+            _free_memory()  # outside `except`: the traceback and its tensors are gone
+            tried.append(k * m)
+            _log.debug("find_batch_size: %d %s", k * m, "fits" if best == k else "out of memory")
+            return best == k
+
+        if attempt(k):  # grow geometrically up to the first failure (or upper)
+            while (hi is None or k < hi) and attempt(k := 2 * k if hi is None else min(2 * k, hi)):
+                if hi is None and k * m >= _GROWTH_LIMIT:
+                    raise BatchSizeSearchError(
+                        f"find_batch_size(): the trial still fits at batch size {k * m} "
+                        f"(tried {', '.join(map(str, tried))}), so it does not seem to use its "
+                        "batch size (or never runs out of memory). Check that trial_fn builds "
+                        "a batch of the size it is given, or set upper=."
+                    )
+        else:  # shrink geometrically down to the first success (or lower)
+            while k > lo and not attempt(k := max(k // 2, lo)):
+                pass
+        if best is None:
+            raise BatchSizeSearchError(
+                f"find_batch_size(): not even the lower bound batch size {lo * m} fits "
+                f"in memory (tried {', '.join(map(str, tried))}; last error: {last_oom}). "
+                "Lower `lower=`, shrink the model or sequence length, train in bfloat16 "
+                "(autocast_step), accumulate gradients over smaller batches, or free "
+                "memory held elsewhere (see torch.cuda.memory_summary())."
+            )
+        while fail is not None and fail - best > 1:  # bisect between them
+            attempt((best + fail) // 2)
+        return best * m, best_result
 
     def final(self, largest: int) -> int:
         """The size to use: ``largest`` backed off by ``margin``, a multiple, >= lower."""
         m = self.multiple_of
         backed = math.floor(largest * (1.0 - self.margin) + 1e-9) // m * m
         return max(backed, -(-self.lower // m) * m)
+
+
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.VAR_POSITIONAL,
+)
+
+#: Without ``upper``, growing past this many samples means the trial ignores its size.
+_GROWTH_LIMIT = 2**31
+
+
+def _check_trial(fn: Callable[..., Any], what: str) -> None:
+    if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{what} a function that runs at each batch size, but "
+            f"{getattr(fn, '__qualname__', fn)!r} is a generator or coroutine function: "
+            "calling it runs nothing, so every size would seem to fit. Pass a plain function."
+        )
 
 
 class _SearchDecorator(Protocol):
@@ -1083,7 +1143,8 @@ def find_batch_size(
                 f"find_batch_size() expects trial_fn to be a function of the batch size, got "
                 f"{type(trial_fn).__name__}. Pass it positionally: find_batch_size(trial, ...)."
             )
-        largest, _, _ = search.run(trial_fn)
+        _check_trial(trial_fn, "find_batch_size() calls")
+        largest, _ = search.run(trial_fn)
         return search.final(largest)
 
     def decorate(fn: Callable[Concatenate[int, P], R]) -> Callable[P, R]:
@@ -1092,10 +1153,18 @@ def find_batch_size(
                 f"@find_batch_size(...) decorates a function whose first parameter is the "
                 f"batch size, got {type(fn).__name__}."
             )
+        _check_trial(fn, "@find_batch_size(...) decorates")
         try:
             signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
             signature = None
+        params = [] if signature is None else list(signature.parameters.values())
+        if signature is not None and (not params or params[0].kind not in _POSITIONAL):
+            raise TypeError(
+                f"@find_batch_size(...) passes the batch size as the first positional "
+                f"argument, but {getattr(fn, '__qualname__', fn)}{signature} has no such "
+                "parameter. Write `def fn(batch_size, ...)`."
+            )
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -1114,12 +1183,14 @@ def find_batch_size(
                         f"batch size as the first argument; call it with the remaining "
                         f"arguments only ({exc})."
                     ) from None
-            largest, result, _ = search.run(lambda bs: fn(bs, *args, **kwargs))
+            largest, result = search.run(lambda bs: fn(bs, *args, **kwargs))
             chosen = search.final(largest)
             if chosen == largest:
                 return result  # type: ignore[return-value]
             return fn(chosen, *args, **kwargs)
 
+        if signature is not None and params[0].kind != inspect.Parameter.VAR_POSITIONAL:
+            wrapper.__signature__ = signature.replace(parameters=params[1:])  # type: ignore[attr-defined]
         return wrapper
 
     return decorate

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import inspect
 import json
 import math
 import random
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -287,6 +290,23 @@ def test_preserve_state_nests_and_decorates_with_a_fresh_snapshot_per_call() -> 
     assert torch.equal(model.weight, w)
 
 
+def test_preserve_state_restores_replaced_submodules_and_converted_parameters() -> None:
+    model = small_model()
+    first, weight = model[0], model[0].weight
+    before = capture(model)
+    with preserve_state(model):
+        model[0] = nn.Linear(4, 6)
+        model.append(nn.Linear(1, 1))
+        model[4].double()  # `.data` swapped for a float64 tensor
+        model[1].to("meta")  # same shape and dtype, other device: copy_ alone would not do
+    assert model[0] is first
+    assert model[0].weight is weight
+    assert len(model) == 5
+    assert model[4].weight.dtype == torch.float32
+    assert model[1].running_mean.device.type == "cpu"
+    assert capture(model) == before
+
+
 def test_preserve_state_resets_numpy_rng() -> None:
     np = pytest.importorskip("numpy")
     np.random.seed(3)
@@ -436,6 +456,102 @@ def test_warmup_accepts_an_autocast_step_like_object() -> None:
     assert capture(model) == before
 
 
+def test_warmup_with_the_real_autocast_step_leaves_its_state_untouched() -> None:
+    from cudakit.amp import autocast_step
+
+    seen: list[bool] = []
+
+    class Probe(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return super().forward(x)
+
+    model = nn.Sequential(Probe(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = autocast_step(opt, model=model, dtype=torch.bfloat16, accumulate=2, scheduler=sched)
+    train_step = step(mse)
+    data = batch()
+    train_step(model, data)  # mid-window: grads accumulated, position 1
+    assert step.state_dict()["position"] == 1
+    before = capture(model, opt)
+    step_state = _value(step.state_dict())
+    sched_state = copy.deepcopy(sched.state_dict())
+    seen.clear()
+
+    def loss_fn(m: nn.Module, b: Any) -> None:
+        train_step(m, b)  # completes the window: steps the optimizer and the scheduler
+
+    for amp in (step, train_step):  # the step object, or the function it decorated
+        report = warmup(model, data, loss_fn=loss_fn, optimizer=opt, amp=amp, extra=(sched,))
+        assert report.backward
+        assert capture(model, opt) == before
+        assert _value(step.state_dict()) == step_state
+        assert sched.state_dict() == sched_state
+    assert seen
+    assert all(seen)  # the passes ran under the step's autocast
+
+
+def test_preserve_state_restores_grads_after_an_extra_that_rebinds_them() -> None:
+    from cudakit.amp import autocast_step
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype=torch.float32, accumulate=2)
+    step(mse)(model, batch())
+    grads = [p.grad for p in model.parameters()]
+    before = capture(model, opt)
+    with preserve_state(model, opt, extra=(step,)):
+        step(mse)(model, batch())
+    # AutocastStep.load_state_dict() sets fresh .grad tensors mid-window; the exact
+    # restore runs after it, so the very same grad objects are back.
+    assert [p.grad for p in model.parameters()] == grads
+    assert capture(model, opt) == before
+
+
+def test_warmup_extra_is_preserved() -> None:
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        sched.step()
+        return mse(m, b)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+        warmup(model, batch(), loss_fn=loss_fn, optimizer=opt, extra=(sched,))
+    assert sched.last_epoch == 0
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(TypeError, match=r"warmup\(\) expects extra to be a tuple"):
+        warmup(model, batch(), loss_fn=mse, extra=sched)
+
+
+def test_warmup_rejects_a_non_scalar_loss_instead_of_skipping_backward() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"loss of shape \(2,\) that requires grad.*`\.mean\(\)`"):
+        warmup(model, torch.randn(4, 3), loss_fn=lambda m, x: m(x).square().mean(0))
+    with pytest.raises(ValueError, match=r"loss of shape \(4, 2\)"):
+        warmup(_LossOutput(model), torch.randn(4, 3))
+    assert model.weight.grad is None
+
+
+class _LossOutput(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.inner(x)}  # forgot to reduce
+
+
+def test_warmup_under_no_grad_does_not_claim_a_backward() -> None:
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        assert warmup(model, torch.randn(4, 3), loss_fn=lambda m, x: m(x).mean()).backward is False
+    assert warmup(model, torch.randn(4, 3), loss_fn=lambda m, x: None).backward is True
+
+
 def test_warmup_never_steps_the_optimizer_itself() -> None:
     model = small_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -531,6 +647,115 @@ def test_warmup_errors(
 ) -> None:
     with pytest.raises(exc, match=match):
         warmup(*args, **kwargs)
+
+
+class FakeCudaAllocator:
+    """The caching allocator's bookkeeping, enough to test _reserve_cuda on a CPU machine.
+
+    ``reserved`` bytes are held from the driver; freed blocks go back to ``cache`` (not to
+    the driver); an allocation is served from a cached block if one is big enough.
+    """
+
+    def __init__(self, total: int, used_elsewhere: int, cached: list[int]) -> None:
+        self.total = total
+        self.used_elsewhere = used_elsewhere
+        self.cache = list(cached)
+        self.reserved = sum(cached)
+        self.live = 0
+        self.fail_next = False
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        props = type("Props", (), {"total_memory": self.total})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: self.reserved)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (self.free(), self.total))
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(torch, "empty", self.empty)
+
+    def free(self) -> int:
+        return self.total - self.used_elsewhere - self.reserved
+
+    def empty(self, n: int, **kwargs: Any) -> object:
+        if self.fail_next:
+            self.cache.clear()  # the real allocator frees its cache and retries
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        fits = [b for b in self.cache if b >= n]
+        if fits:
+            self.cache.remove(fits[0])
+            size = fits[0]
+        elif n <= self.free():
+            self.reserved += n
+            size = n
+        else:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        self.live += size
+        block = type("Block", (), {})()
+        weakref.finalize(block, self._release, size)
+        return block
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+        self.cache.append(size)
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_reserve_grows_the_cache_even_when_a_free_cached_block_would_serve_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    alloc = FakeCudaAllocator(total=1000, used_elsewhere=100, cached=[300])
+    alloc.install(monkeypatch)
+    # 300 held and free in the cache; asking for 500 needs 200 more from the driver. One
+    # allocation of 200 would be carved from the cached 300 and grow nothing.
+    assert wu._reserve_cuda(500, "bytes", 500.0, CUDA0) == 500
+    assert alloc.reserved >= 500
+    assert alloc.live == 0  # all back in the cache
+    assert wu._reserve_cuda(0.4, "fraction", 0.4, CUDA0) == 400  # already held: no-op
+    assert alloc.reserved == 500
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "value", "match"),
+    [
+        (
+            2000,
+            "bytes",
+            2000.0,
+            r"reserve=2000 asks for 1.95 KiB, more than cuda:0 has in total "
+            r"\(1000 B\)\. Nothing was allocated\. Ask for less",
+        ),
+        (
+            "95%",
+            "fraction",
+            0.95,
+            r"reserve='95%' asks the caching allocator to hold 950 B on "
+            r"cuda:0; it holds 0 B and the device has only 900 B free of 1000 B.*Nothing was "
+            r"allocated\. Ask for at most about reserve='90%'",
+        ),
+    ],
+)
+def test_impossible_reserve_allocates_nothing(
+    monkeypatch: pytest.MonkeyPatch, spec: Any, kind: str, value: float, match: str
+) -> None:
+    alloc = FakeCudaAllocator(total=1000, used_elsewhere=100, cached=[])
+    alloc.install(monkeypatch)
+    with pytest.raises(MemoryReserveError, match=match):
+        wu._reserve_cuda(spec, kind, value, CUDA0)
+    assert alloc.reserved == 0
+
+
+def test_reserve_that_fails_midway_frees_what_it_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    alloc = FakeCudaAllocator(total=1000, used_elsewhere=100, cached=[])
+    alloc.install(monkeypatch)
+    alloc.fail_next = True
+    with pytest.raises(
+        MemoryReserveError,
+        match=r"reserve='50%': 500 B looked free on cuda:0 "
+        r"but could not be allocated.*Ask for less",
+    ):
+        wu._reserve_cuda("50%", "fraction", 0.5, CUDA0)
+    assert alloc.live == 0
 
 
 def test_impossible_reserve_is_a_value_error_and_a_cudakit_error() -> None:
@@ -633,6 +858,18 @@ def test_warmed_errors(kwargs: dict[str, Any], exc: type[Exception], match: str)
 def test_warmed_rejects_a_non_callable() -> None:
     with pytest.raises(TypeError, match=r"wraps a step function, got int"):
         warmed(model=nn.Linear(1, 1))(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"steps to be an int >= 1, got float 2\.0"):
+        warmed(model=nn.Linear(1, 1), steps=2.0)  # type: ignore[call-overload]
+
+    def gen() -> Any:
+        yield 1
+
+    async def coro() -> None:
+        pass
+
+    for fn in (gen, coro):
+        with pytest.raises(TypeError, match=r"cannot wrap the generator or coroutine function"):
+            warmed(fn, model=nn.Linear(1, 1))
 
 
 # --------------------------------------------------------------------------- find_batch_size
@@ -695,9 +932,15 @@ def check_search(
     assert all(b % multiple_of == 0 for b in trial.tried)
     assert all(b >= lower and (upper is None or b <= upper) for b in trial.tried)
     assert len(set(trial.tried)) == len(trial.tried)  # never the same size twice
-    k_start = max(start // multiple_of, 1)
-    k_best = max(threshold // multiple_of, 1)
-    bound = abs(math.log2(k_best / k_start)) + math.log2(max(k_best, k_start)) + 4
+    # In units of multiple_of: the start and the answer, both clamped to the bounds. Growing
+    # or shrinking from one to the other takes |log2(ratio)| + 2 tries at most (the start,
+    # and one past the answer), then bisecting a gap no wider than the answer takes at most
+    # log2(answer) more.
+    k_lo = -(-lower // multiple_of)
+    k_hi = math.inf if upper is None else upper // multiple_of
+    k_start = min(max(start // multiple_of, k_lo), k_hi)
+    k_best = k_lo if want is None else want // multiple_of
+    bound = math.ceil(abs(math.log2(k_best / k_start))) + 2 + math.ceil(math.log2(k_best))
     assert len(trial.tried) <= bound, (trial.tried, bound)
 
 
@@ -828,6 +1071,25 @@ def test_find_batch_size_rejects_a_non_callable_trial() -> None:
         find_batch_size(3)  # type: ignore[call-overload]
 
 
+def test_find_batch_size_rejects_generators_and_trials_that_ignore_the_size() -> None:
+    def gen(bs: int) -> Any:
+        yield torch.empty(bs)
+
+    with pytest.raises(TypeError, match=r"generator or coroutine function: calling it runs "):
+        find_batch_size(gen)
+    with pytest.raises(TypeError, match=r"decorates a function.*generator or coroutine"):
+        find_batch_size()(gen)
+    tried: list[int] = []
+    with pytest.raises(
+        BatchSizeSearchError,
+        match=r"still fits at batch size 2147483648 \(tried 1, 2, 4, .*\), so it does not "
+        r"seem to use its batch size.*or set upper=",
+    ):
+        find_batch_size(tried.append, start=1)
+    assert len(tried) == 32
+    assert find_batch_size(tried.append, start=2**40, upper=2**40) == 2**40  # explicit: fine
+
+
 # --------------------------------------------------------------------------- decorator form
 
 
@@ -844,6 +1106,7 @@ def test_decorator_returns_the_result_at_the_found_size_with_no_state_between_ca
 
     assert train.__name__ == "train"
     assert train.__doc__ == "Train."
+    assert list(inspect.signature(train).parameters) == ["limit", "tag"]
     assert train(50, tag="bs=") == "bs=48"
     first = len(tried)
     assert train(10) == "8"  # a fresh search: starts at 8 again
@@ -875,6 +1138,21 @@ def test_decorator_argument_errors() -> None:
         train(4, 0.1)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"decorates a function whose first parameter"):
         find_batch_size(start=2)(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"first positional argument, but .*\(\*, bs\) has no"):
+        find_batch_size()(lambda *, bs: bs)  # type: ignore[arg-type]
+
+
+def test_decorator_keeps_no_result_after_a_call() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    @find_batch_size(start=4, upper=16)
+    def probe(batch_size: int) -> torch.Tensor:
+        t = torch.zeros(batch_size)
+        made.append(weakref.ref(t))
+        return t
+
+    assert probe().numel() == 16
+    assert all(r() is None for r in made)  # neither the search nor the wrapper holds one
 
 
 def test_decorator_lower_bound_error_and_passthrough() -> None:
