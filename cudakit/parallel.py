@@ -1422,6 +1422,9 @@ def launch(
             else:
                 failures[i] = (when, payload)
 
+    import multiprocessing
+
+    started_before = set(multiprocessing.active_children())
     try:
         procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _child,
@@ -1431,6 +1434,14 @@ def launch(
             start_method=start_method,
         )
     except Exception as exc:
+        # Ranks started before the failure (say rank 1 hit a resource limit) would wait
+        # for the missing rank until the timeout: stop them, so nothing outlives the launch.
+        for p in set(multiprocessing.active_children()) - started_before:
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
         if start_method != "fork" and not _picklable((args, kwargs)):
             raise TypeError(
                 f"launch() must send fn's arguments to new processes, but they cannot be "

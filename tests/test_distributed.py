@@ -11,6 +11,7 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -384,6 +385,33 @@ def test_launch_prefers_a_python_exception_to_a_peer_signal(tmp_path: Path) -> N
     assert "raise ValueError" in ei.value.traceback_text
     assert all(_gone(pid) for pid in ei.value.pids)
     assert multiprocessing.active_children() == []
+
+
+def test_launch_unpicklable_arguments_is_clear_and_leaves_no_process() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"launch\(\) must send fn's arguments to new processes, but they cannot be "
+        r"pickled \(cannot pickle '_thread.lock' object\)\. Pass plain data",
+    ):
+        cp.launch(_returns_then_aborts, threading.Lock(), 0.0, nprocs=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_launch_stops_ranks_started_before_a_start_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.multiprocessing as mp
+
+    def start_one_then_fail(*args: Any, **kwargs: Any) -> None:
+        multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,)).start()
+        raise OSError("[Errno 24] Too many open files")
+
+    monkeypatch.setattr(mp, "start_processes", start_one_then_fail)
+    start = time.monotonic()
+    with pytest.raises(OSError, match=r"Too many open files"):
+        cp.launch(_hang, nprocs=2)
+    assert multiprocessing.active_children() == []
+    assert time.monotonic() - start < 30
 
 
 def test_launch_timeout_kills_every_rank() -> None:
