@@ -291,6 +291,11 @@ class DeviceMemory:
     caching allocator holds from the driver. On the CPU, *allocated* is the
     process's resident set size (RSS) and the reserved fields are ``None``.
 
+    >>> from cudakit.memory import DeviceMemory
+    >>> d = DeviceMemory("cpu", allocated_before=10, allocated_after=4, peak_allocated=30)
+    >>> d.allocated_delta, d.peak_increase, d.reserved_delta
+    (-6, 20, None)
+
     .. versionadded:: 0.1
     """
 
@@ -362,6 +367,14 @@ class MemoryReport:
     Its numbers are filled in when the block exits; reading them earlier raises
     ``RuntimeError``. With one device the properties are that device's numbers;
     with ``device="all"`` they are sums over :attr:`devices`.
+
+    >>> from cudakit.memory import MemoryReport, memory_report
+    >>> with memory_report("step", device="cpu", file=None) as rep:
+    ...     pass
+    >>> rep.device, rep.raised, rep.peak_allocated >= rep.allocated_before
+    ('cpu', None, True)
+    >>> MemoryReport.from_json(rep.to_json()) == rep
+    True
 
     .. versionadded:: 0.1
     """
@@ -555,6 +568,11 @@ class MemorySnapshot:
     :func:`memory_report` on that device, else since process start (or the last
     ``torch.cuda.reset_peak_memory_stats``). On the CPU *allocated* is the RSS.
 
+    >>> from cudakit.memory import memory_snapshot
+    >>> snap = memory_snapshot("cpu")
+    >>> snap.device, snap.reserved, str(snap).startswith("cpu: RSS")
+    ('cpu', None, True)
+
     .. versionadded:: 0.1
     """
 
@@ -683,7 +701,7 @@ def _close_frame(frame: _Frame) -> DeviceMemory:
             frame.device,
             frame.alloc0,
             rss,
-            max(frame.peak_a, peak, rss),
+            max(frame.peak_a, peak, rss, frame.alloc0),  # a peak never below either end
             free=free,
             total=total,
             peak_since_start=frame.since_start,
@@ -697,10 +715,10 @@ def _close_frame(frame: _Frame) -> DeviceMemory:
         frame.device,
         frame.alloc0,
         alloc,
-        max(frame.peak_a, peak_a),
+        max(frame.peak_a, peak_a, frame.alloc0, alloc),  # another thread may free meanwhile
         frame.res0,
         res,
-        max(frame.peak_r, peak_r),
+        max(frame.peak_r, peak_r, frame.res0, res),
         free,
         total,
         cuda_started=True,
@@ -891,6 +909,15 @@ class MemoryReported(Protocol[P, R_co]):
     ``fn.memory_report`` is the :class:`MemoryReporter`: ``.last`` is the most
     recent call's report, ``.calls`` the number of calls and ``.flush()``
     writes the pending aggregate line.
+
+    >>> from cudakit.memory import memory_report
+    >>> @memory_report(device="cpu", file=None)
+    ... def step(n: int) -> int:
+    ...     return n + 1
+    >>> step(1), step(2), step.memory_report.calls, step.memory_report.last.label
+    (2, 3, 2, 'step')
+
+    .. versionadded:: 0.1
     """
 
     memory_report: MemoryReporter
@@ -906,6 +933,18 @@ class MemoryReporter(ContextDecorator):
     One object may be entered many times one after the other (a ``with`` inside a
     loop); its output is throttled across those entries. Entering it again while
     it is open raises ``RuntimeError``: nest a new ``memory_report()`` instead.
+    ``device=None``, ``"auto"`` and ``"cuda"`` follow the thread's current CUDA
+    device at every entry, so an object made before ``torch.cuda.set_device``
+    measures the right device.
+
+    >>> from cudakit.memory import memory_report
+    >>> lines = []
+    >>> step_memory = memory_report("step", device="cpu", log=lines.append, every=2)
+    >>> for _ in range(4):
+    ...     with step_memory:
+    ...         pass
+    >>> step_memory.calls, len(lines), lines[0].startswith("memory_report 'step' cpu x2 calls")
+    (4, 2, True)
 
     .. versionadded:: 0.1
     """

@@ -104,6 +104,7 @@ class FakeCuda:
         return self.largest
 
     def start_history(self) -> None:
+        self.initialized = True  # the real seam calls torch.cuda.init() first
         self.calls.append("start_history")
 
     def dump_history(self, path: str) -> None:
@@ -321,6 +322,34 @@ def test_cuda_not_started_is_reported_without_starting_it(fake: FakeCuda) -> Non
     snap = memory_snapshot()
     assert snap.cuda_started is False
     assert "CUDA not started" in str(snap)
+
+
+def test_peak_is_never_below_either_end_of_the_block(fake: FakeCuda, fcpu: FakeCpu) -> None:
+    # Another thread may free memory between the "before" read and the reset.
+    fake.malloc(100 * MiB)
+    real_reset = fake.reset_peak
+
+    def reset_after_a_free(i: int) -> None:
+        fake.free(60 * MiB)
+        fake.res[i] -= 60 * MiB
+        real_reset(i)
+
+    fake.reset_peak = reset_after_a_free  # type: ignore[method-assign]
+    with memory_report(file=None) as rep:
+        pass
+    assert rep.allocated_before == 100 * MiB
+    assert rep.peak_allocated == 100 * MiB
+    assert rep.peak_increase == 0
+    assert rep.peak_reserved == 100 * MiB
+
+    def reset_below(rss_before: int) -> bool:
+        fcpu.hwm = 50 * MiB  # RSS dropped between the read and the reset
+        return True
+
+    fcpu.reset_peak = reset_below  # type: ignore[method-assign]
+    with memory_report(device="cpu", file=None) as cpu_rep:
+        pass
+    assert cpu_rep.peak_allocated == cpu_rep.allocated_before == 100 * MiB
 
 
 def test_block_that_starts_cuda_reports_it(fake: FakeCuda) -> None:
@@ -971,6 +1000,15 @@ def test_record_history_nested_with_fake(fake: FakeCuda, tmp_path: Any) -> None:
     assert history == ["start_history", "dump:inner.pickle", "dump:outer.pickle", "stop_history"]
     assert outer.history == str(tmp_path / "outer.pickle")
     assert "memory_viz" in str(outer)
+
+
+def test_record_history_starts_cuda_because_it_was_asked_for(fake: FakeCuda) -> None:
+    fake.initialized = False
+    with memory_report(file=None, record_history="s.pickle") as rep:
+        fake.malloc(MiB)
+    assert rep.devices[0].cuda_started is True
+    assert rep.peak_allocated == MiB
+    assert fake.calls[0] == "start_history"
 
 
 def test_record_history_written_on_oom(fake: FakeCuda, tmp_path: Any) -> None:
