@@ -24,6 +24,7 @@ Run it as ``cudakit demo`` or ``python -m cudakit demo``; ``--help`` lists the o
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import json
@@ -364,6 +365,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default_train_size(device: torch.device) -> int:
+    return 2048 if device.type == "cpu" else 16384
+
+
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject what cannot work before any process starts or any data is made."""
     if args.plot is not None:
@@ -373,6 +378,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "install it with `pip install 'cudakit[plot]'` (or `pip install matplotlib`), "
                 "or drop --plot."
             )
+        if not args.plot.lower().endswith(".png"):
+            p.error(
+                f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png, "
+                f"e.g. --plot {os.path.splitext(args.plot)[0] or 'demo'}.png."
+            )
+        if os.path.isdir(args.plot):
+            p.error(f"--plot {args.plot} is a folder; give a file name such as demo.png.")
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             p.error(
@@ -380,21 +392,48 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "or write the plot somewhere else."
             )
     try:
-        resolve_device(args.device)
+        device = resolve_device(args.device)
     except (ValueError, TypeError) as exc:
         p.error(f"--device {args.device}: {exc}")
-    if args.nprocs > 1 and args.device in ("auto", "cuda") and torch.cuda.is_available():
+    env = read_env()
+    if args.nprocs > 1 and env is not None:
+        p.error(
+            f"--nprocs {args.nprocs} was given inside a launcher (WORLD_SIZE="
+            f"{env.world_size}); use either `torchrun --nproc-per-node N -m "
+            "cudakit demo` or `cudakit demo --nprocs N`, not both."
+        )
+    world = args.nprocs if args.nprocs > 1 else (env.world_size if env is not None else 1)
+    local = args.nprocs if args.nprocs > 1 else (env.local_world_size if env is not None else 1)
+    if local > 1 and device.type == "cuda":
+        if args.device not in ("auto", "cuda"):
+            p.error(
+                f"--device {args.device} would put all {local} processes of this machine on "
+                "one GPU; with several processes each takes its own (cuda:LOCAL_RANK): use "
+                "--device cuda or leave --device out."
+            )
         gpus = torch.cuda.device_count()
         if args.nprocs > gpus:
             p.error(
                 f"--nprocs {args.nprocs} starts one process per GPU, but this machine has "
                 f"{gpus} visible GPU(s); use --nprocs {gpus}, or --device cpu for CPU processes."
             )
-    if args.nprocs > 1 and read_env() is not None:
+    # Each process trains on its shard: ceil(n / world) images, whole batches only.
+    n_train = args.train_size or _default_train_size(device)
+    share = -(-n_train // world)
+    have = (
+        f"the {n_train} training images"
+        if world == 1
+        else f"each process's share of the {n_train} training images ({share})"
+    )
+    if args.batch_size == "auto" and share < 8:
         p.error(
-            f"--nprocs {args.nprocs} was given inside a launcher (WORLD_SIZE="
-            f"{os.environ.get('WORLD_SIZE')}); use either `torchrun --nproc-per-node N -m "
-            "cudakit demo` or `cudakit demo --nprocs N`, not both."
+            f"--batch-size auto searches multiples of 8, more than {have}; "
+            f"use --train-size {8 * world} or more."
+        )
+    if args.batch_size != "auto" and args.batch_size > share:
+        p.error(
+            f"--batch-size {args.batch_size} is larger than {have}, so not one batch would "
+            f"run; use --batch-size {share} or less, or a larger --train-size."
         )
 
 
@@ -438,13 +477,11 @@ def _launched(args: argparse.Namespace) -> DemoSummary:
 
 
 def _finish(summary: DemoSummary, args: argparse.Namespace) -> None:
+    # The summary first: a plot that fails to save must not take the results with it.
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary, flush=True)
     if args.plot is not None:
         _plot(summary, args.plot)
-    if args.json:
-        print(json.dumps(summary.to_dict(), indent=2))
-    else:
-        print(summary)
-        if args.plot is not None:
+        if not args.json:
             print(f"plot written to {args.plot}")
 
 
@@ -532,7 +569,7 @@ def _find_batch_size(
     model: nn.Module, loss_fn: nn.Module, step: AutocastStep, device: torch.device, cap: int
 ) -> int:
     """``--batch-size auto``: the largest batch (multiple of 8) a training step fits in."""
-    probe = _copy_model(model)  # trials train a throwaway copy: the real model is untouched
+    probe = copy.deepcopy(model)  # trials train a throwaway copy: the real model is untouched
 
     def trial(batch_size: int) -> None:
         x = torch.randn(batch_size, 3, 32, 32, device=device)
@@ -543,12 +580,6 @@ def _find_batch_size(
         probe.zero_grad(set_to_none=True)
 
     return find_batch_size(trial, start=64, lower=8, upper=cap, multiple_of=8, margin=0.1)
-
-
-def _copy_model(model: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def _all_reduce(
@@ -571,7 +602,14 @@ def _evaluate(
     labels: torch.Tensor,
     world: int,
 ) -> tuple[float, float]:
-    """Held-out loss and accuracy (each rank scores its share, then the sums are reduced)."""
+    """Held-out loss and accuracy (each rank scores its share, then the sums are reduced).
+
+    Under DDP each rank's BatchNorm statistics took its own last batch after rank 0's
+    were broadcast; broadcast them once more so that every rank scores the same model.
+    """
+    if world > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
     model.eval()
     loss_sum = correct = 0.0
     with torch.no_grad(), step.autocast():
@@ -608,7 +646,7 @@ def _train_loop(
     args: argparse.Namespace, device: torch.device, world: int, rank: int
 ) -> DemoSummary:
     main_rank = rank == 0
-    n_train = args.train_size or (2048 if device.type == "cpu" else 16384)
+    n_train = args.train_size or _default_train_size(device)
     n_val = max(256, n_train // 4)
 
     # Data: made in memory on the CPU (identically on every rank); each rank trains on
@@ -646,12 +684,6 @@ def _train_loop(
         # time, so keep them at 0 and take pinning from loader_kwargs().
         **loader_kwargs(device, num_workers=0),
     )
-    if len(loader) == 0:
-        raise ValueError(
-            f"--batch-size {batch_size} is larger than this rank's share of the "
-            f"{n_train} training images ({n_train // world}); use a smaller --batch-size "
-            "or a larger --train-size."
-        )
     micro_steps = len(loader)
     total_steps = args.epochs * math.ceil(micro_steps / ACCUMULATE)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total_steps))

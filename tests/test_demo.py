@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from cudakit import demo
 from cudakit.demo import DemoSummary, EpochStats, _Progress, main, make_dataset, make_model
+from cudakit.parallel import launch
 
 # One short epoch: 256 images in batches of 32 -> 8 micro-steps, 4 optimizer steps.
 SHORT = ["--epochs", "1", "--train-size", "256", "--batch-size", "32", "--seed", "3"]
@@ -26,15 +28,21 @@ def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def short_run() -> dict[str, Any]:
-    """The JSON summary of one short CPU epoch (run once for the module)."""
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The JSON summary of one short CPU epoch (run once for the module).
+
+    With matplotlib installed the run also writes ``--plot``; ``result["plot"]`` is the path.
+    """
     import contextlib
     import io
 
+    plot = tmp_path_factory.mktemp("demo") / "demo.png"
+    extra = ["--plot", str(plot)] if importlib.util.find_spec("matplotlib") else []
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main([*SHORT, "--json", "--no-progress"]) == 0
-    result: dict[str, Any] = json.loads(buf.getvalue())
+        assert main([*SHORT, "--json", "--no-progress", *extra]) == 0
+    result: dict[str, Any] = json.loads(buf.getvalue())  # nothing but the JSON on stdout
+    result["plot"] = plot
     return result
 
 
@@ -89,18 +97,38 @@ def test_text_summary_with_progress_auto_batch_and_fp32(
     assert "samples/s" in captured.err
 
 
-def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_writes_a_png(short_run: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    assert short_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_is_announced_after_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "demo.png"
-    assert main([*SHORT, "--no-progress", "--plot", str(target)]) == 0
+    monkeypatch.setattr(demo, "_train", lambda args: _summary(step_memory=[2**20, 2**21]))
+    assert main(["--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot written to {target}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.index("loss fell") < out.index(f"plot written to {target}")
 
 
 @pytest.mark.distributed
 def test_nprocs_2_trains_with_ddp_and_agrees_on_the_auto_batch_size(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Each rank also checks the DDP evaluation (one spawn for both), and a rank stuck in
+    # a collective fails the test instead of hanging CI.
+    bn_checks: list[list[float]] = []
+
+    def launch_checked(fn: Any, args: Any, *, nprocs: int) -> list[DemoSummary]:
+        assert fn is demo._launched
+        results = launch(_bn_check_then_train, args, nprocs=nprocs, timeout=180)
+        bn_checks.extend(bn for bn, _ in results)
+        return [summary for _, summary in results]
+
+    monkeypatch.setattr(demo, "launch", launch_checked)
     # The later --batch-size wins over SHORT's; each rank searches, the smallest is used.
     s = _run_json(capsys, "--nprocs", "2", "--batch-size", "auto", "--device", "cpu")
     assert (s["strategy"], s["world_size"]) == ("DistributedDataParallel", 2)
@@ -110,6 +138,26 @@ def test_nprocs_2_trains_with_ddp_and_agrees_on_the_auto_batch_size(
     # Each rank trains on its half (128 images): 128 // batch micro-steps, accumulate 2.
     assert s["epochs"][0]["optimizer_steps"] == math.ceil(128 // batch / 2)
     assert s["loss_fell"] is True
+    # Evaluation under DDP scores one model: rank 0's BatchNorm statistics on every rank.
+    assert bn_checks == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def _bn_check_then_train(args: Any) -> tuple[list[float], DemoSummary]:
+    """One rank of ``--nprocs 2``: the evaluation check, then the demo's own rank function."""
+    from torch import nn
+
+    from cudakit.amp import autocast_step
+    from cudakit.parallel import process_group
+
+    with process_group() as group:
+        model = make_model(width=2)
+        model[1].running_mean.fill_(float(group.rank))  # as after each rank's own last batch
+        step = autocast_step(torch.optim.SGD(model.parameters(), lr=0.0), dtype="fp32")
+        images, labels = make_dataset(8, seed=0, split="val")
+        r, w = group.rank, group.world_size
+        demo._evaluate(model, nn.CrossEntropyLoss(), step, images[r::w], labels[r::w], w)
+        bn = [float(v) for v in model[1].running_mean]
+    return bn, demo._launched(args)
 
 
 @pytest.mark.cuda
@@ -232,9 +280,118 @@ def test_nprocs_inside_torchrun_is_a_clear_error(
     assert "not both" in err
 
 
-def test_batch_larger_than_the_data_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"--batch-size 128 is larger than this rank's share"):
-        main(["--train-size", "64", "--batch-size", "128", "--no-progress"])
+def _no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any training (or launch) fail the test: errors must come before either."""
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started before rejecting its arguments")
+
+    monkeypatch.setattr(demo, "_train", boom)
+    monkeypatch.setattr(demo, "launch", boom)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--train-size", "64", "--batch-size", "128"],
+            r"--batch-size 128 is larger than the 64 training images, so not one batch would "
+            r"run; use --batch-size 64 or less, or a larger --train-size\.",
+        ),
+        (  # the default train size on a CPU
+            ["--batch-size", "4096"],
+            r"--batch-size 4096 is larger than the 2048 training images",
+        ),
+        (
+            ["--train-size", "101", "--batch-size", "64", "--nprocs", "2", "--device", "cpu"],
+            r"--batch-size 64 is larger than each process's share of the 101 training images "
+            r"\(51\), .*use --batch-size 51 or less",
+        ),
+        (
+            ["--train-size", "6", "--batch-size", "auto"],
+            r"--batch-size auto searches multiples of 8, more than the 6 training images; "
+            r"use --train-size 8 or more\.",
+        ),
+    ],
+)
+def test_batch_larger_than_the_data_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
+) -> None:
+    import re
+
+    _no_training(monkeypatch)
+    assert re.search(message, _error(capsys, *argv))
+
+
+def test_a_batch_equal_to_the_data_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+    monkeypatch.setattr(demo, "_train", lambda args: ran.append(args.batch_size))
+    monkeypatch.setattr(demo, "_finish", lambda summary, args: None)
+    assert main(["--train-size", "64", "--batch-size", "64"]) == 0
+    assert ran == [64]
+
+
+def test_one_gpu_index_for_several_processes_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a 2-GPU machine: cuda:1 exists, but 2 processes cannot share it.
+    monkeypatch.setattr(demo, "resolve_device", lambda spec: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _no_training(monkeypatch)
+    err = _error(capsys, "--nprocs", "2", "--device", "cuda:1")
+    assert "--device cuda:1 would put all 2 processes of this machine on one GPU" in err
+    assert "use --device cuda or leave --device out" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("demo.jpg", r"--plot demo.jpg: the plot is a PNG; give a file name ending in .png, "),
+        ("demo", r"e\.g\. --plot demo\.png\."),
+    ],
+)
+def test_plot_must_be_a_png(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    name: str,
+    message: str,
+) -> None:
+    import re
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    _no_training(monkeypatch)
+    assert re.search(message, _error(capsys, "--plot", name))
+
+
+def test_plot_onto_a_folder_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "out.png"
+    folder.mkdir()
+    _no_training(monkeypatch)
+    err = _error(capsys, "--plot", str(folder))
+    assert f"--plot {folder} is a folder; give a file name such as demo.png." in err
+
+
+def test_the_summary_is_printed_before_the_plot(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+
+    def failing_plot(summary: DemoSummary, path: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(demo, "_train", lambda args: _summary())
+    monkeypatch.setattr(demo, "_plot", failing_plot)
+    with pytest.raises(OSError, match="disk full"):
+        main(["--plot", str(tmp_path / "demo.png")])
+    assert "loss fell: 2.3000 -> 1.2000" in capsys.readouterr().out  # not lost with the plot
 
 
 # -- the pieces ---------------------------------------------------------------------------
