@@ -9,7 +9,7 @@ import multiprocessing
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -38,14 +38,25 @@ from cudakit.data import (
 from cudakit.exceptions import DeviceError
 
 
-def _threads_settle_to(baseline: set[threading.Thread], timeout: float = 10.0) -> bool:
-    """True once no thread outside ``baseline`` is alive (daemon helpers exit a bit late)."""
+def _settles(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """True once ``check()`` holds: helper threads and processes exit a little late."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if set(threading.enumerate()) <= baseline:
-            return True
+    while not check():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.02)
-    return set(threading.enumerate()) <= baseline
+    return True
+
+
+def _threads_settle_to(baseline: set[threading.Thread]) -> bool:
+    """True once no thread outside ``baseline`` is alive (daemon queue feeders exit late)."""
+    return _settles(lambda: set(threading.enumerate()) <= baseline)
+
+
+def _children_settle_to(baseline: set[Any]) -> bool:
+    """True once no child process outside ``baseline`` is alive (a worker may be terminated
+    after its join timed out, and be reaped a moment later)."""
+    return _settles(lambda: set(multiprocessing.active_children()) <= baseline)
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -182,13 +193,17 @@ class Tracked:
         self.fail_at = fail_at
         self.closed = 0
         self.iterators: list[weakref.ref[Iterator[torch.Tensor]]] = []
+        self.made: list[weakref.ref[torch.Tensor]] = []
 
     def _gen(self) -> Iterator[torch.Tensor]:
         try:
             for i in range(self.n):
                 if i == self.fail_at:
                     raise KeyError(f"bad sample {i}")
-                yield torch.full((4,), float(i))
+                batch = torch.full((4,), float(i))
+                self.made.append(weakref.ref(batch))
+                yield batch
+                del batch
         finally:
             self.closed += 1
 
@@ -255,8 +270,34 @@ def test_dataloader_workers_are_released_on_break() -> None:
     for i, _ in enumerate(prefetch(loader, device="cpu")):
         if i == 1:
             break
+    assert _children_settle_to(children)
+    assert _threads_settle_to(threads)
+
+
+def train_until_nan(batches: Any, at: int) -> None:
+    """A loop whose body raises at batch ``at``."""
+    for i, _ in enumerate(batches):
+        if i == at:
+            raise ZeroDivisionError("loss is nan")
+
+
+def test_an_exception_in_the_loop_body_releases_the_source() -> None:
+    source = Tracked(5)
+    with pytest.raises(ZeroDivisionError):
+        train_until_nan(prefetch(source, device="cpu"), at=1)
+    assert source.closed == 1
+    assert source.iterators[0]() is None
     gc.collect()
-    assert set(multiprocessing.active_children()) <= children
+    assert [r() for r in source.made] == [None, None]  # no batch outlives the loop
+
+
+def test_dataloader_workers_are_released_when_the_loop_body_raises() -> None:
+    loader = DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1)
+    threads = set(threading.enumerate())
+    children = set(multiprocessing.active_children())
+    with pytest.raises(ZeroDivisionError):
+        train_until_nan(prefetch(loader, device="cpu"), at=0)
+    assert _children_settle_to(children)
     assert _threads_settle_to(threads)
 
 
@@ -748,6 +789,19 @@ def test_cuda_early_break_releases_device_memory() -> None:
         if i == 2:
             break
     del batch  # the loop variable still holds the last batch
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.cuda
+def test_cuda_exception_in_the_loop_body_releases_device_memory() -> None:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    source = Tracked(10)
+    with pytest.raises(ZeroDivisionError):
+        train_until_nan(prefetch(source, device="cuda", depth=3), at=2)
+    assert source.closed == 1
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
