@@ -148,7 +148,6 @@ class _ProcCpu:
 
     def __init__(self) -> None:
         self._forks = -1
-        self._pid = -1
         self._status = -1
         self._statm = -1
         self._clear = -1
@@ -166,12 +165,10 @@ class _ProcCpu:
         if self._forks == _ProcCpu.forks:
             return
         self._forks = _ProcCpu.forks
-        pid = os.getpid()
         for fd in (self._status, self._statm, self._clear, self._meminfo):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._pid = pid
         self._status = self._statm = self._clear = self._meminfo = -1
         self.resettable = True
         self._ru_exact = False
@@ -621,7 +618,6 @@ class _Frame:
         "res0",
         "shared",
         "since_start",
-        "started",
         "thread",
     )
 
@@ -633,7 +629,6 @@ class _Frame:
         self.peak_r = 0
         self.alloc0 = 0
         self.res0 = 0
-        self.started = True
         self.since_start = False
         self.shared = False
 
@@ -678,9 +673,7 @@ def _open_frame(device: str, index: int) -> _Frame:
         else:
             frame.alloc0 = _cpu.rss()
         frame.since_start = not _cpu.reset_peak(frame.alloc0)
-    elif not _cuda.is_initialized():
-        frame.started = False
-    else:
+    elif _cuda.is_initialized():  # else nothing is allocated: keep zeros, start nothing
         frame.alloc0, frame.res0, peak_a, peak_r = _cuda.stats(index)
         _absorb(frames, peak_a, peak_r)
         _cuda.reset_peak(index)
