@@ -400,6 +400,12 @@ class Prefetcher(Generic[T]):
     object serves every epoch. The iterator it returns has ``close()``; a loop that
     breaks or raises releases the source and every batch in flight.
 
+    >>> import torch
+    >>> from cudakit.data import prefetch
+    >>> batches = prefetch(x for x in torch.arange(3.0).split(1))  # no len(): a Prefetcher
+    >>> type(batches).__name__, [b.item() for b in batches]
+    ('Prefetcher', [0.0, 1.0, 2.0])
+
     .. versionadded:: 0.1
     """
 
@@ -477,6 +483,12 @@ class Prefetcher(Generic[T]):
 
 class SizedPrefetcher(Prefetcher[T]):
     """A :class:`Prefetcher` over a source with ``len()``, which it reports too.
+
+    >>> import torch
+    >>> from cudakit.data import prefetch
+    >>> batches = prefetch([torch.zeros(2)] * 5, device="cpu")
+    >>> type(batches).__name__, len(batches)
+    ('SizedPrefetcher', 5)
 
     .. versionadded:: 0.1
     """
@@ -556,7 +568,9 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
     Args:
         loader: Any iterable of batches: a DataLoader, a list, a generator. A
             re-iterable source gives a fresh pass on every ``iter()``; a one-shot
-            iterator (a generator) is consumed once.
+            iterator (a generator) is consumed once, and on CUDA up to ``depth``
+            batches are read from it ahead of the one delivered. A source must yield a
+            fresh tensor per batch, not refill one pinned buffer in place.
         device: Where batches go; ``None``/``"auto"`` picks the best device
             (see :func:`~cudakit.device.resolve_device`).
         depth: How many batches are copied ahead on CUDA; each costs one batch of
@@ -597,6 +611,10 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
 
 class LoaderKwargs(TypedDict, total=False):
     """Keyword arguments for :class:`torch.utils.data.DataLoader` from :func:`loader_kwargs`.
+
+    >>> from cudakit.data import loader_kwargs
+    >>> sorted(loader_kwargs("cpu"))
+    ['num_workers', 'persistent_workers', 'pin_memory']
 
     .. versionadded:: 0.1
     """
@@ -653,8 +671,11 @@ def loader_kwargs(
     * MPS: the same workers, no pinning (torch does not pin for MPS).
     * CPU and others: no workers and no pinning: the model's threads use every core.
 
-    ``pin_memory_device`` is never set: pinned memory serves every CUDA device, and
-    recent torch deprecates the argument (it warns). Never initialises CUDA.
+    ``pin_memory_device`` is never set: torch deprecated it in 2.9 and the DataLoader now
+    ignores it with a warning, pinning for the current accelerator (pinned memory is
+    readable by every GPU). The pin-memory thread runs on the current CUDA device, so
+    under ``torchrun`` call ``torch.cuda.set_device(local_rank)`` before iterating.
+    Never initialises CUDA.
 
     >>> from torch.utils.data import DataLoader
     >>> from cudakit.data import loader_kwargs
