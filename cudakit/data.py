@@ -671,7 +671,7 @@ def loader_kwargs(
     * MPS: the same workers, no pinning (torch does not pin for MPS).
     * CPU and others: no workers and no pinning: the model's threads use every core.
 
-    ``pin_memory_device`` is never set: torch deprecated it in 2.9 and the DataLoader now
+    ``pin_memory_device`` is never set: torch deprecated it, and torch 2.13's DataLoader
     ignores it with a warning, pinning for the current accelerator (pinned memory is
     readable by every GPU). The pin-memory thread runs on the current CUDA device, so
     under ``torchrun`` call ``torch.cuda.set_device(local_rank)`` before iterating.
