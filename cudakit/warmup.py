@@ -714,8 +714,8 @@ def warmup(
             requested = _reserve_cuda(reserve, parsed[0], parsed[1], dev)
         else:
             warnings.warn(
-                f"warmup(reserve={reserve!r}) does nothing on {dev.type}: only CUDA has a "
-                "caching allocator to pre-fill. Drop reserve= on this machine, or filter "
+                f"warmup(reserve={reserve!r}) does nothing on {dev.type}: cudakit pre-fills "
+                "only the CUDA caching allocator. Drop reserve= on this machine, or filter "
                 "cudakit.warmup.ReserveIgnoredWarning.",
                 ReserveIgnoredWarning,
                 stacklevel=2,
