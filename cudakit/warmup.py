@@ -860,8 +860,11 @@ _OOM_MESSAGES = (
     "CUDA out of memory",
     "CUDA error: out of memory",
     "HIP out of memory",
+    "XPU out of memory",
     "MPS backend out of memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     # cuDNN reports a workspace it cannot get for a huge batch as "not supported".
     "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input",
@@ -873,8 +876,8 @@ def is_oom_error(exc: BaseException) -> bool:
     """Tell whether an exception means "out of memory" (so a smaller batch may fit).
 
     True for ``torch.OutOfMemoryError``, Python's ``MemoryError``, and the
-    ``RuntimeError``\\ s torch raises for CUDA/HIP/MPS allocation failures, cuBLAS and
-    cuDNN allocation failures, and the CPU allocator running out.
+    ``RuntimeError``\\ s torch raises for CUDA/HIP/XPU/MPS allocation failures, cuBLAS,
+    cuSOLVER, cuFFT and cuDNN allocation failures, and the CPU allocator running out.
 
     >>> import torch
     >>> from cudakit.warmup import is_oom_error

@@ -979,6 +979,9 @@ def test_find_batch_size_margin() -> None:
         "you tried to allocate 1099511627776 bytes.",
         "MPS backend out of memory (MPS allocated: 1.2 GB)",
         "HIP out of memory. Tried to allocate 2.00 GiB",
+        "XPU out of memory. Tried to allocate 2.00 GiB",
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(&handle)`",
+        "cuFFT error: CUFFT_ALLOC_FAILED",
     ],
 )
 def test_oom_like_runtime_errors_shrink_the_batch(message: str) -> None:
