@@ -222,13 +222,11 @@ def _abort_at_exit() -> None:
     os.abort()  # SIGABRT, as gloo's teardown race does ("terminate called without ...")
 
 
-def _returns_then_aborts(crashing_rank: int, peer_sleeps: float) -> int:
+def _returns_then_aborts(crashing_rank: int) -> int:
     """``crashing_rank`` returns, then dies by SIGABRT while its interpreter shuts down."""
     r = cp.rank()
     if r == crashing_rank:
         atexit.register(_abort_at_exit)
-    else:
-        time.sleep(peer_sleeps)
     return r * 10
 
 
@@ -357,22 +355,9 @@ def test_launch_keeps_results_of_a_rank_that_dies_at_shutdown(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="cudakit"):
-        assert cp.launch(_returns_then_aborts, 1, 0.0, nprocs=2, timeout=120) == [0, 10]
+        assert cp.launch(_returns_then_aborts, 1, nprocs=2, timeout=120) == [0, 10]
     assert "rank 1 returned its result, then died while shutting down" in caplog.text
     assert "SIGABRT" in caplog.text
-    assert multiprocessing.active_children() == []
-
-
-def test_launch_names_a_shutdown_death_that_cost_a_peer() -> None:
-    with pytest.raises(
-        cp.LaunchError,
-        match=r"rank 0 of 2 \(pid \d+\) returned its result, then died while shutting down "
-        r"\(process 0 terminated with signal SIGABRT\); rank\(s\) \[1\] were stopped before "
-        r"returning\. Look for sys\.exit\(\)",
-    ) as ei:
-        cp.launch(_returns_then_aborts, 0, 60.0, nprocs=2, timeout=120)
-    assert ei.value.rank == 0
-    assert all(_gone(pid) for pid in ei.value.pids)
     assert multiprocessing.active_children() == []
 
 
@@ -393,7 +378,7 @@ def test_launch_unpicklable_arguments_is_clear_and_leaves_no_process() -> None:
         match=r"launch\(\) must send fn's arguments to new processes, but they cannot be "
         r"pickled \(cannot pickle '_thread.lock' object\)\. Pass plain data",
     ):
-        cp.launch(_returns_then_aborts, threading.Lock(), 0.0, nprocs=2)
+        cp.launch(_returns_then_aborts, threading.Lock(), nprocs=2)
     assert multiprocessing.active_children() == []
 
 
@@ -416,8 +401,8 @@ def test_launch_stops_ranks_started_before_a_start_failure(
 
 def test_launch_timeout_kills_every_rank() -> None:
     start = time.monotonic()
-    with pytest.raises(cp.LaunchError, match=r"timed out after 5s") as ei:
-        cp.launch(_hang, nprocs=1, timeout=5)
+    with pytest.raises(cp.LaunchError, match=r"timed out after 2s") as ei:
+        cp.launch(_hang, nprocs=1, timeout=2)
     assert time.monotonic() - start < 30
     assert all(_gone(pid) for pid in ei.value.pids)
     assert multiprocessing.active_children() == []

@@ -576,6 +576,65 @@ def test_launch_argument_errors() -> None:
         cp.launch(3, nprocs=1)  # type: ignore[arg-type]
 
 
+def _signal_death(index: int) -> Exception:
+    import torch.multiprocessing as mp
+
+    return mp.ProcessExitedException(  # type: ignore[no-any-return]
+        f"process {index} terminated with signal SIGABRT",
+        error_index=index,
+        error_pid=4242,
+        exit_code=-6,
+        signal_name="SIGABRT",
+    )
+
+
+def test_launch_signal_death_outcomes(caplog: pytest.LogCaptureFixture) -> None:
+    from cudakit import _launch
+
+    death = _signal_death(0)
+    with caplog.at_level(logging.WARNING, logger="cudakit"):
+        assert _launch._exited(death, {0: b"r0", 1: b"r1"}, {}, 2, [4242, 4343]) is None
+    assert (
+        "rank 0 returned its result, then died while shutting down (process 0 terminated with "
+        "signal SIGABRT); the results are kept" in caplog.text
+    )
+    err = _launch._exited(death, {0: b"r0"}, {}, 2, [4242, 4343])
+    assert isinstance(err, cp.LaunchError)
+    assert str(err) == (
+        "rank 0 of 2 (pid 4242) returned its result, then died while shutting down (process 0 "
+        "terminated with signal SIGABRT); rank(s) [1] were stopped before returning. Look for "
+        "sys.exit(), os._exit(), a segfault or the OOM killer in its output."
+    )
+    assert (err.rank, err.pid, err.exitcode, err.pids) == (0, 4242, -6, [4242, 4343])
+    err = _launch._exited(death, {}, {}, 1, [4242])
+    assert err is not None
+    assert str(err).startswith(
+        "rank 0 of 1 (pid 4242) died without a Python exception (process 0 terminated with "
+        "signal SIGABRT). Look for"
+    )
+    cause = b"Traceback (most recent call last):\n  ...\nValueError: the real cause\n"
+    err = _launch._exited(death, {}, {1: (5.0, cause)}, 2, [4242, 4343])
+    assert err is not None
+    assert err.rank == 1
+    assert str(err).startswith("rank 1 of 2 (pid 4343) failed: ValueError: the real cause")
+
+
+def test_launch_names_the_cause_not_its_echo() -> None:
+    from cudakit import _launch
+
+    echo = b"Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
+    cause = b"Traceback ...\n  raise ValueError\nValueError: bad batch\n"
+    err = _launch._first_failure({0: (1.0, echo), 1: (2.0, cause)}, 2, [10, 11])
+    assert err.rank == 1  # reported later, but rank 0's error is only the echo of it
+    assert str(err).startswith(
+        "rank 1 of 2 (pid 11) failed: ValueError: bad batch\n(then, probably as a consequence: "
+        "rank 0: RuntimeError: [../gloo/pair.cc:534] Connection closed by peer)"
+    )
+    assert err.traceback_text == cause.decode()
+    both = _launch._first_failure({0: (2.0, cause), 1: (1.0, cause)}, 2, [10, 11])
+    assert both.rank == 1  # two real failures: the earlier one
+
+
 def test_error_hierarchy() -> None:
     assert issubclass(cp.LaunchError, CudakitError)
     assert issubclass(cp.LaunchError, RuntimeError)
