@@ -110,9 +110,18 @@ def nested(
 
 @st.composite
 def nested_with_pool(
-    draw: st.DrawFn, device: str | torch.device = "cpu", *, max_leaves: int = 12
+    draw: st.DrawFn,
+    device: str | torch.device = "cpu",
+    *,
+    max_leaves: int = 12,
+    also_on: str | torch.device | None = None,
 ) -> tuple[Any, list[torch.Tensor]]:
-    """A nested structure whose tensors come from a small pool, so some repeat."""
-    pool = draw(st.lists(tensors(device), min_size=1, max_size=4))
+    """A nested structure whose tensors come from a small pool, so some repeat.
+
+    With ``also_on``, each pool tensor lives on ``device`` or on ``also_on``: a mix of
+    tensors that must move and tensors that are already in place.
+    """
+    made = tensors(device) if also_on is None else st.one_of(tensors(device), tensors(also_on))
+    pool = draw(st.lists(made, min_size=1, max_size=4))
     leaves = st.one_of(st.sampled_from(pool), plain_leaves())
     return draw(nested(leaves, max_leaves=max_leaves)), pool

@@ -87,6 +87,39 @@ def test_property_move_to_meta(data: tuple[Any, list[torch.Tensor]]) -> None:
     assert on_device(moved, device="meta") is moved
 
 
+def _tensors_in(x: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure, sets included."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, Mapping):
+        x = list(x.values())
+    elif dataclasses.is_dataclass(x):
+        x = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    elif not isinstance(x, (list, tuple, set, frozenset)):
+        return []
+    return [t for v in x for t in _tensors_in(v)]
+
+
+@big_repr_ok
+@given(nested_with_pool(also_on="meta"))
+def test_property_mixed_moved_and_in_place(data: tuple[Any, list[torch.Tensor]]) -> None:
+    # Tensors already on the target and tensors that must move, side by side in every
+    # container: exercises the adaptive skip of Tensor.to in the dict/list fast paths.
+    obj, _pool = data
+    moved = on_device(obj, device="meta")
+    check_moved(obj, moved, META, values=False)
+    pairs: list[tuple[Any, Any]] = []
+    walk_pairs(obj, moved, pairs)  # (sets are compared by their plain leaves only)
+    for a, b in pairs:
+        if isinstance(a, torch.Tensor):
+            assert (b is a) is a.is_meta  # in place: the very object; else a copy
+    # a structure whose tensors were all in place comes back as itself, and only then
+    before = _tensors_in(obj)
+    assert (moved is obj) is all(t.is_meta for t in before)
+    assert {id(t) for t in _tensors_in(moved)} >= {id(t) for t in before if t.is_meta}
+    assert on_device(moved, device="meta") is moved
+
+
 @big_repr_ok
 @given(nested())
 def test_property_nothing_to_move_returns_same_object(obj: Any) -> None:
