@@ -11,7 +11,7 @@ exception type that describes it, so ``except ValueError`` keeps working::
     ├── DistributedSetupError(RuntimeError)  a launcher environment that is incomplete
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
-    ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) on a device without a cache
+    ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
 ``TypeError``/``ValueError``; calls made in the wrong order raise ``RuntimeError``.
@@ -53,7 +53,7 @@ class DistributedSetupError(CudakitError, RuntimeError):
 
 
 class ReserveIgnoredWarning(UserWarning):
-    """``warmup(reserve=...)`` was called for a device without a caching allocator (CPU, MPS).
+    """``warmup(reserve=...)`` was called for a device cudakit does not pre-fill (CPU, MPS).
 
     Filter it with ``warnings.filterwarnings("ignore", category=ReserveIgnoredWarning)``
     when the same script runs on CPU and GPU machines.

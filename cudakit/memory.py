@@ -42,10 +42,10 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from ._contextlib import ContextDecorator
+from ._oom import is_oom_error
 from ._units import format_bytes
 from .device import DeviceLike, _current_cuda_index, resolve_device
 from .exceptions import DeviceError
-from .warmup import is_oom_error
 
 __all__ = [
     "DeviceMemory",
