@@ -451,35 +451,43 @@ def _rebuild_failed(x: object, how: str, err: Exception) -> _Bad:
     )
 
 
-def _namedtuple(x: tuple[Any, ...], c: _Ctx) -> Any:
-    hit = c.memo.get(id(x))
-    if hit is not None and hit is not _BUSY:
-        return hit
-    out = _seq(x, c)
-    if out is None:
-        res: Any = x
-    else:
-        try:
-            res = type(x)(*out)
-        except Exception as err:
-            raise _rebuild_failed(x, f"{type(x).__name__}(*fields)", err) from None
+def _rebuilt(x: object, c: _Ctx, how: str, build: Callable[[], Any]) -> Any:
+    """The moved copy of container ``x`` that ``build()`` makes, memoised.
+
+    A failure becomes a ``TypeError`` that names the container, where it is and ``how``.
+    """
+    try:
+        res = build()
+    except Exception as err:
+        raise _rebuild_failed(x, how, err) from None
     c.memo[id(x)] = res
     return res
 
 
+def _unchanged(x: object, c: _Ctx) -> Any:
+    c.memo[id(x)] = x
+    return x
+
+
 def _tuple_subclass(x: tuple[Any, ...], c: _Ctx) -> Any:
+    # namedtuples are rebuilt from their fields, other tuple subclasses from an iterable
     hit = c.memo.get(id(x))
     if hit is not None and hit is not _BUSY:
         return hit
     out = _seq(x, c)
     if out is None:
-        res: Any = x
-    else:
-        try:
-            res = type(x)(out)
-        except Exception as err:
-            raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
-    c.memo[id(x)] = res
+        return _unchanged(x, c)
+    tp = type(x)
+    if hasattr(tp, "_fields"):
+        return _rebuilt(x, c, f"{tp.__name__}(*fields)", lambda: tp(*out))
+    return _rebuilt(x, c, f"{tp.__name__}(items)", lambda: tp(out))
+
+
+def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
+    # copy.copy keeps instance attributes (and a defaultdict's factory) and does not run
+    # __init__ again; `assign` writes the moved items into the copy.
+    res = copy.copy(x)
+    assign(res)
     return res
 
 
@@ -489,16 +497,12 @@ def _list_subclass(x: list[Any], c: _Ctx) -> Any:
         return hit
     out = _seq(x, c)
     if out is None:
-        res: Any = x
-    else:
-        # copy.copy keeps instance attributes; then swap the items.
-        try:
-            res = copy.copy(x)
-            res[:] = out
-        except Exception as err:
-            raise _rebuild_failed(x, "copy.copy(obj)[:] = items", err) from None
-    c.memo[id(x)] = res
-    return res
+        return _unchanged(x, c)
+
+    def assign(res: list[Any]) -> None:
+        res[:] = out
+
+    return _rebuilt(x, c, "copy.copy(obj)[:] = items", lambda: _shallow_copy(x, assign))
 
 
 def _mapping_items(x: Mapping[Any, Any], c: _Ctx) -> dict[Any, Any] | None:
@@ -527,16 +531,13 @@ def _dict_subclass(x: dict[Any, Any], c: _Ctx) -> Any:
         return hit
     changed = _mapping_items(x, c)
     if changed is None:
-        res: Any = x
-    else:
-        try:
-            res = copy.copy(x)
-            for k, nv in changed.items():
-                res[k] = nv
-        except Exception as err:
-            raise _rebuild_failed(x, "copy.copy(obj)[key] = value", err) from None
-    c.memo[id(x)] = res
-    return res
+        return _unchanged(x, c)
+
+    def assign(res: dict[Any, Any]) -> None:
+        for k, nv in changed.items():
+            res[k] = nv
+
+    return _rebuilt(x, c, "copy.copy(obj)[key] = value", lambda: _shallow_copy(x, assign))
 
 
 def _mapping(x: Mapping[Any, Any], c: _Ctx) -> Any:
@@ -545,15 +546,9 @@ def _mapping(x: Mapping[Any, Any], c: _Ctx) -> Any:
         return hit
     changed = _mapping_items(x, c)
     if changed is None:
-        res: Any = x
-    else:
-        items = {k: changed.get(k, v) for k, v in x.items()}
-        try:
-            res = type(x)(items)  # type: ignore[call-arg]
-        except Exception as err:
-            raise _rebuild_failed(x, f"{type(x).__name__}(dict)", err) from None
-    c.memo[id(x)] = res
-    return res
+        return _unchanged(x, c)
+    items = {k: changed.get(k, v) for k, v in x.items()}
+    return _rebuilt(x, c, f"{type(x).__name__}(dict)", lambda: type(x)(items))  # type: ignore[call-arg]
 
 
 def _set(x: set[Any] | frozenset[Any], c: _Ctx) -> Any:
@@ -565,14 +560,8 @@ def _set(x: set[Any] | frozenset[Any], c: _Ctx) -> Any:
     except (_Bad, NotImplementedError) as e:
         raise _located(e, "{...}", id(x), c) from None
     if all(map(operator.is_, out, x)):
-        res: Any = x
-    else:
-        try:
-            res = type(x)(out)
-        except Exception as err:
-            raise _rebuild_failed(x, f"{type(x).__name__}(items)", err) from None
-    c.memo[id(x)] = res
-    return res
+        return _unchanged(x, c)
+    return _rebuilt(x, c, f"{type(x).__name__}(items)", lambda: type(x)(out))
 
 
 def _dataclass(x: Any, c: _Ctx) -> Any:
@@ -594,18 +583,15 @@ def _dataclass(x: Any, c: _Ctx) -> Any:
     except (_Bad, NotImplementedError) as e:
         raise _located(e, f".{name}", id(x), c) from None
     if not updates:
-        res: Any = x
-    else:
-        # A shallow copy with the moved fields written back: works for frozen and slotted
-        # dataclasses and init=False fields, and does not rerun __init__/__post_init__.
-        try:
-            res = copy.copy(x)
-            for name, nv in updates:
-                object.__setattr__(res, name, nv)
-        except Exception as err:
-            raise _rebuild_failed(x, "copy.copy(obj) and setting its fields", err) from None
-    c.memo[id(x)] = res
-    return res
+        return _unchanged(x, c)
+
+    def assign(res: Any) -> None:
+        # object.__setattr__ also works for frozen and slotted dataclasses
+        for field, nv in updates:
+            object.__setattr__(res, field, nv)
+
+    how = "copy.copy(obj) and setting its fields"
+    return _rebuilt(x, c, how, lambda: _shallow_copy(x, assign))
 
 
 def _same_place(t: torch.Tensor, device: torch.device) -> bool:
@@ -773,7 +759,7 @@ def _handler_for(tp: type) -> _Handler:
     if callable(getattr(tp, "to", None)):
         return _duck
     if issubclass(tp, tuple):
-        return _namedtuple if hasattr(tp, "_fields") else _tuple_subclass
+        return _tuple_subclass
     if issubclass(tp, dict):
         return _dict_subclass
     if issubclass(tp, Mapping):

@@ -736,6 +736,49 @@ def test_container_that_cannot_be_rebuilt() -> None:
         on_device(Strict(torch.ones(1), 2), device="meta")
 
 
+class CheckedPoint(NamedTuple):
+    x: Any
+    y: Any
+
+
+class StrictPoint(CheckedPoint):
+    def __new__(cls, x: Any, y: Any) -> StrictPoint:
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            raise ValueError("x must hold data")
+        return super().__new__(cls, x, y)
+
+
+class NoArgsMapping(ReadOnlyMapping):
+    def __init__(self) -> None:
+        super().__init__({"t": torch.ones(1)})
+
+
+class FrozenList(list):  # type: ignore[type-arg]
+    def __setitem__(self, i: Any, v: Any) -> None:
+        raise TypeError("FrozenList is read-only")
+
+
+@pytest.mark.parametrize(
+    ("obj", "where", "how"),
+    [
+        (
+            {"p": StrictPoint(torch.ones(1), 2)},
+            r"obj\['p'\]",
+            r"StrictPoint\(\*fields\) raised ValueError: x must hold data",
+        ),
+        ([0, NoArgsMapping()], r"obj\[1\]", r"NoArgsMapping\(dict\) raised TypeError"),
+        (
+            Record(FrozenList([torch.ones(1)])),
+            r"obj\.value",
+            r"copy\.copy\(obj\)\[:\] = items raised TypeError: FrozenList is read-only",
+        ),
+    ],
+)
+def test_rebuild_errors_name_the_container_where_and_how(obj: Any, where: str, how: str) -> None:
+    with pytest.raises(TypeError, match=rf"inside the \w+ at {where} but cannot rebuild .*{how}"):
+        on_device(obj, device="meta")
+
+
 def test_bad_device_errors_come_from_resolve_device() -> None:
     with pytest.raises(DeviceError, match="did you mean 'cuda'"):
         on_device(torch.ones(1), device="gpu")
