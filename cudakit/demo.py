@@ -270,7 +270,7 @@ class DemoSummary:
             )
             for e in self.epochs
         ]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
         lines.append("")
         lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
         lines.append("  ".join("-" * w for w in widths))

@@ -143,7 +143,12 @@ def test_nprocs_2_trains_with_ddp_and_agrees_on_the_auto_batch_size(
 
 
 def _bn_check_then_train(args: Any) -> tuple[list[float], DemoSummary]:
-    """One rank of ``--nprocs 2``: the evaluation check, then the demo's own rank function."""
+    """One rank of ``--nprocs 2``: the evaluation check, then the demo's own rank function.
+
+    One process group for both: the demo uses a group that exists and leaves it alone.
+    (Destroying a group and creating another in the same launched process can hang:
+    the second rendezvous may read the first one's stale keys from the shared store.)
+    """
     from torch import nn
 
     from cudakit.amp import autocast_step
@@ -157,7 +162,7 @@ def _bn_check_then_train(args: Any) -> tuple[list[float], DemoSummary]:
         r, w = group.rank, group.world_size
         demo._evaluate(model, nn.CrossEntropyLoss(), step, images[r::w], labels[r::w], w)
         bn = [float(v) for v in model[1].running_mean]
-    return bn, demo._launched(args)
+        return bn, demo._launched(args)
 
 
 @pytest.mark.cuda
@@ -483,6 +488,7 @@ def test_summary_table_and_dict() -> None:
     assert d["steps_skipped"] == 1
     assert json.loads(json.dumps(d)) == d
     assert "did NOT fall" in str(_summary(final_loss=2.4))
+    assert "epoch  train loss" in str(_summary(epochs=[]))  # a header even with no rows
 
 
 def test_plain_progress_prints_one_line_per_epoch(
