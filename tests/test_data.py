@@ -699,6 +699,18 @@ def test_loader_kwargs_errors(kwargs: dict[str, Any], exc: type[Exception], matc
         loader_kwargs("cpu", **kwargs)
 
 
+@pytest.mark.cuda
+def test_loader_kwargs_for_cuda_pin_without_warnings() -> None:
+    kw = loader_kwargs("cuda", num_workers=1)
+    assert "pin_memory_device" not in kw  # deprecated: torch would warn (an error here)
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, **kw)
+    batches = list(loader)
+    assert [b[0].is_pinned() for b in batches] == [True, True]
+    assert [b[0].tolist() for b in prefetch(loader, device="cuda")] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    del loader, batches  # persistent workers end with the loader
+    gc.collect()
+
+
 def test_loader_kwargs_never_starts_cuda() -> None:
     loader_kwargs()
     assert not torch.cuda.is_initialized() or torch.cuda.is_available()
