@@ -529,7 +529,10 @@ def _check_source(loader: object) -> None:
             "cudakit.device.on_device(tensor), or wrap a list: prefetch([batch])."
         )
     if isinstance(loader, (str, bytes, bytearray)):
-        raise TypeError(f"{hint}, got {type(loader).__name__} {loader!r}.")
+        raise TypeError(
+            f"{hint}, got {type(loader).__name__} {loader!r}, which would iterate character "
+            "by character. Pass the DataLoader, or a list of batches."
+        )
     if isinstance(loader, Mapping):
         raise TypeError(
             f"{hint}, got a {type(loader).__name__}, which looks like a single batch: "
@@ -537,7 +540,10 @@ def _check_source(loader: object) -> None:
             "batch, or prefetch([batch, ...]) for several."
         )
     if not isinstance(loader, Iterable) and not hasattr(loader, "__getitem__"):
-        raise TypeError(f"{hint}, got {type(loader).__name__} {loader!r}, which is not iterable.")
+        raise TypeError(
+            f"{hint}, got {type(loader).__name__} {loader!r}, which is not iterable. Pass the "
+            "DataLoader itself (not a batch or a count), or a list of batches."
+        )
 
 
 @overload

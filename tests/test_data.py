@@ -375,8 +375,9 @@ def test_set_epoch_rejects_non_int(epoch: Any) -> None:
     [
         (torch.zeros(3, 2), r"got a single torch.Tensor of shape \(3, 2\).*on_device\(tensor\)"),
         ({"x": torch.zeros(1)}, r"got a dict, which looks like a single batch.*its keys"),
-        ("abc", r"expects an iterable of batches .* got str 'abc'"),
-        (5, r"got int 5, which is not iterable"),
+        ("abc", r"expects an iterable of batches .* got str 'abc', .* a list of batches"),
+        (b"ab", r"got bytes b'ab', which would iterate character by character"),
+        (5, r"got int 5, which is not iterable\. Pass the DataLoader itself"),
         (None, r"got NoneType None, which is not iterable"),
     ],
 )
