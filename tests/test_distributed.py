@@ -11,8 +11,10 @@ import logging
 import math
 import multiprocessing
 import os
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +399,40 @@ def test_launch_stops_ranks_started_before_a_start_failure(
         cp.launch(_hang, nprocs=2)
     assert multiprocessing.active_children() == []
     assert time.monotonic() - start < 30
+
+
+def _unpicklable_result_on_rank_0() -> Any:
+    return (lambda: None) if cp.rank() == 0 else 1
+
+
+def _exit_zero_on_rank_1() -> int:
+    if cp.rank() == 1:
+        sys.exit(0)
+    return 0
+
+
+def _forked(fn: Any) -> Any:
+    # fork: the ranks start at once (torch is already imported). Python 3.12+ warns about
+    # fork in a multi-threaded process; these ranks run no threads of their own.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cp.launch(fn, nprocs=2, timeout=60, start_method="fork")
+
+
+def test_launch_fork_messages_for_results_that_cannot_come_back() -> None:
+    with pytest.raises(
+        cp.LaunchError,
+        match=r"rank 0 of 2 .* failed: TypeError: launch\(\): rank 0's return value of type "
+        r"function cannot be pickled back to the parent .*; return plain data",
+    ):
+        _forked(_unpicklable_result_on_rank_0)
+    with pytest.raises(
+        cp.LaunchError,
+        match=r"rank\(s\) \[1\] exited without returning a result \(sys.exit\(0\)",
+    ) as ei:
+        _forked(_exit_zero_on_rank_1)
+    assert ei.value.rank == 1
+    assert multiprocessing.active_children() == []
 
 
 def test_launch_timeout_kills_every_rank() -> None:
