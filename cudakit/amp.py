@@ -29,8 +29,8 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack
-from contextvars import ContextVar
+from contextlib import AbstractContextManager
+from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -421,8 +421,21 @@ class AutocastStep:
         self._scale_snapshot: torch.Tensor | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._flags: dict[torch.device, torch.Tensor] = {}
+        self._primary: tuple[torch.Tensor, torch.Tensor] | None = None  # (flag, one), 1st device
         self._world: int | None = None
-        self._block: ExitStack | None = None
+        # (token, autocast, no_sync) entered by ``with step:``, left by __exit__.
+        self._block: (
+            tuple[
+                Token[tuple[AutocastStep, str] | None],
+                torch.autocast,
+                AbstractContextManager[Any] | None,
+            ]
+            | None
+        ) = None
+        # Built once: the hot path only reads them.
+        self._as_decorated = (self, "decorated")
+        self._as_block = (self, "block")
+        self._guard_buffers = model is not None and skip_nonfinite
         # Buffers (BatchNorm running stats...) as they were when the window opened,
         # restored when the window's step is skipped: a NaN batch must not poison them.
         self._buffers: list[torch.Tensor] = []
@@ -515,9 +528,9 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
-        token = _ACTIVE.set((self, "decorated"))
+        token = _ACTIVE.set(self._as_decorated)
         try:
-            if self.model is not None and self.skip_nonfinite and not self._buffers_saved:
+            if self._guard_buffers and not self._buffers_saved:
                 self._save_buffers()
             if self._no_sync is not None and self._position + 1 < self.accumulate:
                 self._window_unsynced = True
@@ -542,20 +555,43 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
-        stack = ExitStack()
-        stack.callback(_ACTIVE.reset, _ACTIVE.set((self, "block")))
+        token = _ACTIVE.set(self._as_block)
+        no_sync: AbstractContextManager[Any] | None = None
+        autocast: torch.autocast | None = None
         try:
             if self._no_sync is not None and self._position + 1 < self.accumulate:
-                stack.enter_context(self._no_sync())
+                no_sync = self._no_sync()
+                no_sync.__enter__()
                 self._window_unsynced = True
-            stack.enter_context(self.autocast())
-            if self.model is not None and self.skip_nonfinite and not self._buffers_saved:
+            autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+            autocast.__enter__()
+            if self._guard_buffers and not self._buffers_saved:
                 self._save_buffers()
         except BaseException:
-            stack.close()
+            self._unwind(token, autocast, no_sync, None, None, None)
             raise
-        self._block = stack
+        self._block = (token, autocast, no_sync)
         return self
+
+    @staticmethod
+    def _unwind(
+        token: Token[tuple[AutocastStep, str] | None],
+        autocast: torch.autocast | None,
+        no_sync: AbstractContextManager[Any] | None,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leave what ``__enter__`` entered, innermost first, each even if another raised."""
+        try:
+            if autocast is not None:
+                autocast.__exit__(exc_type, exc, tb)
+        finally:
+            try:
+                if no_sync is not None:
+                    no_sync.__exit__(exc_type, exc, tb)
+            finally:
+                _ACTIVE.reset(token)
 
     def _save_buffers(self) -> None:
         bufs = [b for b in cast(torch.nn.Module, self.model).buffers() if b is not None]
@@ -576,7 +612,7 @@ class AutocastStep:
     ) -> None:
         block, self._block = self._block, None
         if block is not None:
-            block.__exit__(exc_type, exc, tb)
+            self._unwind(*block, exc_type, exc, tb)
 
     def backward(self, loss: object) -> StepResult:
         """Backpropagate ``loss`` and, when the window is full, step the optimizer.
@@ -653,11 +689,16 @@ class AutocastStep:
     def _found_nonfinite(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """A 1-element float tensor, > 0 iff a tensor has an inf/NaN; one fused kernel per group."""
         # With inv_scale == 1 the kernel's "unscale" multiplies by one: values are unchanged.
-        device = tensors[0].device
-        try:  # fast path: one device, dense tensors (mixed dtypes are fine)
-            flag = self._flag_on(device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, self._ones_on(device))
-            return flag
+        # Measured on CPU, this fused check-and-multiply is the cheapest full pass torch
+        # offers (``_foreach_norm``, per-tensor ``sum``/``dot``/``aminmax`` all cost as much
+        # or more), and it is exact: no norm that overflows on large finite values.
+        primary = self._primary
+        if primary is None:
+            device = tensors[0].device
+            primary = self._primary = (self._flag_on(device), self._ones_on(device))
+        try:  # fast path: one device (the usual one), dense tensors (mixed dtypes are fine)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, *primary)
+            return primary[0]
         except RuntimeError:
             pass  # several devices, or sparse gradients: group them
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -674,12 +715,20 @@ class AutocastStep:
             found = flag if found is None else found + flag.to(found.device)
         return found
 
+    def _clip(self) -> torch.Tensor:
+        opt = self.optimizer
+        return torch.nn.utils.clip_grad_norm_(
+            [p for g in opt.param_groups for p in g["params"]], cast(float, self.max_grad_norm)
+        )
+
     def _optimizer_step(
         self, loss: torch.Tensor, output: object, rescale: float | None
     ) -> StepResult:
         opt = self.optimizer
         scaler = self.scaler if self._scaling else None
         scale = self._scale_snapshot
+        grad_norm: torch.Tensor | None = None
+        skipped = False
         try:
             if scaler is not None:
                 scaler.unscale_(opt)
@@ -687,11 +736,17 @@ class AutocastStep:
                 grads = _grads(opt)
                 if grads:
                     torch._foreach_mul_(grads, rescale)
-            skipped = False
-            if self.skip_nonfinite or scaler is not None:
-                skipped = self._decide_skip(scaler)
-            grad_norm: torch.Tensor | None = None
+            if scaler is None and self.skip_nonfinite:
+                if self.max_grad_norm is not None:
+                    # Clipping reads every gradient to compute the total norm anyway: that
+                    # norm is the guard (non-finite iff a gradient is, or it overflowed), so
+                    # no second pass over the gradients on a good step.
+                    grad_norm = self._clip()
+                skipped = self._decide_skip(None, grad_norm)
+            elif scaler is not None:
+                skipped = self._decide_skip(scaler, None)  # the scaler's unscale_ checked
             if skipped:
+                grad_norm = None
                 if scaler is not None:
                     scaler.update()  # lowers the scale; the optimizer never runs
                 if self._buffers_saved and self._buffers:
@@ -700,10 +755,8 @@ class AutocastStep:
                 self._skipped_steps += 1
                 self._consecutive_skipped += 1
             else:
-                if self.max_grad_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        [p for g in opt.param_groups for p in g["params"]], self.max_grad_norm
-                    )
+                if self.max_grad_norm is not None and grad_norm is None:
+                    grad_norm = self._clip()
                 if scaler is not None:
                     scaler.step(opt)
                     scaler.update()
@@ -731,8 +784,18 @@ class AutocastStep:
             )
         return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
 
-    def _decide_skip(self, scaler: torch.amp.GradScaler | None) -> bool:
-        """One host sync: did any rank see a non-finite loss or gradient?"""
+    def _decide_skip(
+        self, scaler: torch.amp.GradScaler | None, grad_norm: torch.Tensor | None
+    ) -> bool:
+        """Did any rank see a non-finite loss or gradient? One host sync per optimizer step.
+
+        The window's losses are checked together with either the scaler's own verdict
+        (fp16: ``unscale_`` already checked every gradient), the clipping norm (when
+        clipping computed it), or the gradients themselves, in one fused kernel. Only
+        when the clipping norm is non-finite does a second, exact check run (and sync):
+        it tells inf/NaN gradients from finite ones whose norm overflowed, which the
+        hand-written loop would clip to zero and step on.
+        """
         scaler_found: dict[torch.device, torch.Tensor] | None = None
         checks: list[torch.Tensor] = list(self._window_losses) if self.skip_nonfinite else []
         if scaler is not None:
@@ -741,12 +804,19 @@ class AutocastStep:
             if not scaler_found:  # a scaler without torch's internals: check the grads ourselves
                 scaler_found = None
                 checks.extend(_grads(self.optimizer))
+        elif grad_norm is not None:
+            checks.append(grad_norm)
         else:
             checks.extend(_grads(self.optimizer))
         clean = False
         try:
             found = self._found_nonfinite(checks) if checks else None
             skipped = self._reduce_verdict(found, scaler_found)
+            if skipped and grad_norm is not None:
+                for flag in self._flags.values():
+                    flag.zero_()
+                checks = [*self._window_losses, *_grads(self.optimizer)]
+                skipped = self._reduce_verdict(self._found_nonfinite(checks), None)
             clean = not skipped
             return skipped
         finally:
@@ -757,6 +827,7 @@ class AutocastStep:
     def _reduce_verdict(
         self, found: torch.Tensor | None, scaler_found: dict[torch.device, torch.Tensor] | None
     ) -> bool:
+        """All-reduce (MAX) the verdict across ranks, then read it: the one host sync."""
         if scaler_found:
             for flag in scaler_found.values():
                 found = flag.clone() if found is None else found + flag.to(found.device)
@@ -971,7 +1042,9 @@ def autocast_step(
             each loss is divided by it.
         scheduler: an LR scheduler stepped after every real (not skipped) optimizer step.
         skip_nonfinite: check the loss and gradients for inf/NaN (one fused kernel and
-            one host sync per optimizer step) and skip bad steps. fp16's scaler always
+            one host sync per optimizer step, none on micro-steps; with ``max_grad_norm``
+            the clipping norm is what gets checked, and only a non-finite norm costs a
+            second, exact pass) and skip bad steps. fp16's scaler always
             skips non-finite gradients; False only drops the loss check there.
         max_skipped: raise :class:`~cudakit.exceptions.NonFiniteStepsError` after this
             many skipped optimizer steps in a row. Default 20 for fp16 (the scaler may

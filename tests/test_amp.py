@@ -311,6 +311,84 @@ def test_clipping_once_per_step_after_unscale(monkeypatch: pytest.MonkeyPatch) -
     assert float(results[0].scale) == 65536.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clipping_bit_identical_to_hand_written_loop(dtype: torch.dtype) -> None:
+    data = batches(5)
+    ref_model, ref_opt = make()
+    ref_norms = []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = loss_of(ref_model, x, y)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    model, opt = make()
+    fn = autocast_step(opt, dtype=dtype, max_grad_norm=0.05)(lambda x, y: loss_of(model, x, y))
+    norms = [fn(x, y).grad_norm for x, y in data]
+    assert_identical(snapshot(model, opt), snapshot(ref_model, ref_opt))
+    assert_identical(norms, ref_norms)
+
+
+def test_clipping_norm_that_overflows_on_finite_grads_still_steps() -> None:
+    # Finite gradients of 1e30: their 2-norm overflows float32 to inf. The hand-written
+    # loop clips them to zero and steps; the guard (which reads that norm) must confirm
+    # with its exact check that no gradient is inf/NaN, and step too.
+    def huge(model: Net) -> torch.utils.hooks.RemovableHandle:
+        return model.fc1.weight.register_hook(lambda g: torch.full_like(g, 1e30))
+
+    x, y = batches(1)[0]
+    ref_model, ref_opt = make()
+    h = huge(ref_model)
+    loss_of(ref_model, x, y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+    ref_opt.step()
+    h.remove()
+    assert torch.isinf(ref_norm)
+
+    model, opt = make()
+    h = huge(model)
+    step = autocast_step(opt, dtype=torch.float32, max_grad_norm=1.0)
+    with step:
+        loss = loss_of(model, x, y)
+    r = step.backward(loss)
+    h.remove()
+    assert r.stepped
+    assert not r.skipped
+    assert r.grad_norm is not None
+    assert torch.isinf(r.grad_norm)
+    assert_identical(snapshot(model, opt), snapshot(ref_model, ref_opt))
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_host_sync_per_optimizer_step(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, clip: float | None
+) -> None:
+    model, opt = make(opt="sgd")  # SGD's own step reads no scalar back
+    step = autocast_step(opt, dtype=dtype, accumulate=2, max_grad_norm=clip)
+    reads = []
+    real_item = torch.Tensor.item
+
+    def spy(t: torch.Tensor) -> Any:
+        reads.append(t.numel())
+        return real_item(t)
+
+    monkeypatch.setattr(torch.Tensor, "item", spy)
+    fn = step(lambda x, y: loss_of(model, x, y))
+    per_call = []
+    for x, y in batches(6):
+        r = fn(x, y)
+        per_call.append((r.stepped, len(reads)))
+        reads.clear()
+    # Micro-steps read nothing back; each real optimizer step reads the verdict once.
+    assert per_call == [(False, 0), (True, 1)] * 3
+    off = autocast_step(opt, dtype=dtype, skip_nonfinite=False, max_grad_norm=clip)
+    assert off(lambda x, y: loss_of(model, x, y))(*batches(1)[0]).stepped
+    assert reads == []
+
+
 def test_flush_steps_partial_window_as_mean() -> None:
     data = batches(2, size=4)
     ref, ref_opt = make(opt="sgd")
@@ -354,12 +432,15 @@ def inject(kind: str, model: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 inject.handles = []  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("kind", ["inf_grad", "nan_grad", "nan_loss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_nonfinite_step_is_skipped_and_changes_nothing(kind: str, dtype: torch.dtype) -> None:
+def test_nonfinite_step_is_skipped_and_changes_nothing(
+    kind: str, dtype: torch.dtype, clip: float | None
+) -> None:
     model, opt = make()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    step = autocast_step(opt, model=model, dtype=dtype, scheduler=sched)
+    step = autocast_step(opt, model=model, dtype=dtype, scheduler=sched, max_grad_norm=clip)
     good = batches(3)
 
     @step
