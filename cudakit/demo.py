@@ -360,7 +360,9 @@ def _parser() -> argparse.ArgumentParser:
         help="train with DDP in N local processes (through cudakit.parallel.launch)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of loss and memory per step")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="write a PNG of the loss and the memory per step"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar, one line per epoch")
     return p
 
