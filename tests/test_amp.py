@@ -803,6 +803,9 @@ def _ddp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) 
         step.flush()  # a partial window after no_sync: gradients averaged here
         torch.save({"flags": flags, "w": net.weight.detach().clone(), "steps": step.steps},
                    f"{out}/{rank}.pt")  # fmt: skip
+        # Meet before teardown: gloo aborts a rank whose peer destroys the group while
+        # it is still finishing ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
