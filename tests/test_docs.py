@@ -257,3 +257,50 @@ def test_hook_closes_a_doctest_at_the_end_and_keeps_its_indent() -> None:
         "    2",
         "    ```",
     ]
+
+
+# -- the benchmarks page -----------------------------------------------------------
+
+#: The section of each utility page that docs/benchmarks.md copies under "From [x](x.md):".
+BENCH_SECTIONS = {
+    "device.md": "## Benchmark",
+    "precision.md": "## Speed",
+    "memory.md": "## Overhead",
+    "warmup.md": "## Benchmarks",
+    "data.md": "## Benchmarks",
+}
+
+
+def _section(lines: list[str], start: int) -> list[str]:
+    """Lines after ``start`` up to the next ``## `` heading, blank lines trimmed."""
+    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("## ")), len(lines))
+    body = lines[start + 1 : end]
+    while body and not body[0].strip():
+        body.pop(0)
+    while body and not body[-1].strip():
+        body.pop()
+    return body
+
+
+def test_benchmarks_page_copies_every_utility_benchmark_as_it_is() -> None:
+    """Each utility's benchmark section appears in docs/benchmarks.md, word for word.
+
+    A re-measured table on a utility page must be copied to the benchmarks page too.
+    """
+    bench = (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    copied = {}
+    for i, line in enumerate(bench):
+        m = re.match(r"^From \[\w+\]\((\w+\.md)\):$", line)
+        if m:
+            copied[m.group(1)] = _section(bench, i)
+    assert sorted(copied) == sorted(BENCH_SECTIONS)
+    for page, heading in BENCH_SECTIONS.items():
+        lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
+        assert heading in lines, f"{page} has no {heading!r} section any more"
+        assert copied[page] == _section(lines, lines.index(heading)), (
+            f"docs/benchmarks.md's copy of {page} {heading!r} is out of date; "
+            "copy that section again."
+        )
+    text = "\n".join(bench)
+    assert "No GPU figures exist yet" in text
+    assert len(list((ROOT / "benchmarks").glob("bench_*.py"))) == len(BENCH_SECTIONS)
