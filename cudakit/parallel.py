@@ -20,6 +20,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -780,11 +781,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(model, FSDPModule)
+    # A model can only be sharded once torch.distributed.fsdp was imported, so never pay
+    # for that import (over a second) just to answer no.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_type = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return module_type is not None and isinstance(model, module_type)
 
 
 def state_dict(model: nn.Module) -> dict[str, Any]:
