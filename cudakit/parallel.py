@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Generic, Literal, NamedTuple, TypeVar, cast, get_args
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from ._contextlib import ContextDecorator
 from ._launch import launch
 from .device import DeviceLike, resolve_device
 from .exceptions import DeviceError, DistributedSetupError, LaunchError
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 __all__ = [
     "DistributedEnv",
@@ -340,6 +343,10 @@ def choose_strategy(
 _lock = threading.RLock()
 _owned_group = False  # True while the default group is one cudakit created
 _atexit_registered = False
+# The rendezvous store, kept across groups (see _group_store), keyed by the environment
+# that made it; and how many groups this process has initialised on it.
+_store: tuple[tuple[str, int, int, int, str], Store] | None = None
+_generation = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,6 +469,45 @@ def _teardown(*, sync: bool = False) -> None:
             logger.warning("cudakit: destroying the process group failed: %r", exc)
 
 
+def _group_store(env_: DistributedEnv, timeout: datetime.timedelta) -> Store:
+    """The store for the next default group: torch's ``env://`` store under a fresh prefix.
+
+    torch resets its group names when the default group is destroyed, so a second
+    ``init_process_group`` on the same store writes and reads the very keys the first
+    one left there (pytorch/pytorch#55967). Under ``launch()`` and ``torchrun`` the
+    store lives in the parent (``TORCHELASTIC_USE_AGENT_STORE``) and outlives every
+    group, so a rank re-initialising reads its peer's *old* gloo address: "Connection
+    refused", or a hang until the timeout. Without an agent store, rank 0 hosts it and
+    a peer can reach the old server just before rank 0 closes it. So the store is made
+    once per process and environment, by torch's own ``env://`` rendezvous, and kept;
+    each group gets the prefix ``cudakit/<n>``, where ``n`` counts the groups this
+    process initialised. Every rank creates and destroys the group together, so every
+    rank agrees on ``n``.
+    """
+    from torch.distributed.distributed_c10d import PrefixStore
+
+    global _store, _generation
+    key = (
+        env_.master_addr,
+        env_.master_port,
+        env_.rank,
+        env_.world_size,
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", ""),
+    )
+    if _store is None or _store[0] != key:
+        _store = None  # a rank 0 releases the old server before it binds the port again
+        rendezvous = dist.rendezvous(  # type: ignore[attr-defined]
+            "env://", env_.rank, env_.world_size, timeout=timeout
+        )
+        store, _, _ = next(rendezvous)
+        _store = (key, store)
+    base = _store[1]
+    base.set_timeout(timeout)
+    prefix = f"cudakit/{_generation}"  # PrefixStore adds the "/"
+    _generation += 1
+    return PrefixStore(prefix, base)
+
+
 def _ensure_group(
     backend: str | None,
     timeout: float | datetime.timedelta | None,
@@ -513,7 +559,9 @@ def _ensure_group(
         kwargs: dict[str, Any] = {"backend": chosen, "timeout": td}
         if chosen == "nccl":
             kwargs["device_id"] = dev
-        dist.init_process_group(**kwargs)
+        dist.init_process_group(
+            store=_group_store(env_, td), rank=env_.rank, world_size=env_.world_size, **kwargs
+        )
         _owned_group = True
         if not _atexit_registered:
             atexit.register(_teardown)
@@ -559,8 +607,10 @@ class process_group(ContextDecorator):
     ranks first wait for each other in a barrier (``monitored_barrier`` on gloo, so
     a rank that never arrives is named), because a rank that destroys its group
     while a peer is still in its last collective can abort either process; after
-    an exception there is no barrier, since the peers may be gone. Works as
-    ``@process_group()`` too.
+    an exception there is no barrier, since the peers may be gone. The block may be
+    entered again after it ends (two training phases, say) when every rank does so:
+    each group cudakit creates meets on its own keys of the rendezvous store. Works
+    as ``@process_group()`` too.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ... ; ``None`` picks from the device.

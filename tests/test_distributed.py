@@ -216,6 +216,28 @@ def _fail(tmp: str) -> None:
         (Path(tmp) / f"rank{cp.rank()}.txt").write_text(f"initialized={dist.is_initialized()}")
 
 
+def _reenter(rounds: int) -> list[tuple[float, float, bool, bool]]:
+    """Two training phases and more: process_group() entered ``rounds`` times in a row.
+
+    Each group runs an all_reduce on the default group and one on a new subgroup; the
+    last phase is parallelize()'s own group, which launch() tears down.
+    """
+    out = []
+    for i in range(rounds):
+        with cp.process_group(timeout=10) as info:
+            x = torch.tensor([float(cp.rank() + 1 + i)])
+            dist.all_reduce(x)
+            y = torch.ones(1)
+            dist.all_reduce(y, group=dist.new_group([0, 1]))
+            out.append((x.item(), y.item(), info.created, dist.is_initialized()))
+        assert not dist.is_initialized()
+    model = cp.parallelize(nn.Linear(2, 1))
+    nn.functional.mse_loss(model(torch.ones(2, 2)), torch.zeros(2, 1)).backward()
+    grad = float(cp.unwrap(model).weight.grad.sum())
+    out.append((grad, 0.0, True, dist.is_initialized()))
+    return out
+
+
 def _hang() -> None:
     time.sleep(120)
 
@@ -351,6 +373,18 @@ def test_failing_rank_raises_in_parent_without_hanging(tmp_path: Path) -> None:
     assert all(_gone(pid) for pid in err.pids)
     assert multiprocessing.active_children() == []
     assert (tmp_path / "rank1.txt").read_text() == "initialized=False"
+
+
+def test_process_group_reentered_under_launch() -> None:
+    # The launch parent holds the store for the whole launch (TORCHELASTIC_USE_AGENT_STORE,
+    # as torchrun's agent does), so every group after the first used to find the previous
+    # group's gloo addresses there: 6 launches in 10 failed ("Connection refused") or hung.
+    start = time.monotonic()
+    r0, r1 = cp.launch(_reenter, 4, nprocs=2, timeout=60)
+    assert time.monotonic() - start < 30
+    assert r0[:4] == r1[:4] == [(3.0 + 2 * i, 2.0, True, True) for i in range(4)]
+    assert r0[4] == r1[4]  # the DDP gradients are all-reduced: equal on both ranks
+    assert multiprocessing.active_children() == []
 
 
 def test_launch_keeps_results_of_a_rank_that_dies_at_shutdown(

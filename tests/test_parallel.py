@@ -392,6 +392,39 @@ def test_process_group_exit_barrier_failure_still_destroys(
     assert "Rank 1 failed to pass monitoredBarrier" in caplog.text
 
 
+@pytest.mark.parametrize("agent_store", [True, False], ids=["agent-store", "rank0-store"])
+def test_process_group_reentered_uses_fresh_keys_on_one_store(
+    agent_store: bool, single_rank_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch names every new default group "0" again, so a second group on the same store
+    # used to read the first one's keys (gloo addresses of peers that had moved on).
+    if agent_store:  # torchrun / launch(): the store lives in the parent, outside the ranks
+        tcp_store = dist.TCPStore  # type: ignore[attr-defined]
+        agent = tcp_store("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(agent_store))
+    made: list[object] = []
+    rendezvous = dist.rendezvous  # type: ignore[attr-defined]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        return rendezvous(*args, **kwargs)
+
+    monkeypatch.setattr(cp.dist, "rendezvous", counting)
+    for _ in range(3):
+        with cp.process_group(timeout=10):
+            x = torch.ones(1)
+            dist.all_reduce(x)
+        assert not dist.is_initialized()
+    assert len(made) == 1  # one store for the process: rank 0's server never restarts
+    assert cp._store is not None
+    store = agent if agent_store else cp._store[1]
+    keys = store.list_keys()
+    generations = {k.split("/")[1] for k in keys if k.startswith("cudakit/")}
+    assert len(generations) == 3, keys  # every group wrote under its own prefix
+    assert all(k.startswith("cudakit/") for k in keys if k != "init/"), keys
+
+
 def test_exit_barrier_single_rank_gloo(single_rank_env: dict[str, str]) -> None:
     with cp.process_group():
         cp._exit_barrier()  # monitored_barrier on gloo: returns at once with one rank
