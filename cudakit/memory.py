@@ -1153,7 +1153,6 @@ def memory_report(label: Callable[P, R], /) -> MemoryReported[P, R]: ...
 @overload
 def memory_report(
     label: str | None = None,
-    /,
     *,
     device: DeviceLike | Literal["all"] = None,
     file: IO[str] | None = ...,
@@ -1165,7 +1164,6 @@ def memory_report(
 
 def memory_report(
     label: Callable[P, R] | str | None = None,
-    /,
     *,
     device: DeviceLike | Literal["all"] = None,
     file: IO[str] | _Stderr | None = _STDERR,

@@ -1195,3 +1195,16 @@ def test_cuda_real_report_never_starts_cuda() -> None:
         env=env,
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_label_by_keyword_as_in_the_issue() -> None:
+    """``@memory_report(label="eval")`` and ``with memory_report(label=...)`` both work."""
+
+    @memory_report(label="eval", device="cpu", file=None)
+    def evaluate() -> int:
+        return 3
+
+    assert evaluate() == 3
+    with memory_report(label="block", device="cpu", file=None) as rep:
+        pass
+    assert rep.label == "block"

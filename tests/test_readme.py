@@ -34,3 +34,17 @@ def test_ci_runs_readme_test_command_verbatim() -> None:
     for check in checks:
         assert check in ci
     assert "set -euo pipefail" in ci
+
+
+def test_readme_python_example_runs(tmp_path: Path, monkeypatch: object) -> None:
+    import os
+
+    blocks = re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "README.md should show a short example"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
+    finally:
+        os.chdir(cwd)
