@@ -581,7 +581,7 @@ def warmup(
     model: nn.Module | None = None,
     example_batch: Any = None,
     *,
-    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    loss_fn: Callable[[nn.Module, Any], Any] | nn.Module | None = None,
     steps: int = 2,
     optimizer: torch.optim.Optimizer | None = None,
     amp: Any = None,
@@ -616,10 +616,13 @@ def warmup(
         example_batch: One batch as your loop feeds it, already on the model's device.
             Without ``loss_fn`` the model is called as ``model(**batch)`` for a mapping,
             ``model(*batch)`` for a tuple, else ``model(batch)``.
-        loss_fn: ``loss_fn(model, batch)`` runs your forward pass and returns the loss,
-            which is backpropagated (a scalar tensor that requires grad, or an object
-            with such a ``.loss``); if it returns anything else (``None``, a detached
-            loss) it is assumed to have run backward itself.
+        loss_fn: Either a loss module (``nn.CrossEntropyLoss()``, any ``nn.Module``),
+            called as in a training loop, ``loss_fn(model(inputs), target)`` on
+            ``example_batch=(inputs, target)``; or a function ``loss_fn(model, batch)``
+            that runs your forward pass and returns the loss. The loss is
+            backpropagated (a scalar tensor that requires grad, or an object with such a
+            ``.loss``); if a function returns anything else (``None``, a detached loss)
+            it is assumed to have run backward itself.
         steps: Number of passes, at least 1; the first is the slow one.
         optimizer: The optimizer, preserved too (needed when ``loss_fn`` steps it).
         amp: An ``autocast_step(...)`` object (anything whose ``.autocast()`` returns a
@@ -675,6 +678,18 @@ def warmup(
             f"warmup() expects loss_fn to be callable as loss_fn(model, batch), got "
             f"{type(loss_fn).__name__}."
         )
+    # A loss *module* (nn.CrossEntropyLoss(), ...) is a criterion: criterion(model(x), y)
+    # on a batch of (inputs, target), the way a training loop calls it.
+    criterion = loss_fn if isinstance(loss_fn, nn.Module) and loss_fn is not model else None
+    if criterion is not None and not (
+        isinstance(example_batch, (tuple, list)) and len(example_batch) == 2
+    ):
+        raise TypeError(
+            f"warmup() got the loss module {type(criterion).__name__} as loss_fn, so it calls "
+            "loss_fn(model(inputs), target) and needs example_batch=(inputs, target); got "
+            f"{type(example_batch).__name__}. Pass the batch as a 2-tuple, or a function "
+            "loss_fn=lambda model, batch: ... returning the loss."
+        )
     parsed = None if reserve is None else _parse_reserve(reserve)
     dev = resolve_device(device) if device is not None else _infer_device(model, example_batch)
     autocast, amp_state = _resolve_amp(amp, dev)
@@ -692,7 +707,10 @@ def warmup(
                     torch.cuda.reset_peak_memory_stats(dev)
                 t0 = time.perf_counter()
                 with autocast():
-                    if loss_fn is not None:
+                    if criterion is not None:
+                        inputs, target = example_batch
+                        out = criterion(_call_model(model, inputs), target)
+                    elif loss_fn is not None:
                         out = loss_fn(model, example_batch)
                     else:
                         out = _call_model(model, example_batch)

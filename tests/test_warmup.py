@@ -1289,3 +1289,22 @@ def test_cuda_find_batch_size_with_real_out_of_memory() -> None:
     assert (found + 1) in tried or found * 2 in tried
     assert len(tried) <= 10
     assert torch.cuda.memory_allocated() == baseline
+
+
+def test_loss_module_is_called_as_a_criterion_on_inputs_and_target() -> None:
+    """``loss_fn=nn.CrossEntropyLoss()`` works as in a loop: criterion(model(x), y)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    before = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    report = warmup(model, (x, y), loss_fn=nn.CrossEntropyLoss(), steps=2)
+    assert report.backward
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_loss_module_needs_an_inputs_target_pair() -> None:
+    model = nn.Linear(4, 3)
+    with pytest.raises(TypeError, match=r"needs example_batch=\(inputs, target\); got Tensor"):
+        warmup(model, torch.randn(2, 4), loss_fn=nn.CrossEntropyLoss())
+    assert model.weight.grad is None
