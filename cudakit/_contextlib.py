@@ -20,7 +20,21 @@ from typing_extensions import ParamSpec, Self
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["ContextDecorator"]
+__all__ = ["ContextDecorator", "reject_deferred_body"]
+
+
+def reject_deferred_body(func: Callable[..., Any], what: str, fix: str, why: str = "") -> None:
+    """Raise ``TypeError`` for a generator or coroutine function, whose body runs late.
+
+    A wrapper that sets something up around a call cannot cover such a body: it runs
+    when the result is iterated or awaited, after the wrapper has finished.
+    """
+    if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+        raise TypeError(
+            f"{what} the generator or coroutine function "
+            f"{getattr(func, '__qualname__', func)!r}: its body runs after the call returns"
+            f"{why}. {fix}"
+        )
 
 
 class ContextDecorator(ABC):
@@ -54,12 +68,11 @@ class ContextDecorator(ABC):
                 f"{type(func).__name__}; use it as `@{type(self).__name__.lower()}(...)` above "
                 "a `def`, or as `with ...:` around a block."
             )
-        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"{type(self).__name__} cannot decorate the generator or coroutine function "
-                f"{getattr(func, '__qualname__', func)!r}: its body runs after the call returns. "
-                "Use `with` inside the function body instead."
-            )
+        reject_deferred_body(
+            func,
+            f"{type(self).__name__} cannot decorate",
+            "Use `with` inside the function body instead.",
+        )
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:

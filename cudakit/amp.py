@@ -570,18 +570,7 @@ class AutocastStep:
             else:
                 with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
                     output = func(*args, **kwargs)
-                loss = _extract_loss(output)
-                if self.accumulate == 1 and not self._scaling:
-                    # The usual step (no accumulation, no scaler): no per-call helpers.
-                    loss.backward()
-                    detached = loss.detach()
-                    self._position += 1
-                    if self.skip_nonfinite:
-                        self._window_losses.append(detached)
-                        if self.max_grad_norm is None and self.scheduler is None:
-                            return self._guarded_step(self.optimizer, detached, output)
-                    return self._optimizer_step(detached, output, None)
-                self._backward(loss)
+                return self._backward_and_step(_extract_loss(output), output)
             return self._after_backward(loss.detach(), output)
         finally:
             _ACTIVE.reset(token)
@@ -686,20 +675,24 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None and not (active[0] is self and active[1] == "block"):
             raise self._nested_error(active[0])
-        loss_t = _extract_loss(loss)
+        return self._backward_and_step(_extract_loss(loss), loss)
+
+    # ------------------------------------------------------------------ shared machinery
+
+    def _backward_and_step(self, loss: torch.Tensor, output: object) -> StepResult:
+        """Backward outside ``no_sync``, then the optimizer step when the window is full."""
         if self.accumulate == 1 and not self._scaling:
-            loss_t.backward()
-            detached = loss_t.detach()
+            # The usual step (no accumulation, no scaler): no per-call helpers.
+            loss.backward()
+            detached = loss.detach()
             self._position += 1
             if self.skip_nonfinite:
                 self._window_losses.append(detached)
                 if self.max_grad_norm is None and self.scheduler is None:
-                    return self._guarded_step(self.optimizer, detached, loss)
-            return self._optimizer_step(detached, loss, None)
-        self._backward(loss_t)
-        return self._after_backward(loss_t.detach(), loss)
-
-    # ------------------------------------------------------------------ shared machinery
+                    return self._guarded_step(self.optimizer, detached, output)
+            return self._optimizer_step(detached, output, None)
+        self._backward(loss)
+        return self._after_backward(loss.detach(), output)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.accumulate != 1:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec, Self
 
-from ._contextlib import ContextDecorator
+from ._contextlib import ContextDecorator, reject_deferred_body
 from ._oom import is_oom_error
 from ._units import format_bytes
 from .device import DeviceLike, resolve_device
@@ -845,12 +845,9 @@ def warmed(
                 f"warmed() wraps a step function, got {type(func).__name__}. Use "
                 "@warmed(model=model, optimizer=optimizer) above a `def`."
             )
-        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"warmed() cannot wrap the generator or coroutine function "
-                f"{getattr(func, '__qualname__', func)!r}: its body runs after the call "
-                "returns, outside the rollback. Wrap a plain step function."
-            )
+        reject_deferred_body(
+            func, "warmed() cannot wrap", "Wrap a plain step function.", ", outside the rollback"
+        )
         lock = threading.Lock()
         done = False
 
