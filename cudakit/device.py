@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TypeVar, cast, overload
 import torch
 from typing_extensions import ParamSpec
 
+from ._accel import current_cuda_index
 from .exceptions import DeviceError
 
 __all__ = ["DeviceLike", "OnDeviceDecorator", "on_device", "resolve_device"]
@@ -37,14 +38,6 @@ _GLUED_INDEX = re.compile(r"^(cuda|cpu|mps|meta)(\d+)$")
 def _mps_available() -> bool:
     backend = getattr(torch.backends, "mps", None)
     return bool(backend is not None and backend.is_available())
-
-
-def _current_cuda_index() -> int:
-    # Never create a CUDA context just to answer: before CUDA starts, the
-    # current device is 0 unless the user changed it (which starts CUDA).
-    if torch.cuda.is_initialized():
-        return int(torch.cuda.current_device())
-    return 0
 
 
 def _existing_cuda() -> str:
@@ -117,7 +110,7 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     """
     if spec is None or (isinstance(spec, str) and spec == "auto"):
         if torch.cuda.is_available():
-            return torch.device("cuda", _current_cuda_index())
+            return torch.device("cuda", current_cuda_index())
         if _mps_available():
             return torch.device("mps")
         return torch.device("cpu")
@@ -145,7 +138,7 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     else:
         dev = spec
     if dev.type == "cuda":
-        return _check_cuda_index(_current_cuda_index() if dev.index is None else dev.index, spec)
+        return _check_cuda_index(current_cuda_index() if dev.index is None else dev.index, spec)
     if dev.type == "mps" and not _mps_available():
         raise DeviceError(
             f"device={spec!r} asks for Apple MPS, which is not available on this machine. "

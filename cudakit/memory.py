@@ -41,10 +41,11 @@ from typing import IO, Any, Final, Literal, Protocol, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec, Self
 
+from ._accel import current_cuda_index
 from ._contextlib import ContextDecorator
 from ._oom import is_oom_error
 from ._units import format_bytes
-from .device import DeviceLike, _current_cuda_index, resolve_device
+from .device import DeviceLike, resolve_device
 from .exceptions import DeviceError
 
 __all__ = [
@@ -95,7 +96,7 @@ class _TorchCuda:
 
     def current_index(self) -> int:
         """This thread's current CUDA device, without starting CUDA (0 before it starts)."""
-        return _current_cuda_index()
+        return current_cuda_index()
 
     def stats(self, index: int) -> tuple[int, int, int, int]:
         """(allocated, reserved, peak allocated, peak reserved) since the last reset."""

@@ -1,0 +1,168 @@
+"""Argument validators shared by every public function (attrs' ``validators.py`` style).
+
+Each validator checks one argument and raises at the door, before anything happens:
+``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. Every message names
+the function and the argument, says what came and what is expected, and ends with the
+fix::
+
+    check_int("autocast_step", "accumulate", "4", minimum=1)
+    # TypeError: autocast_step(accumulate=...) expects an int >= 1, got str '4'. ...
+
+Validators return the value (converted where that is lossless, e.g. an int to a
+float), so a call site reads ``accumulate = check_int(...)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from typing import Any, NoReturn, TypeVar
+
+__all__ = [
+    "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_optional",
+    "check_type",
+    "describe",
+    "fail_type",
+    "fail_value",
+]
+
+T = TypeVar("T")
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """``type repr`` of a value for a message, the repr shortened to ``limit`` characters."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _message(func: str, arg: str, expected: str, value: object, fix: str) -> str:
+    head = f"{func}({arg}=...) expects {expected}, got {describe(value)}."
+    return f"{head} {fix}" if fix else head
+
+
+def fail_type(func: str, arg: str, expected: str, value: object, fix: str = "") -> NoReturn:
+    """Raise the ``TypeError`` for a wrong kind of argument."""
+    raise TypeError(_message(func, arg, expected, value, fix))
+
+
+def fail_value(func: str, arg: str, expected: str, value: object, fix: str = "") -> NoReturn:
+    """Raise the ``ValueError`` for an argument of the right kind but a wrong value."""
+    raise ValueError(_message(func, arg, expected, value, fix))
+
+
+def check_type(
+    func: str,
+    arg: str,
+    value: object,
+    types: type[T] | tuple[type[Any], ...],
+    *,
+    expected: str,
+    fix: str = "",
+) -> T:
+    """``value`` if it is an instance of ``types``, else ``TypeError``."""
+    if not isinstance(value, types):
+        fail_type(func, arg, expected, value, fix)
+    return value  # type: ignore[return-value]
+
+
+def check_bool(func: str, arg: str, value: object, *, fix: str = "") -> bool:
+    """``value`` if it is a bool (not merely truthy: ``"no"`` is refused)."""
+    if not isinstance(value, bool):
+        fail_type(func, arg, "True or False", value, fix or f"Pass {arg}=True or {arg}=False.")
+    return value
+
+
+def check_int(
+    func: str,
+    arg: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    fix: str = "",
+) -> int:
+    """``value`` if it is an int (bools refused) within ``[minimum, maximum]``."""
+    bounds = _bounds(minimum, maximum)
+    expected = f"an int{bounds}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail_type(func, arg, expected, value, fix)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        fail_value(func, arg, expected, value, fix)
+    return value
+
+
+def check_number(
+    func: str,
+    arg: str,
+    value: object,
+    *,
+    positive: bool = False,
+    minimum: float | None = None,
+    finite: bool = True,
+    fix: str = "",
+) -> float:
+    """``float(value)`` for an int or float (bools refused), finite and in range."""
+    if positive:
+        expected = "a positive finite number" if finite else "a positive number"
+    elif minimum is not None:
+        expected = f"a {'finite ' if finite else ''}number >= {minimum}"
+    else:
+        expected = "a finite number" if finite else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail_type(func, arg, expected, value, fix)
+    number = float(value)
+    if (
+        (finite and not math.isfinite(number))
+        or math.isnan(number)
+        or (positive and number <= 0)
+        or (minimum is not None and number < minimum)
+    ):
+        fail_value(func, arg, expected, value, fix)
+    return number
+
+
+def check_choice(
+    func: str, arg: str, value: object, choices: Collection[Any], *, fix: str = ""
+) -> Any:
+    """``value`` if it is one of ``choices`` (a str, say), else ``TypeError``/``ValueError``."""
+    names = ", ".join(repr(c) for c in choices)
+    expected = f"one of {names}"
+    kinds = {type(c) for c in choices}
+    if not any(isinstance(value, k) for k in kinds):
+        fail_type(func, arg, expected, value, fix)
+    if value not in choices:
+        fail_value(func, arg, expected, value, fix)
+    return value
+
+
+def check_callable(func: str, arg: str, value: object, *, expected: str, fix: str = "") -> Any:
+    """``value`` if it is callable, else ``TypeError``."""
+    if not callable(value):
+        fail_type(func, arg, expected, value, fix)
+    return value
+
+
+def check_optional(
+    check: Callable[..., T], func: str, arg: str, value: object, **kwargs: Any
+) -> T | None:
+    """None, or ``check(func, arg, value, **kwargs)``."""
+    if value is None:
+        return None
+    return check(func, arg, value, **kwargs)
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
