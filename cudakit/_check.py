@@ -69,7 +69,7 @@ def check_type(
     """``value`` if it is an instance of ``types``, else ``TypeError``."""
     if not isinstance(value, types):
         fail_type(func, arg, expected, value, fix)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_bool(func: str, arg: str, value: object, *, fix: str = "") -> bool:
