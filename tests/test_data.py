@@ -29,12 +29,11 @@ from cudakit.data import (
     MAX_AUTO_WORKERS,
     Prefetcher,
     SizedPrefetcher,
-    _choose_loader_kwargs,
-    _LookaheadIterator,
-    _Pinner,
     loader_kwargs,
     prefetch,
 )
+from cudakit.data.loaders import _choose_loader_kwargs
+from cudakit.data.prefetcher import _LookaheadIterator, _Pinner
 from cudakit.exceptions import DeviceError
 
 
@@ -653,7 +652,7 @@ def test_choose_loader_kwargs_table(device_type: str, cpus: int, local_world: in
 
 
 def test_loader_kwargs_reads_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cudakit.data as data
+    import cudakit.data.loaders as data
 
     monkeypatch.setattr(data, "_available_cpus", lambda: 16)
     monkeypatch.setattr(data, "resolve_device", lambda spec=None: torch.device("cuda", 0))
@@ -876,7 +875,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Run _CudaPrefetchIterator against fakes: "meta" plays the CUDA device."""
     import contextlib
 
-    import cudakit.data as data
+    import cudakit.data.prefetcher as data
 
     log: list[str] = []
     compute = FakeStream("compute", log)

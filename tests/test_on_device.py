@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import Frozen, Pair, Record, nested, nested_with_pool
 
-import cudakit.device as device_mod
+import cudakit._tree as tree
+import cudakit.device.handlers as handlers
 from cudakit.device import OnDeviceDecorator, on_device, resolve_device
 from cudakit.exceptions import DeviceError
 
@@ -249,7 +250,7 @@ def test_moved_in_place_follows_module_apply() -> None:
         try:
             model = torch.nn.Linear(2, 2)
             weight = model.weight
-            predicted = device_mod._moved_in_place(weight, META)
+            predicted = handlers.moved_in_place(weight, META)
             model.to(META)
             assert predicted is (model.weight is weight) is swap
         finally:
@@ -591,7 +592,7 @@ def test_nothing_to_move_returns_same_containers() -> None:
 def test_non_blocking_policy(
     target: torch.device, requested: bool | None, expected_nb: bool, expected_track: bool
 ) -> None:
-    ctx = device_mod._Ctx(target, requested)
+    ctx = tree.Ctx(target, requested)
     assert ctx.nb is expected_nb
     assert ctx.track is expected_track
 
@@ -599,9 +600,9 @@ def test_non_blocking_policy(
 def test_forced_non_blocking_to_cpu_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
-    ctx = device_mod._Ctx(torch.device("cpu"), True)
+    ctx = tree.Ctx(torch.device("cpu"), True)
     ctx.sync.add(torch.device("cuda", 1))
-    device_mod._finish(ctx)
+    tree.finish(ctx)
     assert synced == [torch.device("cuda", 1)]
 
 

@@ -1,4 +1,4 @@
-"""Data loading: :func:`prefetch` batches onto the device, :func:`loader_kwargs` for DataLoaders.
+"""Prefetching: :func:`prefetch` yields batches already on the device.
 
 On CUDA, :func:`prefetch` copies the next ``depth`` batches on a side stream from
 pinned host memory while the current batch is being computed on, so the copy of
@@ -18,21 +18,17 @@ import copy
 import dataclasses
 import enum
 import operator
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, Protocol, TypedDict, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from .device import DeviceLike, on_device, resolve_device
+from ..device import DeviceLike, on_device, resolve_device
 
-__all__ = ["LoaderKwargs", "Prefetcher", "SizedPrefetcher", "loader_kwargs", "prefetch"]
+__all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
-
-#: Most worker processes :func:`loader_kwargs` picks on its own; more rarely pays.
-MAX_AUTO_WORKERS = 8
 
 
 class _SizedIterable(Protocol[T_co]):
@@ -610,138 +606,3 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
     if hasattr(loader, "__len__"):
         return SizedPrefetcher(loader, dev, depth)
     return Prefetcher(loader, dev, depth)
-
-
-# -- DataLoader settings -------------------------------------------------------------
-
-
-class LoaderKwargs(TypedDict, total=False):
-    """Keyword arguments for :class:`torch.utils.data.DataLoader` from :func:`loader_kwargs`.
-
-    >>> from cudakit.data import loader_kwargs
-    >>> sorted(loader_kwargs("cpu"))
-    ['num_workers', 'persistent_workers', 'pin_memory']
-
-    .. versionadded:: 0.1
-    """
-
-    num_workers: int
-    pin_memory: bool
-    persistent_workers: bool
-
-
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # honours taskset / container CPU sets
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _local_world_size() -> int:
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
-def _choose_loader_kwargs(device_type: str, cpus: int, local_world_size: int) -> LoaderKwargs:
-    """The pure decision behind :func:`loader_kwargs` (tested for every case)."""
-    if device_type in ("cuda", "mps"):
-        # Leave one core per process for the training loop itself.
-        per_process = max(1, cpus // max(1, local_world_size))
-        workers = max(0, min(MAX_AUTO_WORKERS, per_process - 1))
-    else:
-        # On the CPU the model's own threads already use every core.
-        workers = 0
-    return {
-        "num_workers": workers,
-        "pin_memory": device_type == "cuda",
-        "persistent_workers": workers > 0,
-    }
-
-
-def loader_kwargs(
-    device: DeviceLike = None,
-    *,
-    num_workers: int | None = None,
-    pin_memory: bool | None = None,
-    persistent_workers: bool | None = None,
-) -> LoaderKwargs:
-    """Choose DataLoader ``num_workers``, ``pin_memory`` and ``persistent_workers`` for a device.
-
-    * CUDA: ``pin_memory=True`` (host-to-device copies by DMA, which :func:`prefetch`
-      then overlaps with compute); one worker per spare core of this process's share
-      of the machine (cores divided by ``LOCAL_WORLD_SIZE``, minus one for the
-      training loop, at most :data:`MAX_AUTO_WORKERS`), kept alive across epochs.
-    * MPS: the same workers, no pinning (torch does not pin for MPS).
-    * CPU and others: no workers and no pinning: the model's threads use every core.
-
-    ``pin_memory_device`` is never set: torch deprecated it, and torch 2.13's DataLoader
-    ignores it with a warning, pinning for the current accelerator (pinned memory is
-    readable by every GPU). The pin-memory thread runs on the current CUDA device, so
-    under ``torchrun`` call ``torch.cuda.set_device(local_rank)`` before iterating.
-    Never initialises CUDA.
-
-    >>> from torch.utils.data import DataLoader
-    >>> from cudakit.data import loader_kwargs
-    >>> loader_kwargs("cpu")
-    {'num_workers': 0, 'pin_memory': False, 'persistent_workers': False}
-    >>> loader = DataLoader(range(10), batch_size=4, **loader_kwargs("cpu"))
-
-    Args:
-        device: The device batches are for; ``None``/``"auto"`` picks the best one.
-        num_workers: Override the worker count (``persistent_workers`` follows it
-            unless given too).
-        pin_memory: Override pinning; ``True`` needs a CUDA device.
-        persistent_workers: Override; ``True`` needs ``num_workers > 0``.
-
-    Returns:
-        A dict to splat into ``DataLoader(dataset, batch_size=..., **kwargs)``.
-
-    Raises:
-        TypeError: an override has the wrong type.
-        ValueError: an override contradicts the device or the other settings.
-        DeviceError: ``device`` does not exist on this machine.
-
-    .. versionadded:: 0.1
-    """
-    dev = resolve_device(device)
-    chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
-    if num_workers is not None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-            raise TypeError(
-                f"loader_kwargs(num_workers=...) expects an int, got "
-                f"{type(num_workers).__name__} {num_workers!r}; leave it out to let cudakit "
-                "choose, or pass 0 to load in the main process."
-            )
-        if num_workers < 0:
-            raise ValueError(
-                f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
-                "batches in the main process."
-            )
-        chosen["num_workers"] = num_workers
-        chosen["persistent_workers"] = num_workers > 0
-    for name, value in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(
-                f"loader_kwargs({name}=...) expects True, False or None (let cudakit "
-                f"choose), got {type(value).__name__} {value!r}."
-            )
-    if pin_memory is not None:
-        if pin_memory and dev.type != "cuda":
-            raise ValueError(
-                f"loader_kwargs(pin_memory=True) only speeds up copies to a CUDA device, but "
-                f"the device is {str(dev)!r} (and torch warns when it cannot pin). Leave "
-                "pin_memory out, or pass device='cuda'."
-            )
-        chosen["pin_memory"] = pin_memory
-    if persistent_workers is not None:
-        if persistent_workers and chosen["num_workers"] == 0:
-            raise ValueError(
-                "loader_kwargs(persistent_workers=True) needs worker processes, but "
-                f"num_workers is 0 for device {str(dev)!r}. Pass num_workers=N (N > 0) as "
-                "well, or leave persistent_workers out."
-            )
-        chosen["persistent_workers"] = persistent_workers
-    return chosen

@@ -1,0 +1,629 @@
+"""The one walker over user data: shape-preserving moves of nested containers.
+
+:func:`move` walks tensors, containers (dict, list, tuple, namedtuple, set,
+dataclass, mappings) and objects with ``.to()``, with one dispatch table keyed by
+exact type, a memo that keeps aliasing (a tensor found twice is moved once) and
+guards against cycles, and errors that name the path (``obj['a'][1]``).
+Handlers for other types (modules, optimizers) are added with :func:`add_special`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import operator
+import types
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn, cast
+
+import torch
+
+__all__ = [
+    "Bad",
+    "Ctx",
+    "Handler",
+    "add_special",
+    "finish",
+    "located",
+    "move",
+    "move_root",
+    "traverse",
+]
+
+Handler = Callable[[Any, "Ctx"], Any]
+_Tensor = torch.Tensor
+_BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
+_MAX_CACHED_TYPES = 1024
+_SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
+
+
+class Ctx:
+    """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
+
+    __slots__ = ("device", "keep", "memo", "nb", "pending", "sync", "track")
+
+    def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
+        self.device = device
+        kind = _KINDS.get(device)
+        if kind is None:
+            kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
+        nb = not kind[0] if non_blocking is None else non_blocking
+        self.nb = nb
+        # id(obj) -> result. Ids stay unique because the input keeps its objects alive;
+        # values a custom mapping makes on the fly are kept alive in `keep`.
+        self.memo: dict[int, Any] = {}
+        self.keep: list[Any] = []
+        # In-place moves (modules, optimizer state) run only after the whole traversal
+        # succeeded, so an error anywhere leaves everything the user owns untouched.
+        self.pending: list[Callable[[], None]] = []
+        # A forced non_blocking copy to the CPU must be waited for before we return.
+        self.track = nb and kind[1]
+        self.sync: set[torch.device] = set()
+
+
+# device -> (copies there are synchronous by default, device is the CPU)
+_KINDS: dict[torch.device, tuple[bool, bool]] = {}
+
+
+class Bad(Exception):
+    """Internal: bad input found during traversal; collects the path while unwinding."""
+
+    def __init__(self, exc_type: type[Exception], message: str) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.message = message
+        self.path: list[str] = []  # innermost first
+        self.cause: BaseException | None = None  # chained to the user-facing error
+
+    def add(self, step: str, container_id: int) -> None:
+        self.path.append(step)
+
+    def where(self, root: str) -> str:
+        return root + "".join(reversed(self.path))
+
+    def render(self, root: str) -> str:
+        return self.message.replace("{where}", self.where(root))
+
+
+def _meta_copy_error(err: Exception, c: Ctx) -> Bad:
+    """The user-facing error for copying a meta tensor; any other error is re-raised."""
+    if not isinstance(err, NotImplementedError) or "meta tensor" not in str(err):
+        raise err
+    bad = Bad(
+        ValueError,
+        f"on_device() cannot copy the tensor at {{where}} from the meta device to {c.device}: "
+        "meta tensors have a shape but no data. Create it on the target device instead "
+        "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
+        "`module.to_empty(device=...)` and then initialise or load its weights.",
+    )
+    bad.cause = err
+    return bad
+
+
+def located(err: Exception, step: str, container_id: int, c: Ctx) -> Bad:
+    """``err``, raised inside a container, as a :class:`Bad` with ``step`` added to its path."""
+    bad = err if isinstance(err, Bad) else _meta_copy_error(err, c)
+    bad.add(step, container_id)
+    return bad
+
+
+class _Cycle(Bad):
+    """Internal: a container was reached again while it was still being traversed."""
+
+    def __init__(self, container: object) -> None:
+        super().__init__(ValueError, "")
+        self.container_id = id(container)
+        self.kind = type(container).__name__
+        self.depth: int | None = None  # len(path) once the repeated container added its step
+
+    def add(self, step: str, container_id: int) -> None:
+        self.path.append(step)
+        if self.depth is None and container_id == self.container_id:
+            self.depth = len(self.path)
+
+    def render(self, root: str) -> str:
+        steps = list(reversed(self.path))
+        head = root + "".join(steps[: len(steps) - (self.depth or 0)])
+        return (
+            f"on_device() found a reference cycle: {self.where(root)} refers back to {head} "
+            f"(a {self.kind} that contains itself), which cannot be copied. Break the cycle "
+            "(e.g. store an index or key instead of the container), or move the tensors "
+            "inside it yourself."
+        )
+
+
+def _busy_or_done(x: object, c: Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is None:
+        c.memo[id(x)] = _BUSY
+        return _BUSY
+    if hit is _BUSY:
+        raise _Cycle(x)
+    return hit
+
+
+def move(x: Any, c: Ctx) -> Any:
+    h = _DISPATCH.get(type(x))
+    return h(x, c) if h is not None else _slow(x, c)
+
+
+def _leaf(x: Any, c: Ctx) -> Any:
+    return x
+
+
+def _copy(t: torch.Tensor, c: Ctx) -> torch.Tensor:
+    """Copy one tensor that is not on the target yet (callers checked memo and device)."""
+    if c.track:
+        c.sync.add(t.device)
+    # Passing non_blocking only when it is True keeps the common call cheap.
+    new = t.to(c.device, non_blocking=True) if c.nb else t.to(c.device)
+    c.memo[id(t)] = new
+    return new
+
+
+def _tensor(t: torch.Tensor, c: Ctx) -> torch.Tensor:
+    if t.device == c.device:
+        return t
+    hit = c.memo.get(id(t))
+    return _copy(t, c) if hit is None else cast(torch.Tensor, hit)
+
+
+def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
+    if p.device == c.device:
+        return p
+    hit = c.memo.get(id(p))
+    if hit is not None:
+        return cast(torch.Tensor, hit)
+    if c.track:
+        c.sync.add(p.device)
+    # Tensor.to on a Parameter returns a plain non-leaf tensor; rebuild the Parameter
+    # (as Module.to does), keeping requires_grad and moving an accumulated .grad along.
+    new = torch.nn.Parameter(p.detach().to(c.device, non_blocking=c.nb), p.requires_grad)
+    if p.grad is not None:
+        new.grad = p.grad.to(c.device, non_blocking=c.nb)
+    c.memo[id(p)] = new
+    return new
+
+
+def _dict(x: dict[Any, Any], c: Ctx) -> Any:
+    # The hot path: plain dicts and lists of plain tensors are handled inline, with a
+    # single dict lookup on the exact type for everything else (no isinstance chains).
+    i = id(x)
+    memo = c.memo
+    hit = memo.get(i)
+    if hit is not None:
+        if hit is _BUSY:
+            raise _Cycle(x)
+        return hit
+    memo[i] = _BUSY
+    out = {}
+    changed = False
+    get = _DISPATCH.get
+    dev, nb, track = c.device, c.nb, c.track
+    stay = True
+    try:
+        for k, v in x.items():
+            tp = type(v)
+            if tp is _Tensor:
+                if stay and v.device == dev:  # adaptive, as in _seq
+                    out[k] = v
+                    continue
+                iv = id(v)
+                nv = memo.get(iv)
+                if nv is None:
+                    nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                    if nv is v:
+                        stay = True
+                        out[k] = v
+                        continue
+                    stay = False
+                    memo[iv] = nv
+                    if track:
+                        c.sync.add(v.device)
+            else:
+                h = get(tp)
+                nv = h(v, c) if h is not None else _slow(v, c)
+                if nv is v:
+                    out[k] = v
+                    continue
+            changed = True
+            out[k] = nv
+    except (Bad, NotImplementedError) as e:
+        raise located(e, f"[{k!r}]", i, c) from None
+    res = out if changed else x
+    memo[i] = res
+    return res
+
+
+def _seq(x: list[Any] | tuple[Any, ...], c: Ctx) -> list[Any] | None:
+    """Move the items of a list or tuple; None when no item changed."""
+    out: list[Any] = []
+    append = out.append
+    get = _DISPATCH.get
+    memo = c.memo
+    dev, nb, track = c.device, c.nb, c.track
+    stay = True
+    changed = False
+    try:
+        for v in x:
+            tp = type(v)
+            if tp is _Tensor:
+                # Adaptive: while tensors are found already in place, a cheap device
+                # check skips Tensor.to; once they move, go straight to Tensor.to
+                # (which returns the tensor itself when it is already there).
+                if stay and v.device == dev:
+                    append(v)
+                    continue
+                iv = id(v)
+                nv = memo.get(iv)
+                if nv is None:
+                    nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                    if nv is v:
+                        stay = True
+                        append(v)
+                        continue
+                    stay = False
+                    memo[iv] = nv
+                    if track:
+                        c.sync.add(v.device)
+                append(nv)
+                changed = True
+            else:
+                h = get(tp)
+                nv = h(v, c) if h is not None else _slow(v, c)
+                append(nv)
+                if nv is not v:
+                    changed = True
+    except (Bad, NotImplementedError) as e:
+        raise located(e, f"[{len(out)}]", id(x), c) from None
+    return out if changed else None
+
+
+def _list(x: list[Any], c: Ctx) -> Any:
+    memo = c.memo
+    hit = memo.get(id(x))
+    if hit is not None:
+        if hit is _BUSY:
+            raise _Cycle(x)
+        return hit
+    memo[id(x)] = _BUSY
+    out = _seq(x, c)
+    res = x if out is None else out
+    c.memo[id(x)] = res
+    return res
+
+
+def _tuple(x: tuple[Any, ...], c: Ctx) -> Any:
+    # A tuple cannot contain itself without a mutable container in between, so the
+    # cycle guard of that container is enough; tuples are still memoised for aliasing.
+    hit = c.memo.get(id(x))
+    if hit is not None and hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    res = x if out is None else tuple(out)
+    c.memo[id(x)] = res
+    return res
+
+
+def _rebuild_failed(x: object, how: str, err: Exception) -> Bad:
+    name = type(x).__name__
+    return Bad(
+        TypeError,
+        f"on_device() moved the tensors inside the {name} at {{where}} but cannot rebuild a "
+        f"{name} from them: {how} raised {type(err).__name__}: {err}. Give {name} a "
+        "`.to(device, non_blocking=False)` method that returns the moved object, or pass a "
+        "plain dict/list/tuple instead.",
+    )
+
+
+def _rebuilt(x: object, c: Ctx, how: str, build: Callable[[], Any]) -> Any:
+    """The moved copy of container ``x`` that ``build()`` makes, memoised.
+
+    A failure becomes a ``TypeError`` that names the container, where it is and ``how``.
+    """
+    try:
+        res = build()
+    except Exception as err:
+        raise _rebuild_failed(x, how, err) from None
+    c.memo[id(x)] = res
+    return res
+
+
+def _unchanged(x: object, c: Ctx) -> Any:
+    c.memo[id(x)] = x
+    return x
+
+
+def _tuple_subclass(x: tuple[Any, ...], c: Ctx) -> Any:
+    # namedtuples are rebuilt from their fields, other tuple subclasses from an iterable
+    hit = c.memo.get(id(x))
+    if hit is not None and hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    if out is None:
+        return _unchanged(x, c)
+    tp = type(x)
+    if hasattr(tp, "_fields"):
+        return _rebuilt(x, c, f"{tp.__name__}(*fields)", lambda: tp(*out))
+    return _rebuilt(x, c, f"{tp.__name__}(items)", lambda: tp(out))
+
+
+def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
+    # copy.copy keeps instance attributes (and a defaultdict's factory) and does not run
+    # __init__ again; `assign` writes the moved items into the copy.
+    res = copy.copy(x)
+    assign(res)
+    return res
+
+
+def _list_subclass(x: list[Any], c: Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    if out is None:
+        return _unchanged(x, c)
+
+    def assign(res: list[Any]) -> None:
+        res[:] = out
+
+    return _rebuilt(x, c, "copy.copy(obj)[:] = items", lambda: _shallow_copy(x, assign))
+
+
+def _mapping_items(x: Mapping[Any, Any], c: Ctx) -> dict[Any, Any] | None:
+    """Move the values of a mapping; the changed ones, or None when nothing changed."""
+    i = id(x)
+    changed: dict[Any, Any] = {}
+    get = _DISPATCH.get
+    keep = c.keep
+    try:
+        for k, v in x.items():
+            keep.append(v)  # a custom mapping may make its values on the fly
+            h = get(type(v))
+            nv = h(v, c) if h is not None else _slow(v, c)
+            if nv is not v:
+                changed[k] = nv
+    except (Bad, NotImplementedError) as e:
+        raise located(e, f"[{k!r}]", i, c) from None
+    return changed or None
+
+
+def _dict_subclass(x: dict[Any, Any], c: Ctx) -> Any:
+    # OrderedDict, defaultdict (keeps default_factory), and user dict subclasses (keeps
+    # their instance attributes): a shallow copy with the moved values written back.
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    changed = _mapping_items(x, c)
+    if changed is None:
+        return _unchanged(x, c)
+
+    def assign(res: dict[Any, Any]) -> None:
+        for k, nv in changed.items():
+            res[k] = nv
+
+    return _rebuilt(x, c, "copy.copy(obj)[key] = value", lambda: _shallow_copy(x, assign))
+
+
+def _mapping(x: Mapping[Any, Any], c: Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    changed = _mapping_items(x, c)
+    if changed is None:
+        return _unchanged(x, c)
+    items = {k: changed.get(k, v) for k, v in x.items()}
+    return _rebuilt(x, c, f"{type(x).__name__}(dict)", lambda: type(x)(items))  # type: ignore[call-arg]
+
+
+def _set(x: set[Any] | frozenset[Any], c: Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    try:
+        out = [move(v, c) for v in x]
+    except (Bad, NotImplementedError) as e:
+        raise located(e, "{...}", id(x), c) from None
+    if all(map(operator.is_, out, x)):
+        return _unchanged(x, c)
+    return _rebuilt(x, c, f"{type(x).__name__}(items)", lambda: type(x)(out))
+
+
+def _dataclass(x: Any, c: Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    updates: list[tuple[str, Any]] = []
+    name = ""
+    try:
+        for f in dataclasses.fields(x):
+            name = f.name
+            try:
+                v = getattr(x, name)
+            except AttributeError:  # an init=False field that was never set
+                continue
+            nv = move(v, c)
+            if nv is not v:
+                updates.append((name, nv))
+    except (Bad, NotImplementedError) as e:
+        raise located(e, f".{name}", id(x), c) from None
+    if not updates:
+        return _unchanged(x, c)
+
+    def assign(res: Any) -> None:
+        # object.__setattr__ also works for frozen and slotted dataclasses
+        for field, nv in updates:
+            object.__setattr__(res, field, nv)
+
+    how = "copy.copy(obj) and setting its fields"
+    return _rebuilt(x, c, how, lambda: _shallow_copy(x, assign))
+
+
+def _duck(x: Any, c: Ctx) -> Any:
+    hit = c.memo.get(id(x))
+    if hit is not None and hit is not _BUSY:
+        return hit
+    # When the caller forced non_blocking towards the CPU we cannot know which streams an
+    # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
+    nb = c.nb and not c.track
+    try:
+        res = x.to(c.device, non_blocking=nb)
+    except TypeError as err:
+        # Only a .to() that does not take non_blocking is called again without it; any
+        # other TypeError is the object's own and must not be hidden by a second call.
+        if "non_blocking" not in str(err):
+            raise
+        res = x.to(c.device)
+    c.memo[id(x)] = res
+    return res
+
+
+_PREFETCH_HINT = (
+    "Move each batch inside the loop (`for batch in loader: batch = on_device(batch)`), or "
+    "wrap the loader with `cudakit.data.prefetch(loader)`, which yields batches already on "
+    "the device and overlaps the copies with compute."
+)
+
+
+def _reject_loader(x: Any, c: Ctx) -> NoReturn:
+    raise Bad(
+        TypeError,
+        f"on_device() cannot move a {type(x).__name__} (found at {{where}}): a loader makes "
+        f"batches, it does not hold them. {_PREFETCH_HINT}",
+    )
+
+
+def _reject_iterator(x: Any, c: Ctx) -> NoReturn:
+    kind = (
+        "a generator" if isinstance(x, types.GeneratorType) else f"an iterator ({type(x).__name__})"
+    )
+    raise Bad(
+        TypeError,
+        f"on_device() cannot move {kind} (found at {{where}}): its items are produced "
+        f"lazily and moving them would consume it. {_PREFETCH_HINT}",
+    )
+
+
+def _handler_for(tp: type) -> Handler:
+    from torch.utils.data import DataLoader
+
+    if issubclass(tp, torch.nn.Parameter):
+        return _param
+    if issubclass(tp, torch.Tensor):
+        return _tensor
+    for base, handler in _SPECIAL:
+        if issubclass(tp, base):
+            return handler
+    if issubclass(tp, DataLoader):
+        return _reject_loader
+    if issubclass(tp, (types.GeneratorType, types.AsyncGeneratorType)) or (
+        issubclass(tp, Iterator) and not issubclass(tp, io.IOBase)
+    ):
+        return _reject_iterator
+    if callable(getattr(tp, "to", None)):
+        return _duck
+    if issubclass(tp, tuple):
+        return _tuple_subclass
+    if issubclass(tp, dict):
+        return _dict_subclass
+    if issubclass(tp, Mapping):
+        return _mapping
+    if issubclass(tp, list):
+        return _list_subclass
+    if issubclass(tp, (set, frozenset)):
+        return _set
+    if dataclasses.is_dataclass(tp):
+        return _dataclass
+    return _leaf
+
+
+_SPECIAL: list[tuple[type, Handler]] = []
+
+
+def add_special(tp: type, handler: Handler) -> None:
+    """Handle instances of ``tp`` (and its subclasses) with ``handler``, before containers."""
+    _SPECIAL.append((tp, handler))
+    for cached in [t for t in _DISPATCH if t not in _SEED]:
+        del _DISPATCH[cached]
+
+
+def _slow(x: Any, c: Ctx) -> Any:
+    tp = type(x)
+    h = _handler_for(tp)
+    if len(_DISPATCH) < _MAX_CACHED_TYPES:
+        _DISPATCH[tp] = h
+    return h(x, c)
+
+
+_DISPATCH: dict[type, Handler] = {
+    torch.Tensor: _tensor,
+    torch.nn.Parameter: _param,
+    dict: _dict,
+    list: _list,
+    tuple: _tuple,
+    set: _set,
+    frozenset: _set,
+    OrderedDict: _dict_subclass,
+    defaultdict: _dict_subclass,
+    **dict.fromkeys(
+        (
+            type(None),
+            bool,
+            int,
+            float,
+            complex,
+            str,
+            bytes,
+            bytearray,
+            range,
+            slice,
+            type(Ellipsis),
+            torch.dtype,
+            torch.device,
+            torch.Size,
+            torch.layout,
+            torch.memory_format,
+        ),
+        _leaf,
+    ),
+}
+
+
+_SEED = frozenset(_DISPATCH)
+
+
+def finish(c: Ctx) -> None:
+    for action in c.pending:
+        action()
+    for dev in c.sync:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        elif dev.type == "mps":
+            torch.mps.synchronize()
+
+
+def _check_non_blocking(non_blocking: object) -> None:
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TypeError(
+            "on_device(non_blocking=...) expects None (async host-to-device copies, "
+            f"synchronous to the CPU), True or False, got {type(non_blocking).__name__} "
+            f"{non_blocking!r}."
+        )
+
+
+def traverse(x: Any, c: Ctx, root: str) -> Any:
+    """Move ``x`` within ``c``, turning internal errors into the user-facing ones."""
+    try:
+        return move(x, c)
+    except (Bad, NotImplementedError) as e:
+        bad = e if isinstance(e, Bad) else _meta_copy_error(e, c)
+        raise bad.exc_type(bad.render(root)) from bad.cause
+
+
+def move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
+    c = Ctx(device, non_blocking)
+    out = traverse(x, c, root)
+    finish(c)
+    return out
