@@ -22,6 +22,7 @@ from .exceptions import (
     MemoryReserveError,
     NonFiniteStepsError,
     ReserveIgnoredWarning,
+    TensorsLeftBehindWarning,
 )
 from .info import CudaDeviceInfo, DeviceInfo, device_info
 from .memory import MemoryReport, MemorySnapshot, memory_report, memory_snapshot
@@ -56,6 +57,7 @@ __all__ = [
     "NonFiniteStepsError",
     "ReserveIgnoredWarning",
     "StepResult",
+    "TensorsLeftBehindWarning",
     "WarmupReport",
     "__version__",
     "autocast_step",

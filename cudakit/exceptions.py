@@ -12,6 +12,7 @@ exception type that describes it, so ``except ValueError`` keeps working::
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
     ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
+    TensorsLeftBehindWarning(UserWarning)    on_device() met an unknown object holding tensors
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
 ``TypeError``/``ValueError``; calls made in the wrong order raise ``RuntimeError``.
@@ -29,6 +30,7 @@ __all__ = [
     "MemoryReserveError",
     "NonFiniteStepsError",
     "ReserveIgnoredWarning",
+    "TensorsLeftBehindWarning",
 ]
 
 
@@ -59,6 +61,20 @@ class ReserveIgnoredWarning(UserWarning):
     when the same script runs on CPU and GPU machines.
 
     .. versionadded:: 0.1
+    """
+
+
+class TensorsLeftBehindWarning(UserWarning):
+    """:func:`~cudakit.device.on_device` left tensors behind inside an object it cannot rebuild.
+
+    Raised once per type, the first time an object of a type cudakit does not know
+    (a ``SimpleNamespace``, a class without ``.to()``) is found holding tensors: the
+    object comes back as it is, its tensors where they were. Teach cudakit the type
+    with :func:`cudakit.register_container`, give it a ``.to(device)`` method, or
+    filter the warning with ``warnings.filterwarnings("ignore",
+    category=TensorsLeftBehindWarning)`` if leaving them is what you want.
+
+    .. versionadded:: 0.2
     """
 
 
