@@ -12,7 +12,7 @@ Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 from ._version import __version__
 from .amp import AutocastStep, StepResult, autocast_step
 from .data import loader_kwargs, prefetch
-from .device import DeviceLike, on_device, resolve_device
+from .device import DeviceLike, on_device, register_container, resolve_device
 from .exceptions import (
     BatchSizeSearchError,
     CudakitError,
@@ -78,6 +78,7 @@ __all__ = [
     "preserve_state",
     "process_group",
     "rank",
+    "register_container",
     "resolve_device",
     "unwrap",
     "warmed",

@@ -9,26 +9,36 @@ Handlers for other types (modules, optimizers) are added with :func:`add_special
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import enum
+import functools
 import io
 import operator
 import types
+import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn, cast
 
 import torch
 
+from .exceptions import TensorsLeftBehindWarning
+
 __all__ = [
     "Bad",
     "Ctx",
+    "Flatten",
     "Handler",
+    "Staging",
+    "Unflatten",
     "add_special",
     "finish",
     "located",
     "move",
     "move_root",
+    "register",
     "traverse",
 ]
 
@@ -42,10 +52,15 @@ _SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
 class Ctx:
     """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
 
-    __slots__ = ("device", "keep", "memo", "nb", "pending", "sync", "track")
+    __slots__ = ("device", "keep", "memo", "nb", "pending", "staging", "sync", "track")
 
-    def __init__(self, device: torch.device, non_blocking: bool | None) -> None:
+    def __init__(
+        self, device: torch.device, non_blocking: bool | None, staging: Staging | None = None
+    ) -> None:
         self.device = device
+        # prefetch's extras (pinning, the tensors created); None for on_device, whose
+        # plain tensors then take the inline fast path of _dict and _seq.
+        self.staging = staging
         kind = _KINDS.get(device)
         if kind is None:
             kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
@@ -61,6 +76,33 @@ class Ctx:
         # A forced non_blocking copy to the CPU must be waited for before we return.
         self.track = nb and kind[1]
         self.sync: set[torch.device] = set()
+
+
+class Staging:
+    """What prefetch needs from the same walk that moves a batch.
+
+    * ``pin``: copy CPU tensors through page-locked memory (plain dense tensors only);
+    * ``created``: every tensor the walk made on the device, to be ``record_stream``-ed;
+    * ``opaque``: objects moved by their own ``.to()``, whose new tensors the walk
+      could not see (see :func:`device_tensors_in`);
+    * ``on_device_tensor``: called once, before the first tensor that is not on the CPU
+      is used (its producer must be ordered before the copy stream).
+    """
+
+    __slots__ = ("created", "on_device_tensor", "opaque", "pin", "saw_device_tensor")
+
+    def __init__(self, *, pin: bool, on_device_tensor: Callable[[], None] | None = None) -> None:
+        self.pin = pin
+        self.on_device_tensor = on_device_tensor
+        self.saw_device_tensor = False
+        self.created: list[torch.Tensor] = []
+        self.opaque: list[Any] = []
+
+    def device_tensor_seen(self) -> None:
+        if not self.saw_device_tensor:
+            self.saw_device_tensor = True
+            if self.on_device_tensor is not None:
+                self.on_device_tensor()
 
 
 # device -> (copies there are synchronous by default, device is the CPU)
@@ -157,13 +199,31 @@ def _copy(t: torch.Tensor, c: Ctx) -> torch.Tensor:
     """Copy one tensor that is not on the target yet (callers checked memo and device)."""
     if c.track:
         c.sync.add(t.device)
-    # Passing non_blocking only when it is True keeps the common call cheap.
-    new = t.to(c.device, non_blocking=True) if c.nb else t.to(c.device)
+    st = c.staging
+    if st is None:
+        # Passing non_blocking only when it is True keeps the common call cheap.
+        new = t.to(c.device, non_blocking=True) if c.nb else t.to(c.device)
+    else:
+        src = t
+        if (
+            st.pin
+            and t.is_cpu
+            and type(t) is _Tensor
+            and t.layout is torch.strided
+            and not t.is_nested
+            and not t.is_pinned()
+        ):
+            src = t.pin_memory()
+        new = src.to(c.device, non_blocking=c.nb)
+        st.created.append(new)
     c.memo[id(t)] = new
     return new
 
 
 def _tensor(t: torch.Tensor, c: Ctx) -> torch.Tensor:
+    st = c.staging
+    if st is not None and not t.is_cpu:
+        st.device_tensor_seen()
     if t.device == c.device:
         return t
     hit = c.memo.get(id(t))
@@ -171,6 +231,9 @@ def _tensor(t: torch.Tensor, c: Ctx) -> torch.Tensor:
 
 
 def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
+    st = c.staging
+    if st is not None and not p.is_cpu:
+        st.device_tensor_seen()
     if p.device == c.device:
         return p
     hit = c.memo.get(id(p))
@@ -183,6 +246,10 @@ def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
     new = torch.nn.Parameter(p.detach().to(c.device, non_blocking=c.nb), p.requires_grad)
     if p.grad is not None:
         new.grad = p.grad.to(c.device, non_blocking=c.nb)
+    if st is not None:
+        st.created.append(new)
+        if new.grad is not None:
+            st.created.append(new.grad)
     c.memo[id(p)] = new
     return new
 
@@ -202,11 +269,12 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     changed = False
     get = _DISPATCH.get
     dev, nb, track = c.device, c.nb, c.track
+    inline = c.staging is None
     stay = True
     try:
         for k, v in x.items():
             tp = type(v)
-            if tp is _Tensor:
+            if tp is _Tensor and inline:
                 if stay and v.device == dev:  # adaptive, as in _seq
                     out[k] = v
                     continue
@@ -237,19 +305,20 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     return res
 
 
-def _seq(x: list[Any] | tuple[Any, ...], c: Ctx) -> list[Any] | None:
-    """Move the items of a list or tuple; None when no item changed."""
+def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
+    """Move the items of a list, tuple or deque; None when no item changed."""
     out: list[Any] = []
     append = out.append
     get = _DISPATCH.get
     memo = c.memo
     dev, nb, track = c.device, c.nb, c.track
+    inline = c.staging is None
     stay = True
     changed = False
     try:
         for v in x:
             tp = type(v)
-            if tp is _Tensor:
+            if tp is _Tensor and inline:
                 # Adaptive: while tensors are found already in place, a cheap device
                 # check skips Tensor.to; once they move, go straight to Tensor.to
                 # (which returns the tensor itself when it is already there).
@@ -350,11 +419,34 @@ def _tuple_subclass(x: tuple[Any, ...], c: Ctx) -> Any:
     return _rebuilt(x, c, f"{tp.__name__}(items)", lambda: tp(out))
 
 
+def _cached_properties(tp: type) -> tuple[str, ...]:
+    names = _CACHED_PROPERTIES.get(tp)
+    if names is None:
+        names = _CACHED_PROPERTIES[tp] = tuple(
+            name
+            for klass in tp.__mro__
+            for name, attr in vars(klass).items()
+            if isinstance(attr, functools.cached_property)
+        )
+    return names
+
+
+_CACHED_PROPERTIES: dict[type, tuple[str, ...]] = {}
+
+
 def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
     # copy.copy keeps instance attributes (and a defaultdict's factory) and does not run
-    # __init__ again; `assign` writes the moved items into the copy.
+    # __init__ again; `assign` writes the moved items into the copy. Values cached by a
+    # functools.cached_property were computed from the old items: the copy drops them,
+    # so they are computed again, from the moved items, when first read.
     res = copy.copy(x)
     assign(res)
+    stale = _cached_properties(type(x))
+    if stale:
+        state = getattr(res, "__dict__", None)
+        if isinstance(state, dict):
+            for name in stale:
+                state.pop(name, None)
     return res
 
 
@@ -461,23 +553,174 @@ def _dataclass(x: Any, c: Ctx) -> Any:
     return _rebuilt(x, c, how, lambda: _shallow_copy(x, assign))
 
 
+def _deque(x: collections.deque[Any], c: Ctx) -> Any:
+    hit = _busy_or_done(x, c)
+    if hit is not _BUSY:
+        return hit
+    out = _seq(x, c)
+    if out is None:
+        return _unchanged(x, c)
+    if type(x) is collections.deque:
+        return _rebuilt(x, c, "deque(items, maxlen)", lambda: collections.deque(out, x.maxlen))
+
+    def assign(res: collections.deque[Any]) -> None:
+        res.clear()
+        res.extend(out)
+
+    return _rebuilt(x, c, "copy.copy(obj).extend(items)", lambda: _shallow_copy(x, assign))
+
+
 def _duck(x: Any, c: Ctx) -> Any:
     hit = c.memo.get(id(x))
     if hit is not None and hit is not _BUSY:
         return hit
+    # .to() is called on a shallow copy, so an object that moves in place (PyG's Data)
+    # leaves the caller's object as it was; a .to() that returns None moved the copy.
+    try:
+        target = copy.copy(x)
+    except Exception:  # an object copy cannot handle: moved as it is
+        target = x
     # When the caller forced non_blocking towards the CPU we cannot know which streams an
     # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
     nb = c.nb and not c.track
     try:
-        res = x.to(c.device, non_blocking=nb)
+        res = target.to(c.device, non_blocking=nb)
     except TypeError as err:
         # Only a .to() that does not take non_blocking is called again without it; any
         # other TypeError is the object's own and must not be hidden by a second call.
         if "non_blocking" not in str(err):
             raise
-        res = x.to(c.device)
+        res = target.to(c.device)
+    if res is None:
+        res = target
+    if c.staging is not None:
+        c.staging.opaque.append(res)
     c.memo[id(x)] = res
     return res
+
+
+def _attributes(x: object) -> dict[str, Any]:
+    """An object's instance attributes: its ``__dict__`` and the ``__slots__`` set."""
+    found: dict[str, Any] = {}
+    state = getattr(x, "__dict__", None)
+    if isinstance(state, dict):
+        found.update(state)
+    for klass in type(x).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in found:
+                value = getattr(x, name, _UNSET)
+                if value is not _UNSET:  # a slot never set holds nothing
+                    found[name] = value
+    return found
+
+
+_UNSET = object()
+
+
+def _set_attributes(x: Any, moved: Mapping[str, Any]) -> Any:
+    def assign(res: Any) -> None:
+        for name, value in moved.items():
+            object.__setattr__(res, name, value)
+
+    return _shallow_copy(x, assign)
+
+
+Flatten = Callable[[Any], Mapping[Any, Any]]
+Unflatten = Callable[[Any, dict[Any, Any]], Any]
+
+
+class _Registered:
+    """The handler of a type registered with :func:`register`."""
+
+    __slots__ = ("flatten", "unflatten")
+
+    def __init__(self, flatten: Flatten, unflatten: Unflatten) -> None:
+        self.flatten = flatten
+        self.unflatten = unflatten
+
+    def __call__(self, x: Any, c: Ctx) -> Any:
+        hit = _busy_or_done(x, c)
+        if hit is not _BUSY:
+            return hit
+        name = type(x).__name__
+        try:
+            children = self.flatten(x)
+            items = list(children.items())
+        except Exception as err:
+            raise Bad(
+                TypeError,
+                f"on_device() cannot take apart the {name} at {{where}}: the flatten "
+                f"registered for it raised {type(err).__name__}: {err}. flatten(obj) must "
+                "return a dict of the values to move, e.g. {'x': obj.x}.",
+            ) from None
+        moved: dict[Any, Any] = {}
+        changed = False
+        key: Any = None
+        try:
+            for key, v in items:
+                nv = moved[key] = move(v, c)
+                changed = changed or nv is not v
+        except (Bad, NotImplementedError) as e:
+            step = f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+            raise located(e, step, id(x), c) from None
+        if not changed:
+            return _unchanged(x, c)
+        return _rebuilt(x, c, "the unflatten registered for it", lambda: self.unflatten(x, moved))
+
+
+_REGISTERED: dict[type, _Registered] = {}
+
+
+def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> None:
+    """Walk instances of ``tp`` (and subclasses) through ``flatten``/``unflatten``.
+
+    Defaults: the instance attributes (``__dict__`` and ``__slots__``) in, a shallow
+    copy with the moved attributes set out.
+    """
+    _REGISTERED[tp] = _Registered(flatten or _attributes, unflatten or _set_attributes)
+    _WARNED.discard(tp)
+    _forget_cached_handlers()
+
+
+def _holds_tensor(x: object, depth: int) -> bool:
+    """Whether a tensor is reachable from ``x`` within ``depth`` levels (a cheap probe)."""
+    if isinstance(x, _Tensor):
+        return True
+    if depth == 0 or isinstance(x, _LEAF_TYPES):
+        return False
+    if isinstance(x, Mapping):
+        values: Iterable[Any] = x.values()
+    elif isinstance(x, (list, tuple, set, frozenset, collections.deque)):
+        values = x
+    else:
+        values = _attributes(x).values()
+    return any(_holds_tensor(v, depth - 1) for v in values)
+
+
+_WARNED: set[type] = set()
+
+
+def _unknown(x: Any, c: Ctx) -> Any:
+    """An object of a type the walker does not know: left alone, with a warning if it
+    holds tensors (once per type)."""
+    tp = type(x)
+    if tp not in _WARNED and _holds_tensor(x, 3):
+        _WARNED.add(tp)
+        _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
+        name = tp.__name__
+        warnings.warn(
+            TensorsLeftBehindWarning(
+                f"on_device() left the tensors inside a {tp.__module__}.{tp.__qualname__} "
+                f"where they were: cudakit does not know how to rebuild a {name}, so it "
+                f"comes back unchanged. Register the type once with "
+                f"`cudakit.register_container({name})` (its attributes are then moved), give "
+                "it a `.to(device)` method, or keep the tensors in a dict or dataclass. "
+                "This warning is shown once per type."
+            ),
+            stacklevel=2,
+        )
+    return x
 
 
 _PREFETCH_HINT = (
@@ -516,12 +759,18 @@ def _handler_for(tp: type) -> Handler:
     for base, handler in _SPECIAL:
         if issubclass(tp, base):
             return handler
+    for base in tp.__mro__:
+        registered = _REGISTERED.get(base)
+        if registered is not None:
+            return registered
     if issubclass(tp, DataLoader):
         return _reject_loader
     if issubclass(tp, (types.GeneratorType, types.AsyncGeneratorType)) or (
         issubclass(tp, Iterator) and not issubclass(tp, io.IOBase)
     ):
         return _reject_iterator
+    if issubclass(tp, collections.UserDict):
+        return _dict_subclass  # transformers' BatchEncoding: walked, not moved in place
     if callable(getattr(tp, "to", None)):
         return _duck
     if issubclass(tp, tuple):
@@ -534,9 +783,20 @@ def _handler_for(tp: type) -> Handler:
         return _list_subclass
     if issubclass(tp, (set, frozenset)):
         return _set
+    if issubclass(tp, collections.deque):
+        return _deque
     if dataclasses.is_dataclass(tp):
         return _dataclass
-    return _leaf
+    if issubclass(tp, _LEAF_TYPES) or not _has_attributes(tp):
+        return _leaf
+    return _unknown
+
+
+def _has_attributes(tp: type) -> bool:
+    """Whether instances of ``tp`` can hold values (a ``__dict__`` or ``__slots__``)."""
+    return bool(getattr(tp, "__dictoffset__", 0)) or any(
+        klass.__dict__.get("__slots__") for klass in tp.__mro__
+    )
 
 
 _SPECIAL: list[tuple[type, Handler]] = []
@@ -545,6 +805,10 @@ _SPECIAL: list[tuple[type, Handler]] = []
 def add_special(tp: type, handler: Handler) -> None:
     """Handle instances of ``tp`` (and its subclasses) with ``handler``, before containers."""
     _SPECIAL.append((tp, handler))
+    _forget_cached_handlers()
+
+
+def _forget_cached_handlers() -> None:
     for cached in [t for t in _DISPATCH if t not in _SEED]:
         del _DISPATCH[cached]
 
@@ -567,6 +831,7 @@ _DISPATCH: dict[type, Handler] = {
     frozenset: _set,
     OrderedDict: _dict_subclass,
     defaultdict: _dict_subclass,
+    collections.deque: _deque,
     **dict.fromkeys(
         (
             type(None),
@@ -593,6 +858,22 @@ _DISPATCH: dict[type, Handler] = {
 
 _SEED = frozenset(_DISPATCH)
 
+# Never containers: no warning when they carry attributes (an Enum member, a function).
+_LEAF_TYPES = (
+    str,
+    bytes,
+    bytearray,
+    type,
+    enum.Enum,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+    torch.dtype,
+    torch.device,
+)
+
 
 def finish(c: Ctx) -> None:
     for action in c.pending:
@@ -602,15 +883,6 @@ def finish(c: Ctx) -> None:
             torch.cuda.synchronize(dev)
         elif dev.type == "mps":
             torch.mps.synchronize()
-
-
-def _check_non_blocking(non_blocking: object) -> None:
-    if non_blocking is not None and not isinstance(non_blocking, bool):
-        raise TypeError(
-            "on_device(non_blocking=...) expects None (async host-to-device copies, "
-            f"synchronous to the CPU), True or False, got {type(non_blocking).__name__} "
-            f"{non_blocking!r}."
-        )
 
 
 def traverse(x: Any, c: Ctx, root: str) -> Any:

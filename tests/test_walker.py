@@ -20,9 +20,6 @@ from cudakit.exceptions import TensorsLeftBehindWarning
 META = torch.device("meta")
 CPU = torch.device("cpu")
 
-# Written before the fixes; the next commit removes this mark.
-pytestmark = pytest.mark.xfail(reason="issue 14 items 1-6: not fixed yet", strict=False)
-
 
 # -- 1. deque ------------------------------------------------------------------------
 
@@ -95,10 +92,10 @@ class DataclassStateSGD(torch.optim.Optimizer):
 def test_optimizer_state_that_is_not_a_dict_follows() -> None:
     model = torch.nn.Linear(2, 2)
     opt = DataclassStateSGD(model.parameters())
-    _, out_opt = on_device(model, opt, device="meta")
+    out_opt = on_device(opt, device="meta")
     assert out_opt is opt
-    for p in model.parameters():
-        state = opt.state[p]
+    assert len(opt.state) == 2
+    for state in opt.state.values():
         assert isinstance(state, MomentumState)
         assert state.buf.device == META
 
@@ -301,3 +298,75 @@ def test_error_inside_a_registered_container_names_the_path() -> None:
     register_container(Box)
     with pytest.raises(TypeError, match=r"found at obj\['b'\]\.items\[1\]"):
         on_device({"b": Box([torch.ones(1), (i for i in range(2))])}, device="meta")
+
+
+# -- register_container's own arguments --------------------------------------------------
+
+
+def test_register_container_refuses_an_instance() -> None:
+    from cudakit import register_container
+
+    with pytest.raises(
+        TypeError,
+        match=r"register_container\(cls=\.\.\.\) expects a class, got Holder <.*Pass the class "
+        r"itself, e.g\. register_container\(MyBatch\), not an instance\.",
+    ):
+        register_container(Holder(torch.ones(1)))  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize("arg", ["flatten", "unflatten"])
+def test_register_container_refuses_a_non_callable(arg: str) -> None:
+    from cudakit import register_container
+
+    class Mine:
+        pass
+
+    with pytest.raises(
+        TypeError,
+        match=rf"register_container\({arg}=\.\.\.\) expects a function or None, got int 3\. "
+        rf"Pass {arg}=lambda obj: \.\.\. or leave it out",
+    ):
+        register_container(Mine, **{arg: 3})
+    assert on_device(Mine(), device="meta").__class__ is Mine  # nothing was registered
+
+
+@pytest.mark.parametrize("cls", [dict, list, torch.Tensor, torch.nn.Linear, torch.optim.SGD])
+def test_register_container_refuses_types_cudakit_handles(cls: type) -> None:
+    from cudakit import register_container
+
+    with pytest.raises(
+        ValueError,
+        match=rf"register_container\(cls=\.\.\.\) expects a class of your own, got \w+ <class .*"
+        rf"cudakit already moves {cls.__name__} objects",
+    ):
+        register_container(cls)
+
+
+def test_register_container_is_a_class_decorator() -> None:
+    from cudakit import register_container
+
+    @register_container
+    class Decorated:
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    assert on_device(Decorated(torch.ones(1)), device="meta").x.device == META
+
+
+def test_a_failing_flatten_names_the_object_and_the_path() -> None:
+    from cudakit import register_container
+
+    class Broken:
+        pass
+
+    def flatten(obj: Broken) -> dict[str, Any]:
+        raise KeyError("nope")
+
+    register_container(Broken, flatten=flatten)
+    batch = {"b": Broken()}
+    with pytest.raises(
+        TypeError,
+        match=r"cannot take apart the Broken at obj\['b'\]: the flatten registered for it "
+        r"raised KeyError: 'nope'\. flatten\(obj\) must return a dict",
+    ):
+        on_device(batch, device="meta")

@@ -6,6 +6,13 @@ optimizers, nested containers) onto it.
 """
 
 from .move import OnDeviceDecorator, on_device
+from .register import register_container
 from .resolve import DeviceLike, resolve_device
 
-__all__ = ["DeviceLike", "OnDeviceDecorator", "on_device", "resolve_device"]
+__all__ = [
+    "DeviceLike",
+    "OnDeviceDecorator",
+    "on_device",
+    "register_container",
+    "resolve_device",
+]

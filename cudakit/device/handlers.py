@@ -92,9 +92,18 @@ def _optimizer(opt: torch.optim.Optimizer, c: Ctx) -> Any:
     for group in opt.param_groups:
         if group.get("capturable", False) or group.get("fused", False):
             on_device_step.update(id(p) for p in group["params"])
-    updates: list[tuple[dict[Any, Any], Any, Any]] = []
+    # (holder, key, moved value): holder[key] = value once the whole walk succeeded.
+    updates: list[tuple[Any, Any, Any]] = []
     for p, state in opt.state.items():
         if not isinstance(state, dict):
+            # Per-parameter state of another kind (a dataclass, a tuple) is walked whole
+            # and replaced in opt.state.
+            try:
+                new_state = move(state, c)
+            except (Bad, NotImplementedError) as e:
+                raise located(e, f".state[<param {tuple(p.shape)}>]", id(opt), c) from None
+            if new_state is not state:
+                updates.append((opt.state, p, new_state))
             continue
         for k, v in state.items():
             if k == "step" and isinstance(v, torch.Tensor) and id(p) not in on_device_step:
@@ -108,8 +117,8 @@ def _optimizer(opt: torch.optim.Optimizer, c: Ctx) -> Any:
     if updates:
 
         def move_state() -> None:
-            for state, k, nv in updates:
-                state[k] = nv
+            for holder, k, nv in updates:
+                holder[k] = nv
 
         c.pending.append(move_state)
     return opt
