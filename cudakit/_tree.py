@@ -34,6 +34,7 @@ __all__ = [
     "Staging",
     "Unflatten",
     "add_special",
+    "device_tensors_in",
     "finish",
     "located",
     "move",
@@ -576,8 +577,11 @@ def _duck(x: Any, c: Ctx) -> Any:
         return hit
     # .to() is called on a shallow copy, so an object that moves in place (PyG's Data)
     # leaves the caller's object as it was; a .to() that returns None moved the copy.
+    st = c.staging
+    pin = getattr(x, "pin_memory", None) if st is not None and st.pin else None
     try:
-        target = copy.copy(x)
+        # The DataLoader's protocol for custom batches: pin_memory() returns a new object.
+        target = pin() if callable(pin) else copy.copy(x)
     except Exception:  # an object copy cannot handle: moved as it is
         target = x
     # When the caller forced non_blocking towards the CPU we cannot know which streams an
@@ -593,8 +597,8 @@ def _duck(x: Any, c: Ctx) -> Any:
         res = target.to(c.device)
     if res is None:
         res = target
-    if c.staging is not None:
-        c.staging.opaque.append(res)
+    if st is not None:
+        st.opaque.append(res)
     c.memo[id(x)] = res
     return res
 
@@ -894,8 +898,96 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
         raise bad.exc_type(bad.render(root)) from bad.cause
 
 
-def move_root(x: Any, device: torch.device, non_blocking: bool | None, root: str) -> Any:
-    c = Ctx(device, non_blocking)
+def _already_there(x: Any, device: torch.device) -> bool:
+    """Whether ``x`` is a tensor, or a flat dict/list/tuple of tensors, all on ``device``.
+
+    The commonest batch that needs nothing (a CPU loop), answered before any walk.
+    """
+    tp = type(x)
+    values: Iterable[Any]
+    if tp is tuple or tp is list:
+        values = x
+    elif tp is dict:
+        values = x.values()
+    elif tp is _Tensor:
+        values = (x,)
+    else:
+        return False
+    if device.type == "cpu":
+        for v in values:  # noqa: SIM110 (a plain loop beats all(genexpr) here)
+            if type(v) is not _Tensor or not v.is_cpu:
+                return False
+        return True
+    for v in values:  # noqa: SIM110
+        if type(v) is not _Tensor or v.device != device:
+            return False
+    return True
+
+
+def move_root(
+    x: Any,
+    device: torch.device,
+    non_blocking: bool | None,
+    root: str,
+    staging: Staging | None = None,
+) -> Any:
+    """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
+    if staging is None and _already_there(x, device):
+        return x
+    c = Ctx(device, non_blocking, staging)
     out = traverse(x, c, root)
     finish(c)
     return out
+
+
+# Leaves that can hold no tensor, inside an object moved by its own .to().
+_PLAIN_LEAVES = (
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    type(None),
+    range,
+    slice,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type,
+)
+
+
+def device_tensors_in(obj: Any, out: list[torch.Tensor], seen: set[int] | None = None) -> bool:
+    """Append the CUDA tensors inside ``obj``, an object that its own ``.to()`` made.
+
+    The walk cannot see what such a ``.to()`` created, so prefetch searches the result
+    (attributes, mappings, sequences; a back-reference is followed once). Returns False
+    when tensors may hide where no search reaches (a closure, an object without
+    attributes).
+    """
+    if seen is None:
+        seen = set()
+    if isinstance(obj, _Tensor):
+        if obj.is_cuda:
+            out.append(obj)
+        return True
+    if isinstance(obj, _PLAIN_LEAVES) or id(obj) in seen:
+        return True
+    seen.add(id(obj))
+    values: Iterable[Any]
+    if isinstance(obj, Mapping):
+        values = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        values = obj
+    elif callable(obj) or not _has_attributes(type(obj)):
+        return False  # a function's closure, a C object: not searchable
+    else:
+        values = _attributes(obj).values()
+    complete = True
+    for v in values:
+        if not device_tensors_in(v, out, seen):
+            complete = False
+    return complete

@@ -25,6 +25,7 @@ from torch.utils.data import (
     TensorDataset,
 )
 
+from cudakit._tree import Staging, move_root
 from cudakit.data import (
     MAX_AUTO_WORKERS,
     Prefetcher,
@@ -33,7 +34,7 @@ from cudakit.data import (
     prefetch,
 )
 from cudakit.data.loaders import _choose_loader_kwargs
-from cudakit.data.prefetcher import _LookaheadIterator, _Pinner
+from cudakit.data.prefetcher import _LookaheadIterator
 from cudakit.exceptions import DeviceError
 
 
@@ -508,7 +509,16 @@ def test_lookahead_empty_source() -> None:
     assert it.log == []
 
 
-# -- pinning keeps every container type (pin_memory faked: no CUDA here) ------------
+# -- pinning, in the one walk that moves a batch (pin_memory faked: no CUDA here) ----
+
+
+META = torch.device("meta")
+
+
+def stage(batch: Any) -> tuple[Any, Staging]:
+    """What the CUDA prefetcher does to a batch, aimed at "meta": pin, copy, list."""
+    staging = Staging(pin=True)
+    return move_root(batch, META, True, "batch", staging), staging
 
 
 @pytest.fixture
@@ -526,14 +536,39 @@ def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
 
 @given(nested(max_leaves=8))
-def test_pinner_keeps_structure(batch: Any) -> None:
+def test_staging_keeps_structure_like_on_device(batch: Any) -> None:
+    from cudakit.device import on_device
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
         mp.setattr(torch.Tensor, "is_pinned", lambda self, device=None: False)
-        assert_same(_Pinner()(batch), batch)
+        staged, _ = stage(batch)
+    assert_same_shape(staged, on_device(batch, device="meta"))
 
 
-def test_pinner_pins_through_special_containers(fake_pinning: list[torch.Tensor]) -> None:
+def assert_same_shape(a: Any, b: Any) -> None:
+    """Same container types and leaves; tensors compared by device, dtype and shape."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert (a.device, a.dtype, a.shape) == (b.device, b.dtype, b.shape)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same_shape(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b, strict=True):
+            assert_same_shape(u, v)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same_shape(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, (set, frozenset)):
+        assert len(a) == len(b)
+    else:
+        assert a == b
+
+
+def test_staging_pins_through_special_containers(fake_pinning: list[torch.Tensor]) -> None:
     dd: collections.defaultdict[str, Any] = collections.defaultdict(list, a=torch.zeros(2))
     batch = {
         "dd": dd,
@@ -542,36 +577,33 @@ def test_pinner_pins_through_special_containers(fake_pinning: list[torch.Tensor]
         "record": Record(torch.full((2,), 7.0)),
         "pair": Pair(torch.ones(1), "label"),
     }
-    out = _Pinner()(batch)
+    out, staging = stage(batch)
     assert len(fake_pinning) == 6
+    assert len(staging.created) == 6
     assert out["dd"].default_factory is list
     assert type(out["od"]) is collections.OrderedDict
     assert type(out["frozen"]) is Frozen
-    assert out["frozen"].value[0] is fake_pinning[2]
-    assert out["frozen"].value[1] is fake_pinning[3]
-    assert out["record"].value is fake_pinning[4]
+    assert out["frozen"].value[0] is staging.created[2]
+    assert out["record"].value.device == META
     assert out["record"].note == "note"  # the init=False field is kept
     assert type(out["pair"]) is Pair
     assert out["pair"].second == "label"
     # The user's batch is untouched.
-    assert batch["frozen"].value[0] is not fake_pinning[2]
-    assert batch["record"].value is not fake_pinning[4]
+    assert batch["frozen"].value[0].device.type == "cpu"
     assert batch["dd"]["a"] is not out["dd"]["a"]
 
 
-def test_pinner_returns_containers_with_nothing_to_pin_as_themselves(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # What a DataLoader with pin_memory=True yields: not rebuilt before on_device.
+def test_staging_does_not_pin_what_is_pinned_already(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a DataLoader with pin_memory=True yields: copied straight from it.
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: 1 / 0)
     batch = [torch.zeros(2), (torch.ones(1), "label"), {"x": torch.ones(3), "n": 1}]
-    out = _Pinner()(batch)
-    assert out is batch
-    assert out[1] is batch[1]
-    assert out[2] is batch[2]
+    out, staging = stage(batch)
+    assert out[2]["x"].device == META
+    assert len(staging.created) == 3
 
 
-def test_pinner_uses_a_custom_batchs_pin_memory(fake_pinning: list[torch.Tensor]) -> None:
+def test_staging_uses_a_custom_batchs_pin_memory(fake_pinning: list[torch.Tensor]) -> None:
     class CustomBatch:
         """The DataLoader's memory-pinning protocol: a pin_memory() method."""
 
@@ -581,47 +613,43 @@ def test_pinner_uses_a_custom_batchs_pin_memory(fake_pinning: list[torch.Tensor]
         def pin_memory(self) -> CustomBatch:
             return CustomBatch(self.x.pin_memory())
 
+        def to(self, device: Any, non_blocking: bool = False) -> CustomBatch:
+            return CustomBatch(self.x.to(device, non_blocking=non_blocking))
+
     batch = CustomBatch(torch.zeros(2))
-    out = _Pinner()({"b": batch, "cls": CustomBatch})
-    assert out["b"].x is fake_pinning[0]
+    out, staging = stage({"b": batch, "cls": CustomBatch})
+    assert len(fake_pinning) == 1
+    assert out["b"].x.device == META
+    assert staging.opaque == [out["b"]]  # searched for its tensors on delivery
     assert out["cls"] is CustomBatch  # a class is not a batch: left alone
 
 
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
-def test_pinner_leaves_nested_and_sparse_tensors(fake_pinning: list[torch.Tensor]) -> None:
-    parts = [torch.zeros(2), torch.zeros(3)]
-    strided_nested = torch.nested.nested_tensor(parts)  # layout strided, but nested
-    jagged = torch.nested.nested_tensor(parts, layout=torch.jagged)
-    sparse = torch.zeros(3).to_sparse()
-    batch = (strided_nested, jagged, sparse)
-    assert _Pinner()(batch) is batch
+def test_staging_does_not_pin_sparse_tensors(fake_pinning: list[torch.Tensor]) -> None:
+    out, staging = stage((torch.zeros(3).to_sparse(),))
+    assert out[0].device == META
     assert fake_pinning == []
+    assert len(staging.created) == 1
 
 
-def test_pinner_pins_a_shared_tensor_once(fake_pinning: list[torch.Tensor]) -> None:
+def test_staging_pins_and_copies_a_shared_tensor_once(fake_pinning: list[torch.Tensor]) -> None:
     t = torch.zeros(3)
-    out = _Pinner()({"a": t, "b": [t], "p": torch.nn.Parameter(torch.ones(1))})
-    assert len(fake_pinning) == 1
-    assert out["a"] is out["b"][0] is fake_pinning[0]
+    out, staging = stage({"a": t, "b": [t], "p": torch.nn.Parameter(torch.ones(1))})
+    assert len(fake_pinning) == 1  # the Parameter is copied as it is
+    assert out["a"] is out["b"][0]
     assert type(out["p"]) is torch.nn.Parameter
+    assert len(staging.created) == 2
 
 
-def test_pinner_notes_device_tensors_and_leaves_them() -> None:
+def test_staging_notes_device_tensors_once_and_leaves_them() -> None:
     meta = torch.empty(2, device="meta")
-    pinner = _Pinner()
-    out = pinner({"m": meta})
+    seen: list[str] = []
+    staging = Staging(pin=True, on_device_tensor=lambda: seen.append("wait"))
+    out = move_root(
+        {"m": meta, "n": [meta, torch.empty(1, device="meta")]}, META, True, "b", staging
+    )
     assert out["m"] is meta
-    assert pinner.saw_device_tensor
-
-
-def test_pinner_leaves_unknown_objects(fake_pinning: list[torch.Tensor]) -> None:
-    class Opaque:
-        def __init__(self) -> None:
-            self.t = torch.zeros(1)
-
-    obj = Opaque()
-    assert _Pinner()(obj) is obj
-    assert fake_pinning == []
+    assert seen == ["wait"]
+    assert staging.created == []
 
 
 # -- loader_kwargs ---------------------------------------------------------------------
@@ -900,15 +928,17 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: False)
 
-    real_on_device = data.on_device
+    real_move_root = data.move_root
 
-    def fake_on_device(obj: Any, *, device: Any = None, non_blocking: Any = None) -> Any:
+    def fake_move_root(
+        obj: Any, device: Any, non_blocking: Any, root: str, staging: Any = None
+    ) -> Any:
         assert non_blocking is True
         assert current[-1].name == "side"  # the copy is issued on the side stream
         log.append("copy")
-        return real_on_device(obj, device="meta", non_blocking=True)
+        return real_move_root(obj, torch.device("meta"), True, root, staging)
 
-    monkeypatch.setattr(data, "on_device", fake_on_device)
+    monkeypatch.setattr(data, "move_root", fake_move_root)
     monkeypatch.setattr(data, "resolve_device", lambda spec=None: torch.device("cuda", 0))
     return log
 
@@ -945,7 +975,9 @@ def test_cuda_protocol_orders_copies_after_device_tensors(fake_cuda: list[str]) 
     x, y = next(it)
     assert x is already
     assert y.device.type == "meta"
-    assert fake_cuda[:2] == ["side wait_stream compute", "copy"]
+    # "copy" marks the start of the one walk; the side stream waits for the compute
+    # stream as soon as the walk meets the device tensor, before the copy behind it.
+    assert fake_cuda[:3] == ["copy", "side wait_stream compute", "side record side#1"]
 
 
 class SlottedBatch:

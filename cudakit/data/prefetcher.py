@@ -14,16 +14,14 @@ nothing beyond :func:`~cudakit.device.on_device` per batch.
 from __future__ import annotations
 
 import collections
-import copy
-import dataclasses
-import enum
-import operator
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from ..device import DeviceLike, on_device, resolve_device
+from .._tree import Staging, device_tensors_in, move_root
+from ..device import DeviceLike, resolve_device
 
 __all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
 
@@ -36,177 +34,6 @@ class _SizedIterable(Protocol[T_co]):
     def __iter__(self) -> Iterator[T_co]: ...
 
 
-# -- pinning and stream bookkeeping (CUDA only) -------------------------------------
-
-
-class _Pinner:
-    """Copy CPU tensors of a batch into page-locked memory, keeping container types.
-
-    Pinning is only an optimisation: whatever this does not recognise is returned
-    unchanged and :func:`on_device` still moves it correctly, from pageable memory.
-    A container in which nothing needed pinning (a DataLoader with ``pin_memory=True``)
-    comes back as itself, so such batches are not rebuilt twice per step. Objects with
-    a ``pin_memory()`` method are pinned through it, as the DataLoader does.
-    ``saw_device_tensor`` tells whether the batch already holds non-CPU tensors
-    (their producers must be ordered before the side-stream copy).
-    """
-
-    __slots__ = ("memo", "saw_device_tensor")
-
-    def __init__(self) -> None:
-        self.saw_device_tensor = False
-        # id -> (tensor, pinned): a tensor that appears twice is pinned once, so
-        # on_device still sees one tensor and keeps the aliasing.
-        self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "cpu":
-                self.saw_device_tensor = True
-                return obj
-            # Parameters, tensor subclasses, sparse and nested tensors go to on_device
-            # as they are.
-            if type(obj) is not torch.Tensor or obj.layout is not torch.strided or obj.is_nested:
-                return obj
-            hit = self.memo.get(id(obj))
-            if hit is not None:
-                return hit[1]
-            pinned = obj if obj.is_pinned() else obj.pin_memory()
-            self.memo[id(obj)] = (obj, pinned)
-            return pinned
-        cls = type(obj)
-        # Fast paths for what default_collate produces.
-        if cls is tuple or cls is list:
-            items = [self(v) for v in obj]
-            return obj if all(map(operator.is_, items, obj)) else cls(items)
-        if cls is dict:
-            changed = False
-            out = {}
-            for k, v in obj.items():
-                out[k] = nv = self(v)
-                changed = changed or nv is not v
-            return out if changed else obj
-        if isinstance(obj, (str, bytes, bytearray)) or obj is None or isinstance(obj, type):
-            return obj
-        pin = getattr(obj, "pin_memory", None)
-        if callable(pin):
-            return pin()  # a custom batch type (the DataLoader's memory-pinning protocol)
-        try:
-            if isinstance(obj, tuple):
-                if hasattr(obj, "_fields"):  # namedtuple
-                    return cls(*(self(v) for v in obj))
-                return cls(self(v) for v in obj)
-            if isinstance(obj, collections.abc.MutableMapping):
-                mapping = copy.copy(obj)  # keeps defaultdict factories, subclass attributes
-                mapping.update({k: self(v) for k, v in obj.items()})
-                return mapping
-            if isinstance(obj, list):
-                items = copy.copy(obj)
-                items[:] = [self(v) for v in obj]
-                return items
-            if dataclasses.is_dataclass(obj):
-                instance = copy.copy(obj)
-                for f in dataclasses.fields(obj):
-                    # object.__setattr__ also works on frozen dataclasses.
-                    object.__setattr__(instance, f.name, self(getattr(obj, f.name)))
-                return instance
-        except (TypeError, AttributeError):
-            return obj  # an exotic container: leave it to on_device, unpinned
-        return obj
-
-
-# Leaves that can hold no tensor; anything else found inside an object that on_device
-# moved through its own .to() may hide tensors from _collect_cuda.
-_PLAIN_LEAVES = (
-    str,
-    bytes,
-    bytearray,
-    int,
-    float,
-    complex,
-    type(None),
-    range,
-    slice,
-    enum.Enum,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    type,  # a class, not an instance
-)
-_UNSET = object()
-
-
-def _slot_values(obj: object) -> list[Any] | None:
-    """The values of an object's ``__dict__`` and ``__slots__``; None if it has neither."""
-    values: list[Any] = []
-    found = False
-    instance_dict = getattr(obj, "__dict__", None)
-    if isinstance(instance_dict, dict):
-        values.extend(instance_dict.values())
-        found = True
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            found = True
-            value = getattr(obj, name, _UNSET)
-            if value is not _UNSET:  # a slot never set has nothing to walk
-                values.append(value)
-    return values if found else None
-
-
-def _collect_cuda(
-    obj: Any, out: list[torch.Tensor], seen: set[int], in_moved: bool = False
-) -> bool:
-    """Append every CUDA tensor reachable through the containers on_device builds.
-
-    Returns False when ``obj`` may hold CUDA tensors that could not be found: an
-    object that on_device moved through its own ``.to()`` holding something that is
-    neither a known container nor a plain leaf. (Outside such objects an unknown
-    object is a leaf that on_device did not touch, so it holds no new tensors.)
-    """
-    cls = type(obj)
-    values: Iterable[Any]
-    if cls is torch.Tensor or isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
-            out.append(obj)
-        return True
-    if (cls is tuple or cls is list) and not in_moved:  # the common case, quickly
-        values = obj
-    elif isinstance(obj, _PLAIN_LEAVES):
-        return True
-    else:
-        moved_here = not in_moved and callable(getattr(obj, "to", None))
-        if in_moved or moved_here:
-            # Inside an object that .to() made anything may refer back (a parent pointer).
-            if id(obj) in seen:
-                return True
-            seen.add(id(obj))
-        if isinstance(obj, Mapping):
-            values = obj.values()
-        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-            values = obj
-        elif dataclasses.is_dataclass(obj):
-            values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-        elif in_moved or moved_here:
-            # Moved by its own .to() (or found inside such an object): walk its attributes.
-            # A function found there may hold tensors in its closure: not walkable.
-            found = None if in_moved and callable(obj) else _slot_values(obj)
-            if found is None:
-                return False
-            values = found
-            in_moved = True
-        else:
-            return True
-    complete = True
-    for v in values:
-        if not _collect_cuda(v, out, seen, in_moved):
-            complete = False
-    return complete
-
-
 # -- iterators ----------------------------------------------------------------------
 
 
@@ -217,37 +44,15 @@ def _close_owned(source: Iterator[Any] | None, owned: bool) -> None:
             close()
 
 
-def _all_on_cpu(batch: object) -> bool:
-    """Whether a batch is a tensor, or a flat tuple/list/dict of tensors, all on the CPU.
-
-    The common case of a CPU loop, answered in a fraction of an on_device call; such a
-    batch would come back from on_device as the very same object.
-    """
-    cls = type(batch)
-    if cls is torch.Tensor:
-        return bool(batch.is_cpu)  # type: ignore[attr-defined]
-    if cls is tuple or cls is list:
-        values: Iterable[object] = batch  # type: ignore[assignment]
-    elif cls is dict:
-        values = batch.values()  # type: ignore[attr-defined]
-    else:
-        return False
-    for v in values:  # noqa: SIM110 (a plain loop is ~40% faster than all(genexpr) here)
-        if type(v) is not torch.Tensor or not v.is_cpu:
-            return False
-    return True
-
-
 class _MovingIterator(Iterator[T]):
     """CPU and other devices: move each batch as it is asked for; nothing in flight."""
 
-    __slots__ = ("_device", "_owns", "_source", "_to_cpu")
+    __slots__ = ("_device", "_owns", "_source")
 
     def __init__(self, source: Iterator[T], device: torch.device, owns: bool) -> None:
         self._source: Iterator[T] | None = source
         self._device = device
         self._owns = owns
-        self._to_cpu = device.type == "cpu"
 
     def __iter__(self) -> _MovingIterator[T]:
         return self
@@ -257,10 +62,7 @@ class _MovingIterator(Iterator[T]):
         if source is None:
             raise StopIteration
         try:
-            batch = next(source)
-            if self._to_cpu and _all_on_cpu(batch):
-                return batch
-            return on_device(batch, device=self._device)
+            return move_root(next(source), self._device, None, "batch")  # type: ignore[no-any-return]
         except BaseException:
             # StopIteration included: the epoch is over, let go of the source.
             self.close()
@@ -355,24 +157,32 @@ class _CudaPrefetchIterator(_LookaheadIterator[T]):
         # so memory the user freed is never overwritten while still being read.
         self._order_after_compute = False
 
-    def _stage(self, raw: Any) -> tuple[Any, torch.cuda.Event]:
-        pinner = _Pinner()
-        pinned = pinner(raw)
-        if pinner.saw_device_tensor or self._order_after_compute:
-            # Tensors produced by kernels on the compute stream: copy them after.
-            self._side.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._side):
-            moved = on_device(pinned, device=self._device, non_blocking=True)
-            event = self._side.record_event()
-        return moved, event
+    def _stage(self, raw: Any) -> tuple[Any, torch.cuda.Event, Staging]:
+        consumer = torch.cuda.current_stream(self._device)
+        side = self._side
+        if self._order_after_compute:
+            side.wait_stream(consumer)
+            first_device_tensor = None
+        else:
+            # Tensors already on a device were produced by kernels on the compute
+            # stream: the first one the walk meets orders the copies after them.
+            first_device_tensor = functools.partial(side.wait_stream, consumer)
+        # One walk pins, copies and lists the tensors it made (to record them below).
+        staging = Staging(pin=True, on_device_tensor=first_device_tensor)
+        with torch.cuda.stream(side):
+            moved = move_root(raw, self._device, True, "batch", staging)
+            event = side.record_event()
+        return moved, event, staging
 
-    def _deliver(self, staged: tuple[Any, torch.cuda.Event]) -> T:
-        batch, event = staged
+    def _deliver(self, staged: tuple[Any, torch.cuda.Event, Staging]) -> T:
+        batch, event, staging = staged
         consumer = torch.cuda.current_stream(self._device)
         consumer.wait_event(event)
-        tensors: list[torch.Tensor] = []
-        if not _collect_cuda(batch, tensors, set()):
-            self._order_after_compute = True  # some tensors may have been missed
+        tensors = staging.created
+        for obj in staging.opaque:
+            # Moved by its own .to(): search it for the tensors that .to() made.
+            if not device_tensors_in(obj, tensors):
+                self._order_after_compute = True  # some tensors may have been missed
         for t in tensors:
             if t.layout is torch.strided and not t.is_nested:
                 # Memory allocated on the side stream and used on the consumer:
