@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -77,3 +79,115 @@ def test_cuda_index_out_of_range_names_existing(monkeypatch: pytest.MonkeyPatch)
 def test_cuda_resolves_to_current_device() -> None:
     assert resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
     assert resolve_device(0) == torch.device("cuda", 0)
+
+
+# -- device types torch can name but this build or machine cannot use (issue 15) -------
+
+UNUSABLE = ["xla", "hpu", torch.device("xla")]
+if not torch.xpu.is_available():
+    UNUSABLE += ["xpu", "xpu:0"]
+
+
+@pytest.mark.parametrize("spec", UNUSABLE, ids=str)
+def test_unusable_device_types_are_refused_at_the_door(spec: str | torch.device) -> None:
+    kind = str(spec).split(":")[0]
+    with pytest.raises(
+        DeviceError,
+        match=rf"device={re.escape(repr(spec))} asks for a '{kind}' device, but this torch build "
+        rf"\(torch .*\) or machine has none available\..* Use device=\"auto\" to pick the "
+        r"best available device, or \"cpu\"\.",
+    ):
+        resolve_device(spec)
+
+
+def test_xla_error_points_at_torch_xla() -> None:
+    with pytest.raises(DeviceError, match="XLA devices come with the torch_xla package"):
+        resolve_device("xla")
+
+
+@pytest.mark.parametrize("spec", ["xla", "xpu"])
+def test_on_device_refuses_unusable_devices_and_changes_nothing(spec: str) -> None:
+    from cudakit import on_device
+
+    t = torch.ones(2)
+    model = torch.nn.Linear(2, 2)
+    weight = model.weight
+    batch = {"x": t, "m": model}
+    with pytest.raises(DeviceError, match=rf"device='{spec}' asks for a '{spec}' device"):
+        on_device(batch, device=spec)
+    assert batch == {"x": t, "m": model}
+    assert t.device.type == "cpu"
+    assert model.weight is weight
+    assert weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("spec", ["xla", "xpu"])
+def test_on_device_decorator_refuses_unusable_devices_at_call_time(spec: str) -> None:
+    from cudakit import on_device
+
+    @on_device(spec)
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises(DeviceError, match=rf"asks for a '{spec}' device"):
+        f(torch.ones(1))
+
+
+@pytest.mark.parametrize("spec", ["xla", "xpu"])
+def test_loader_kwargs_and_prefetch_refuse_unusable_devices(spec: str) -> None:
+    from cudakit.data import loader_kwargs, prefetch
+
+    with pytest.raises(DeviceError, match=rf"asks for a '{spec}' device"):
+        loader_kwargs(spec)
+    source = [torch.ones(1)]
+    with pytest.raises(DeviceError, match=rf"asks for a '{spec}' device"):
+        prefetch(source, device=spec)
+    assert source[0].device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {"num_workers": "2"},
+            TypeError,
+            r"loader_kwargs\(num_workers=\.\.\.\) expects an int, got str '2'\. Leave it out "
+            r"to let cudakit choose, or pass 0",
+        ),
+        (
+            {"pin_memory": "no"},
+            TypeError,
+            r"loader_kwargs\(pin_memory=\.\.\.\) expects True, False or None \(let cudakit "
+            r"choose\), got str 'no'\.",
+        ),
+    ],
+)
+def test_loader_kwargs_checks_overrides_before_the_device(
+    kwargs: dict[str, object], exc: type[Exception], match: str
+) -> None:
+    from cudakit.data import loader_kwargs
+
+    # A wrong override is reported even when the device is unusable too: checks first.
+    with pytest.raises(exc, match=match):
+        loader_kwargs("xla", **kwargs)  # type: ignore[arg-type]
+
+
+def test_on_device_non_blocking_message_names_function_argument_and_fix() -> None:
+    from cudakit import on_device
+
+    t = torch.ones(1)
+    with pytest.raises(
+        TypeError,
+        match=r"on_device\(non_blocking=\.\.\.\) expects None \(async host-to-device copies, "
+        r"synchronous to the CPU\), True or False, got int 1\. Leave it out unless",
+    ):
+        on_device(t, device="meta", non_blocking=1)  # type: ignore[call-overload]
+    assert t.device.type == "cpu"
+
+
+@pytest.mark.parametrize("epoch", ["1", 1.0, None])
+def test_prefetch_set_epoch_wrong_kind_is_a_type_error(epoch: object) -> None:
+    from cudakit.data import prefetch
+
+    with pytest.raises(TypeError, match=r"set_epoch\(\) expects the epoch number as an int"):
+        prefetch([torch.ones(1)], device="cpu").set_epoch(epoch)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TypedDict
 
+from .._check import check_int, check_optional, check_type
 from ..device import DeviceLike, resolve_device
 
 __all__ = ["MAX_AUTO_WORKERS", "LoaderKwargs", "loader_kwargs"]
@@ -104,28 +105,33 @@ def loader_kwargs(
 
     .. versionadded:: 0.1
     """
+    fn = "loader_kwargs"
+    check_optional(
+        check_int,
+        fn,
+        "num_workers",
+        num_workers,
+        fix="Leave it out to let cudakit choose, or pass 0 to load in the main process.",
+    )
+    for name, value in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
+        check_optional(
+            check_type,
+            fn,
+            name,
+            value,
+            types=bool,
+            expected="True, False or None (let cudakit choose)",
+        )
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(
+            f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
+            "batches in the main process."
+        )
     dev = resolve_device(device)
     chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
     if num_workers is not None:
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-            raise TypeError(
-                f"loader_kwargs(num_workers=...) expects an int, got "
-                f"{type(num_workers).__name__} {num_workers!r}; leave it out to let cudakit "
-                "choose, or pass 0 to load in the main process."
-            )
-        if num_workers < 0:
-            raise ValueError(
-                f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
-                "batches in the main process."
-            )
         chosen["num_workers"] = num_workers
         chosen["persistent_workers"] = num_workers > 0
-    for name, value in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(
-                f"loader_kwargs({name}=...) expects True, False or None (let cudakit "
-                f"choose), got {type(value).__name__} {value!r}."
-            )
     if pin_memory is not None:
         if pin_memory and dev.type != "cuda":
             raise ValueError(

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 from typing_extensions import ParamSpec
 
+from .._check import check_optional, check_type
 from .._tree import Ctx, finish, move_root, traverse
 from . import handlers as _handlers  # noqa: F401  (registers the module and optimizer handlers)
 from .resolve import DeviceLike, resolve_cached, resolve_device
@@ -27,12 +28,15 @@ T3 = TypeVar("T3")
 
 
 def _check_non_blocking(non_blocking: object) -> None:
-    if non_blocking is not None and not isinstance(non_blocking, bool):
-        raise TypeError(
-            "on_device(non_blocking=...) expects None (async host-to-device copies, "
-            f"synchronous to the CPU), True or False, got {type(non_blocking).__name__} "
-            f"{non_blocking!r}."
-        )
+    check_optional(
+        check_type,
+        "on_device",
+        "non_blocking",
+        non_blocking,
+        types=bool,
+        expected="None (async host-to-device copies, synchronous to the CPU), True or False",
+        fix="Leave it out unless you need to force the copy mode.",
+    )
 
 
 class OnDeviceDecorator:

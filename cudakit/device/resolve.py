@@ -87,7 +87,8 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
         A ``torch.device``; CUDA devices always carry an index.
 
     Raises:
-        DeviceError: the device does not exist here, or the spec is misspelt.
+        DeviceError: the device does not exist here, or the spec is misspelt; also a
+            device type this torch build or machine cannot use (``"xla"``, ``"xpu"``).
         TypeError: the spec is not a string, int, ``torch.device`` or ``None``.
 
     .. versionadded:: 0.1
@@ -128,7 +129,32 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
             f"device={spec!r} asks for Apple MPS, which is not available on this machine. "
             'Use device="auto" or "cpu".'
         )
+    if dev.type not in ("cpu", "meta", "mps") and not _backend_available(dev.type):
+        # torch.device accepts every type torch knows the name of ("xla", "xpu", "hpu");
+        # without this check the move fails later, deep inside torch.
+        extra = (
+            " XLA devices come with the torch_xla package, through its own device API."
+            if dev.type == "xla"
+            else ""
+        )
+        raise DeviceError(
+            f"device={spec!r} asks for a {dev.type!r} device, but this torch build "
+            f"(torch {torch.__version__}) or machine has none available.{extra} "
+            'Use device="auto" to pick the best available device, or "cpu".'
+        )
     return dev
+
+
+def _backend_available(device_type: str) -> bool:
+    """Whether ``torch.<device_type>.is_available()`` says yes (xpu, hpu, npu, ...)."""
+    backend = getattr(torch, device_type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available):
+        return False
+    try:
+        return bool(is_available())
+    except Exception:  # a broken backend is not an available one
+        return False
 
 
 _RESOLVED: dict[tuple[type, object], torch.device] = {}
