@@ -1,15 +1,17 @@
 """Hypothesis strategies for nested training-loop data, reusable across cudakit's tests.
 
 ``nested()`` draws arbitrarily nested containers (dict, OrderedDict, defaultdict,
-list, tuple, namedtuple, dataclasses, frozen dataclasses, sets) of tensors and plain
-leaves, with ``st.recursive``. ``nested_with_pool()`` draws the tensors from a small
+list, tuple, deque, namedtuple, dataclasses with an ``init=False`` field, frozen
+dataclasses, sets) of tensors and plain leaves, with ``st.recursive``; with
+``movable=True`` also objects with their own ``.to()`` (:class:`Movable`). The same
+strategy serves on_device and prefetch. ``nested_with_pool()`` draws the tensors from a small
 pool so that the same tensor object appears in several places (aliasing).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 
 __all__ = [
     "Frozen",
+    "Movable",
     "Pair",
     "Record",
     "nested",
@@ -51,6 +54,19 @@ class Frozen:
     value: Any
 
 
+class Movable:
+    """An object with its own ``.to()`` (as TensorDict or a custom batch type)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to(self, device: Any, non_blocking: bool = False) -> Movable:
+        return Movable(self.value.to(device, non_blocking=non_blocking))
+
+    def __repr__(self) -> str:
+        return f"Movable({self.value!r})"
+
+
 def tensors(device: str | torch.device = "cpu") -> st.SearchStrategy[torch.Tensor]:
     """Small tensors of several dtypes and shapes (including 0-d and empty)."""
     shapes = st.lists(st.integers(0, 2), min_size=0, max_size=2).map(tuple)
@@ -81,6 +97,7 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
+        st.lists(children, max_size=3).map(deque),
         st.dictionaries(keys, children, max_size=4),
         st.dictionaries(keys, children, max_size=4).map(OrderedDict),
         st.dictionaries(keys, children, max_size=4).map(lambda d: defaultdict(list, d)),
@@ -100,11 +117,19 @@ def _hashable(x: object) -> bool:
 
 
 def nested(
-    leaves: st.SearchStrategy[Any] | None = None, *, max_leaves: int = 12
+    leaves: st.SearchStrategy[Any] | None = None,
+    *,
+    max_leaves: int = 12,
+    movable: bool = False,
 ) -> st.SearchStrategy[Any]:
-    """Nested containers over ``leaves`` (default: tensors and plain leaves)."""
+    """Nested containers over ``leaves`` (default: tensors and plain leaves).
+
+    ``movable=True`` adds objects with their own ``.to()`` to the leaves.
+    """
     if leaves is None:
         leaves = st.one_of(tensors(), plain_leaves())
+    if movable:
+        leaves = st.one_of(leaves, st.builds(Movable, tensors()))
     return st.recursive(leaves, _containers, max_leaves=max_leaves)
 
 

@@ -72,7 +72,7 @@ def assert_same(a: Any, b: Any) -> None:
         assert list(a) == list(b)
         for k in a:
             assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
+    elif isinstance(a, (list, tuple, collections.deque)):
         assert len(a) == len(b)
         for u, v in zip(a, b, strict=True):
             assert_same(u, v)
@@ -555,7 +555,7 @@ def assert_same_shape(a: Any, b: Any) -> None:
         assert list(a) == list(b)
         for k in a:
             assert_same_shape(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
+    elif isinstance(a, (list, tuple, collections.deque)):
         assert len(a) == len(b)
         for u, v in zip(a, b, strict=True):
             assert_same_shape(u, v)

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import inspect
 import types
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -40,7 +40,7 @@ def walk_pairs(orig: Any, moved: Any, out: list[tuple[Any, Any]]) -> None:
         assert list(orig.keys()) == list(moved.keys())
         for k in orig:
             walk_pairs(orig[k], moved[k], out)
-    elif isinstance(orig, (list, tuple)):
+    elif isinstance(orig, (list, tuple, deque)):
         assert len(orig) == len(moved)
         for a, b in zip(orig, moved, strict=True):
             walk_pairs(a, b, out)
@@ -96,7 +96,7 @@ def _tensors_in(x: Any) -> list[torch.Tensor]:
         x = list(x.values())
     elif dataclasses.is_dataclass(x):
         x = [getattr(x, f.name) for f in dataclasses.fields(x)]
-    elif not isinstance(x, (list, tuple, set, frozenset)):
+    elif not isinstance(x, (list, tuple, set, frozenset, deque)):
         return []
     return [t for v in x for t in _tensors_in(v)]
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import Movable, nested
 
 from cudakit.device import on_device
 from cudakit.exceptions import TensorsLeftBehindWarning
@@ -370,3 +372,58 @@ def test_a_failing_flatten_names_the_object_and_the_path() -> None:
         r"raised KeyError: 'nope'\. flatten\(obj\) must return a dict",
     ):
         on_device(batch, device="meta")
+
+
+# -- one strategy for on_device and prefetch: the same structure for the same batch ------
+
+
+def same_structure(a: Any, b: Any) -> None:
+    """Same container types and plain leaves; tensors by device, dtype and shape."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.device, a.dtype, a.shape) == (b.device, b.dtype, b.shape)
+    elif isinstance(a, Movable):
+        same_structure(a.value, b.value)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        if isinstance(a, collections.defaultdict):
+            assert a.default_factory is b.default_factory
+        for k in a:
+            same_structure(a[k], b[k])
+    elif isinstance(a, (list, tuple, deque)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b, strict=True):
+            same_structure(u, v)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            same_structure(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, (set, frozenset)):
+        assert len(a) == len(b)
+    else:
+        assert a is b
+
+
+@given(nested(max_leaves=8, movable=True))
+def test_on_device_and_prefetch_give_the_same_structure(batch: Any) -> None:
+    from cudakit._tree import Staging, move_root
+    from cudakit.data import prefetch
+
+    expected = on_device(batch, device="meta")
+    # prefetch on a non-CUDA device: the plain moving iterator.
+    (moving,) = list(prefetch([batch], device="meta"))
+    same_structure(moving, expected)
+    # prefetch on CUDA: the staged walk (pin, copy, list), aimed at "meta" here.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
+        mp.setattr(torch.Tensor, "is_pinned", lambda self, device=None: False)
+        staging = Staging(pin=True)
+        staged = move_root(batch, META, True, "batch", staging)
+    same_structure(staged, expected)
+    assert all(t.device == META for t in staging.created)
+
+
+@given(nested(max_leaves=8))
+def test_moving_never_changes_the_callers_batch(batch: Any) -> None:
+    before = repr(batch)
+    on_device(batch, device="meta")
+    assert repr(batch) == before
