@@ -160,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {scen} | {case} | {name} | {med * 1e6:,.1f} µs | {ratio:.2f}x |")
     cudakit_worst = max(r[4] for r in rows if r[2] == "cudakit")
     print()
-    print(f"cudakit worst ratio: {cudakit_worst:.2f}x (goal: <= 1.20x)")
+    print(f"cudakit worst ratio: {cudakit_worst:.2f}x (goal: <= 1.10x)")
+    times = {(scen, case, name): med for scen, case, name, med, _ in rows}
+    for peer in [name for name in impls if name not in ("hand-written", "cudakit")]:
+        behind = [
+            f"{scen} {case} ({times[scen, case, 'cudakit'] / times[scen, case, peer]:.2f}x)"
+            for scen, case, name in times
+            if name == peer and times[scen, case, "cudakit"] >= times[scen, case, peer]
+        ]
+        verdict = "ahead on every case" if not behind else "behind on " + ", ".join(behind)
+        print(f"cudakit vs {peer}: {verdict}")
     return 0
 
 

@@ -255,6 +255,10 @@ def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
     return new
 
 
+class _NoType:
+    """A type no value has: turns the inline tensor path of _dict and _seq off."""
+
+
 def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     # The hot path: plain dicts and lists of plain tensors are handled inline, with a
     # single dict lookup on the exact type for everything else (no isinstance chains).
@@ -270,12 +274,13 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     changed = False
     get = _DISPATCH.get
     dev, nb, track = c.device, c.nb, c.track
-    inline = c.staging is None
+    # While staging (prefetch) every tensor goes through _tensor, which pins and lists it.
+    inline = _Tensor if c.staging is None else _NoType
     stay = True
     try:
         for k, v in x.items():
             tp = type(v)
-            if tp is _Tensor and inline:
+            if tp is inline:
                 if stay and v.device == dev:  # adaptive, as in _seq
                     out[k] = v
                     continue
@@ -313,13 +318,14 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
     get = _DISPATCH.get
     memo = c.memo
     dev, nb, track = c.device, c.nb, c.track
-    inline = c.staging is None
+    # While staging (prefetch) every tensor goes through _tensor, which pins and lists it.
+    inline = _Tensor if c.staging is None else _NoType
     stay = True
     changed = False
     try:
         for v in x:
             tp = type(v)
-            if tp is _Tensor and inline:
+            if tp is inline:
                 # Adaptive: while tensors are found already in place, a cheap device
                 # check skips Tensor.to; once they move, go straight to Tensor.to
                 # (which returns the tensor itself when it is already there).
@@ -898,8 +904,8 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
         raise bad.exc_type(bad.render(root)) from bad.cause
 
 
-def _already_there(x: Any, device: torch.device) -> bool:
-    """Whether ``x`` is a tensor, or a flat dict/list/tuple of tensors, all on ``device``.
+def _all_on_cpu(x: Any) -> bool:
+    """Whether ``x`` is a tensor, or a flat dict/list/tuple of tensors, all on the CPU.
 
     The commonest batch that needs nothing (a CPU loop), answered before any walk.
     """
@@ -910,16 +916,11 @@ def _already_there(x: Any, device: torch.device) -> bool:
     elif tp is dict:
         values = x.values()
     elif tp is _Tensor:
-        values = (x,)
+        return bool(x.is_cpu)
     else:
         return False
-    if device.type == "cpu":
-        for v in values:  # noqa: SIM110 (a plain loop beats all(genexpr) here)
-            if type(v) is not _Tensor or not v.is_cpu:
-                return False
-        return True
-    for v in values:  # noqa: SIM110
-        if type(v) is not _Tensor or v.device != device:
+    for v in values:  # noqa: SIM110 (a plain loop beats all(genexpr) here)
+        if type(v) is not _Tensor or not v.is_cpu:
             return False
     return True
 
@@ -932,7 +933,7 @@ def move_root(
     staging: Staging | None = None,
 ) -> Any:
     """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
-    if staging is None and _already_there(x, device):
+    if staging is None and device.type == "cpu" and _all_on_cpu(x):
         return x
     c = Ctx(device, non_blocking, staging)
     out = traverse(x, c, root)
