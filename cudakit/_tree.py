@@ -1,10 +1,22 @@
 """The one walker over user data: shape-preserving moves of nested containers.
 
-:func:`move` walks tensors, containers (dict, list, tuple, namedtuple, set,
-dataclass, mappings) and objects with ``.to()``, with one dispatch table keyed by
-exact type, a memo that keeps aliasing (a tensor found twice is moved once) and
-guards against cycles, and errors that name the path (``obj['a'][1]``).
-Handlers for other types (modules, optimizers) are added with :func:`add_special`.
+:func:`move_root` walks tensors, containers (dict, list, tuple, namedtuple, deque,
+set, dataclass, mappings), objects with ``.to()`` (on a shallow copy) and types
+registered with :func:`register`, with
+
+* one dispatch table (``_DISPATCH``), keyed by exact type and filled lazily by
+  ``_handler_for``, and one table of leaves (:data:`LEAVES`);
+* a memo that keeps aliasing (a tensor found twice is moved once) and guards
+  against cycles;
+* errors that name the path (``obj['a'][1]``);
+* a fast path: plain tensors inside plain dicts and lists are handled inline, and
+  a flat batch already on the CPU is answered before any walk (:func:`all_on_cpu`).
+
+An unknown object holding tensors is left alone with a
+:class:`~cudakit.exceptions.TensorsLeftBehindWarning`, once per type. prefetch uses
+the same walk with a :class:`Staging`: it pins, copies and lists the tensors it made.
+Handlers for torch objects moved in place (modules, optimizers) are added by
+``cudakit.device.handlers`` through :func:`add_special`.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import torch
 from .exceptions import TensorsLeftBehindWarning
 
 __all__ = [
+    "LEAVES",
     "Bad",
     "Ctx",
     "Flatten",
@@ -34,6 +47,7 @@ __all__ = [
     "Staging",
     "Unflatten",
     "add_special",
+    "all_on_cpu",
     "device_tensors_in",
     "finish",
     "located",
@@ -697,7 +711,7 @@ def _holds_tensor(x: object, depth: int) -> bool:
     """Whether a tensor is reachable from ``x`` within ``depth`` levels (a cheap probe)."""
     if isinstance(x, _Tensor):
         return True
-    if depth == 0 or isinstance(x, _LEAF_TYPES):
+    if depth == 0 or isinstance(x, LEAVES):
         return False
     if isinstance(x, Mapping):
         values: Iterable[Any] = x.values()
@@ -773,6 +787,8 @@ def _handler_for(tp: type) -> Handler:
         registered = _REGISTERED.get(base)
         if registered is not None:
             return registered
+    if issubclass(tp, LEAVES):
+        return _leaf
     if issubclass(tp, DataLoader):
         return _reject_loader
     if issubclass(tp, (types.GeneratorType, types.AsyncGeneratorType)) or (
@@ -797,9 +813,7 @@ def _handler_for(tp: type) -> Handler:
         return _deque
     if dataclasses.is_dataclass(tp):
         return _dataclass
-    if issubclass(tp, _LEAF_TYPES) or not _has_attributes(tp):
-        return _leaf
-    return _unknown
+    return _unknown if _has_attributes(tp) else _leaf
 
 
 def _has_attributes(tp: type) -> bool:
@@ -831,6 +845,35 @@ def _slow(x: Any, c: Ctx) -> Any:
     return h(x, c)
 
 
+#: The one table of leaves: values that hold no tensor and come back as themselves
+#: (subclasses too: an IntEnum, a metaclass). A class, a function or a module is never
+#: a container, even though it has attributes.
+LEAVES: tuple[type, ...] = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    range,
+    slice,
+    type(Ellipsis),
+    enum.Enum,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.layout,
+    torch.memory_format,
+)
+
 _DISPATCH: dict[type, Handler] = {
     torch.Tensor: _tensor,
     torch.nn.Parameter: _param,
@@ -842,47 +885,11 @@ _DISPATCH: dict[type, Handler] = {
     OrderedDict: _dict_subclass,
     defaultdict: _dict_subclass,
     collections.deque: _deque,
-    **dict.fromkeys(
-        (
-            type(None),
-            bool,
-            int,
-            float,
-            complex,
-            str,
-            bytes,
-            bytearray,
-            range,
-            slice,
-            type(Ellipsis),
-            torch.dtype,
-            torch.device,
-            torch.Size,
-            torch.layout,
-            torch.memory_format,
-        ),
-        _leaf,
-    ),
+    **dict.fromkeys(LEAVES, _leaf),
 }
 
 
 _SEED = frozenset(_DISPATCH)
-
-# Never containers: no warning when they carry attributes (an Enum member, a function).
-_LEAF_TYPES = (
-    str,
-    bytes,
-    bytearray,
-    type,
-    enum.Enum,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-    functools.partial,
-    torch.dtype,
-    torch.device,
-)
 
 
 def finish(c: Ctx) -> None:
@@ -904,7 +911,7 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
         raise bad.exc_type(bad.render(root)) from bad.cause
 
 
-def _all_on_cpu(x: Any) -> bool:
+def all_on_cpu(x: Any) -> bool:
     """Whether ``x`` is a tensor, or a flat dict/list/tuple of tensors, all on the CPU.
 
     The commonest batch that needs nothing (a CPU loop), answered before any walk.
@@ -933,32 +940,12 @@ def move_root(
     staging: Staging | None = None,
 ) -> Any:
     """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
-    if staging is None and device.type == "cpu" and _all_on_cpu(x):
+    if staging is None and device.type == "cpu" and all_on_cpu(x):
         return x
     c = Ctx(device, non_blocking, staging)
     out = traverse(x, c, root)
     finish(c)
     return out
-
-
-# Leaves that can hold no tensor, inside an object moved by its own .to().
-_PLAIN_LEAVES = (
-    str,
-    bytes,
-    bytearray,
-    int,
-    float,
-    complex,
-    type(None),
-    range,
-    slice,
-    enum.Enum,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    type,
-)
 
 
 def device_tensors_in(obj: Any, out: list[torch.Tensor], seen: set[int] | None = None) -> bool:
@@ -975,7 +962,9 @@ def device_tensors_in(obj: Any, out: list[torch.Tensor], seen: set[int] | None =
         if obj.is_cuda:
             out.append(obj)
         return True
-    if isinstance(obj, _PLAIN_LEAVES) or id(obj) in seen:
+    if callable(obj) and not isinstance(obj, type):
+        return False  # a function's closure (or a callable object) may hide tensors
+    if isinstance(obj, LEAVES) or id(obj) in seen:
         return True
     seen.add(id(obj))
     values: Iterable[Any]
@@ -983,8 +972,8 @@ def device_tensors_in(obj: Any, out: list[torch.Tensor], seen: set[int] | None =
         values = obj.values()
     elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         values = obj
-    elif callable(obj) or not _has_attributes(type(obj)):
-        return False  # a function's closure, a C object: not searchable
+    elif not _has_attributes(type(obj)):
+        return False  # a C object: not searchable
     else:
         values = _attributes(obj).values()
     complete = True

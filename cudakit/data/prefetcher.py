@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from .._tree import Staging, device_tensors_in, move_root
+from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
 
 __all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
@@ -47,12 +47,13 @@ def _close_owned(source: Iterator[Any] | None, owned: bool) -> None:
 class _MovingIterator(Iterator[T]):
     """CPU and other devices: move each batch as it is asked for; nothing in flight."""
 
-    __slots__ = ("_device", "_owns", "_source")
+    __slots__ = ("_device", "_owns", "_source", "_to_cpu")
 
     def __init__(self, source: Iterator[T], device: torch.device, owns: bool) -> None:
         self._source: Iterator[T] | None = source
         self._device = device
         self._owns = owns
+        self._to_cpu = device.type == "cpu"
 
     def __iter__(self) -> _MovingIterator[T]:
         return self
@@ -62,7 +63,10 @@ class _MovingIterator(Iterator[T]):
         if source is None:
             raise StopIteration
         try:
-            return move_root(next(source), self._device, None, "batch")  # type: ignore[no-any-return]
+            batch = next(source)
+            if self._to_cpu and all_on_cpu(batch):  # a CPU loop's batch: nothing to do
+                return batch
+            return move_root(batch, self._device, None, "batch")  # type: ignore[no-any-return]
         except BaseException:
             # StopIteration included: the epoch is over, let go of the source.
             self.close()
