@@ -113,7 +113,9 @@ def test_on_device_refuses_unusable_devices_and_changes_nothing(spec: str) -> No
     model = torch.nn.Linear(2, 2)
     weight = model.weight
     batch = {"x": t, "m": model}
-    with pytest.raises(DeviceError, match=rf"device='{spec}' asks for a '{spec}' device"):
+    with pytest.raises(
+        DeviceError, match=rf"^on_device\(\): device='{spec}' asks for a '{spec}' device"
+    ):
         on_device(batch, device=spec)
     assert batch == {"x": t, "m": model}
     assert t.device.type == "cpu"
@@ -137,10 +139,10 @@ def test_on_device_decorator_refuses_unusable_devices_at_call_time(spec: str) ->
 def test_loader_kwargs_and_prefetch_refuse_unusable_devices(spec: str) -> None:
     from cudakit.data import loader_kwargs, prefetch
 
-    with pytest.raises(DeviceError, match=rf"asks for a '{spec}' device"):
+    with pytest.raises(DeviceError, match=rf"^loader_kwargs\(\): device='{spec}' asks for a"):
         loader_kwargs(spec)
     source = [torch.ones(1)]
-    with pytest.raises(DeviceError, match=rf"asks for a '{spec}' device"):
+    with pytest.raises(DeviceError, match=rf"^prefetch\(\): device='{spec}' asks for a"):
         prefetch(source, device=spec)
     assert source[0].device.type == "cpu"
 
@@ -191,3 +193,22 @@ def test_prefetch_set_epoch_wrong_kind_is_a_type_error(epoch: object) -> None:
 
     with pytest.raises(TypeError, match=r"set_epoch\(\) expects the epoch number as an int"):
         prefetch([torch.ones(1)], device="cpu").set_epoch(epoch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("func", ["on_device", "prefetch", "loader_kwargs", "decorator"])
+def test_a_wrong_kind_of_device_names_the_function(func: str) -> None:
+    from cudakit import loader_kwargs, on_device, prefetch
+
+    calls = {
+        "on_device": lambda: on_device(torch.ones(1), device=1.5),
+        "prefetch": lambda: prefetch([torch.ones(1)], device=1.5),
+        "loader_kwargs": lambda: loader_kwargs(1.5),
+        "decorator": lambda: on_device(device=1.5),
+    }
+    name = "on_device" if func == "decorator" else func
+    with pytest.raises(
+        TypeError,
+        match=rf"^{name}\(\): device must be a torch.device, a string such as 'cuda:0', an int "
+        r"CUDA index or None, got float 1.5\. Pass device='auto' to let cudakit choose\.",
+    ):
+        calls[func]()

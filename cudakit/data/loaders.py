@@ -7,6 +7,8 @@ from typing import TypedDict
 
 from .._check import check_int, check_optional, check_type
 from ..device import DeviceLike, resolve_device
+from ..device.resolve import named
+from ..exceptions import DeviceError
 
 __all__ = ["MAX_AUTO_WORKERS", "LoaderKwargs", "loader_kwargs"]
 
@@ -127,7 +129,10 @@ def loader_kwargs(
             f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
             "batches in the main process."
         )
-    dev = resolve_device(device)
+    try:
+        dev = resolve_device(device)
+    except (DeviceError, TypeError) as err:
+        raise named("loader_kwargs", err) from None
     chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
     if num_workers is not None:
         chosen["num_workers"] = num_workers

@@ -22,6 +22,8 @@ import torch
 
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
+from ..device.resolve import named
+from ..exceptions import DeviceError
 
 __all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
 
@@ -416,7 +418,10 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
             f"depth={depth}. Use depth=1 for the least device memory, or plain "
             "on_device(batch) inside the loop for no look-ahead at all."
         )
-    dev = resolve_device(device)
+    try:
+        dev = resolve_device(device)
+    except (DeviceError, TypeError) as err:
+        raise named("prefetch", err) from None
     if hasattr(loader, "__len__"):
         return SizedPrefetcher(loader, dev, depth)
     return Prefetcher(loader, dev, depth)

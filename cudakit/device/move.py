@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec
 from .._check import check_optional, check_type
 from .._tree import Ctx, finish, move_root, traverse
 from . import handlers as _handlers  # noqa: F401  (registers the module and optimizer handlers)
-from .resolve import DeviceLike, resolve_cached, resolve_device
+from .resolve import DeviceLike, resolve_cached, resolve_for
 
 __all__ = ["OnDeviceDecorator", "on_device"]
 
@@ -80,12 +80,12 @@ class OnDeviceDecorator:
             try:
                 torch.device(device)
             except (RuntimeError, ValueError):
-                resolve_device(device)  # raises DeviceError with a suggestion
+                resolve_for("on_device", device)  # raises DeviceError with a suggestion
                 raise  # pragma: no cover - resolve_device always raises here
         elif isinstance(device, bool) or not isinstance(device, (int, torch.device, type(None))):
-            resolve_device(device)  # raises TypeError naming the accepted types
+            resolve_for("on_device", device)  # raises TypeError naming the accepted types
         elif isinstance(device, int) and device < 0:
-            resolve_device(device)  # raises DeviceError: a negative index is never valid
+            resolve_for("on_device", device)  # raises DeviceError: a negative index is never valid
         self.device = device
         self.non_blocking = non_blocking
 

@@ -10,7 +10,7 @@ import torch
 from .._accel import current_cuda_index
 from ..exceptions import DeviceError
 
-__all__ = ["DeviceLike", "resolve_cached", "resolve_device"]
+__all__ = ["DeviceLike", "named", "resolve_cached", "resolve_device", "resolve_for"]
 
 #: Everything cudakit accepts wherever it takes ``device=``.
 DeviceLike = torch.device | str | int | None
@@ -157,6 +157,19 @@ def _backend_available(device_type: str) -> bool:
         return False
 
 
+def named(func: str, err: Exception) -> Exception:
+    """``err``, raised by :func:`resolve_device`, again with the public function named."""
+    return type(err)(f"{func}(): {err}")
+
+
+def resolve_for(func: str, spec: DeviceLike) -> torch.device:
+    """:func:`resolve_device` for the public function ``func``, which its errors name."""
+    try:
+        return resolve_device(spec)
+    except (DeviceError, TypeError) as err:
+        raise named(func, err) from None
+
+
 _RESOLVED: dict[tuple[type, object], torch.device] = {}
 
 
@@ -172,7 +185,7 @@ def resolve_cached(spec: DeviceLike) -> torch.device:
         return _RESOLVED[key]
     except (KeyError, TypeError):
         pass
-    dev = resolve_device(spec)
+    dev = resolve_for("on_device", spec)
     stable = spec is not None and spec != "auto"
     if dev.type == "cuda":
         stable = stable and (
