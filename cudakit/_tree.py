@@ -27,6 +27,7 @@ import dataclasses
 import enum
 import functools
 import io
+import itertools
 import operator
 import types
 import warnings
@@ -50,6 +51,7 @@ __all__ = [
     "all_on_cpu",
     "device_tensors_in",
     "finish",
+    "forget_warnings",
     "located",
     "move",
     "move_root",
@@ -708,7 +710,11 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
 
 
 def _holds_tensor(x: object, depth: int) -> bool:
-    """Whether a tensor is reachable from ``x`` within ``depth`` levels (a cheap probe)."""
+    """Whether a tensor is reachable from ``x`` within ``depth`` levels.
+
+    A cheap probe, bounded to the first ``_PROBE_WIDTH`` values at each level, so an
+    unknown object that holds a large structure (a logger's registry) costs little.
+    """
     if isinstance(x, _Tensor):
         return True
     if depth == 0 or isinstance(x, LEAVES):
@@ -719,10 +725,19 @@ def _holds_tensor(x: object, depth: int) -> bool:
         values = x
     else:
         values = _attributes(x).values()
-    return any(_holds_tensor(v, depth - 1) for v in values)
+    return any(_holds_tensor(v, depth - 1) for v in itertools.islice(values, _PROBE_WIDTH))
+
+
+_PROBE_WIDTH = 16
 
 
 _WARNED: set[type] = set()
+
+
+def forget_warnings() -> None:
+    """Warn again for every type (tests: each starts as a fresh process would)."""
+    _WARNED.clear()
+    _forget_cached_handlers()
 
 
 def _unknown(x: Any, c: Ctx) -> Any:

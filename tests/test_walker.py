@@ -23,6 +23,14 @@ META = torch.device("meta")
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> None:
+    """TensorsLeftBehindWarning is shown once per type and process: start afresh."""
+    from cudakit._tree import forget_warnings
+
+    forget_warnings()
+
+
 # -- 1. deque ------------------------------------------------------------------------
 
 
@@ -427,3 +435,13 @@ def test_moving_never_changes_the_callers_batch(batch: Any) -> None:
     before = repr(batch)
     on_device(batch, device="meta")
     assert repr(batch) == before
+
+
+def test_tensors_nested_inside_a_plain_object_are_noticed() -> None:
+    class Parts:
+        def __init__(self) -> None:
+            self.parts = {"a": [torch.ones(1)]}
+            self.name = "p"
+
+    with pytest.warns(TensorsLeftBehindWarning, match=r"register_container\(Parts\)"):
+        on_device(Parts(), device="meta")
