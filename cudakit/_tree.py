@@ -69,7 +69,7 @@ _SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
 class Ctx:
     """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
 
-    __slots__ = ("device", "keep", "memo", "nb", "pending", "staging", "sync", "track")
+    __slots__ = ("device", "hot", "keep", "memo", "nb", "pending", "staging", "sync", "track")
 
     def __init__(
         self, device: torch.device, non_blocking: bool | None, staging: Staging | None = None
@@ -93,6 +93,10 @@ class Ctx:
         # A forced non_blocking copy to the CPU must be waited for before we return.
         self.track = nb and kind[1]
         self.sync: set[torch.device] = set()
+        # What _dict and _seq read once per container, in one attribute load. While
+        # staging (prefetch) no type matches the inline tensor path: every tensor goes
+        # through _tensor, which pins and lists it.
+        self.hot = (self.memo, device, nb, self.track, _Tensor if staging is None else _NoType)
 
 
 class Staging:
@@ -279,7 +283,7 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     # The hot path: plain dicts and lists of plain tensors are handled inline, with a
     # single dict lookup on the exact type for everything else (no isinstance chains).
     i = id(x)
-    memo = c.memo
+    memo, dev, nb, track, inline = c.hot
     hit = memo.get(i)
     if hit is not None:
         if hit is _BUSY:
@@ -288,10 +292,7 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     memo[i] = _BUSY
     out = {}
     changed = False
-    get = _DISPATCH.get
-    dev, nb, track = c.device, c.nb, c.track
-    # While staging (prefetch) every tensor goes through _tensor, which pins and lists it.
-    inline = _Tensor if c.staging is None else _NoType
+    get = _get
     stay = True
     try:
         for k, v in x.items():
@@ -331,11 +332,8 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
     """Move the items of a list, tuple or deque; None when no item changed."""
     out: list[Any] = []
     append = out.append
-    get = _DISPATCH.get
-    memo = c.memo
-    dev, nb, track = c.device, c.nb, c.track
-    # While staging (prefetch) every tensor goes through _tensor, which pins and lists it.
-    inline = _Tensor if c.staging is None else _NoType
+    get = _get
+    memo, dev, nb, track, inline = c.hot
     stay = True
     changed = False
     try:
@@ -905,6 +903,7 @@ _DISPATCH: dict[type, Handler] = {
 
 
 _SEED = frozenset(_DISPATCH)
+_get = _DISPATCH.get  # the dict is only ever changed in place
 
 
 def finish(c: Ctx) -> None:
