@@ -29,6 +29,7 @@ import functools
 import io
 import itertools
 import operator
+import sys
 import types
 import warnings
 from collections import OrderedDict, defaultdict
@@ -275,6 +276,26 @@ def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
     return new
 
 
+def _sole_references() -> tuple[int, int]:
+    """``sys.getrefcount`` of a value held by nothing but the container being walked.
+
+    Measured with the very loops of _seq and _dict, so it holds on any Python. The
+    inline paths memoise a moved tensor only when it has more references than that:
+    a tensor found a second time in the input is held by at least two container
+    slots, so it always had more, and one held once (the common case) costs no memo
+    write. Lookups still run for every tensor.
+    """
+    seq = dct = 0
+    for v in [object()]:
+        seq = sys.getrefcount(v)
+    for _k, v in {0: object()}.items():
+        dct = sys.getrefcount(v)
+    return seq, dct
+
+
+_SOLE_IN_SEQ, _SOLE_IN_DICT = _sole_references()
+
+
 class _NoType:
     """A type no value has: turns the inline tensor path of _dict and _seq off."""
 
@@ -293,6 +314,7 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
     out = {}
     changed = False
     get = _get
+    refs = sys.getrefcount
     stay = True
     try:
         for k, v in x.items():
@@ -310,7 +332,8 @@ def _dict(x: dict[Any, Any], c: Ctx) -> Any:
                         out[k] = v
                         continue
                     stay = False
-                    memo[iv] = nv
+                    if refs(v) > _SOLE_IN_DICT:  # may appear again: remember the copy
+                        memo[iv] = nv
                     if track:
                         c.sync.add(v.device)
             else:
@@ -334,6 +357,7 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
     append = out.append
     get = _get
     memo, dev, nb, track, inline = c.hot
+    refs = sys.getrefcount
     stay = True
     changed = False
     try:
@@ -355,7 +379,8 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
                         append(v)
                         continue
                     stay = False
-                    memo[iv] = nv
+                    if refs(v) > _SOLE_IN_SEQ:  # may appear again: remember the copy
+                        memo[iv] = nv
                     if track:
                         c.sync.add(v.device)
                 append(nv)

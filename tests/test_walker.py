@@ -445,3 +445,26 @@ def test_tensors_nested_inside_a_plain_object_are_noticed() -> None:
 
     with pytest.warns(TensorsLeftBehindWarning, match=r"register_container\(Parts\)"):
         on_device(Parts(), device="meta")
+
+
+# -- aliasing when the input holds the only references ------------------------------------
+
+
+def test_aliasing_kept_for_tensors_held_only_by_the_input() -> None:
+    # The inline paths skip the memo for a tensor held once; one held twice must still
+    # be copied once, even when nothing outside the input refers to it.
+    lst = [torch.ones(1)] * 2
+    out = on_device(lst, device="meta")
+    assert out[0] is out[1]
+    d = dict.fromkeys("ab", torch.ones(1))
+    out_d = on_device(d, device="meta")
+    assert out_d["a"] is out_d["b"]
+    nested_pair = [[torch.ones(1)]]
+    nested_pair.append(list(nested_pair[0]))
+    out_n = on_device(nested_pair, device="meta")
+    assert out_n[0][0] is out_n[1][0]
+    mixed = {"x": torch.ones(1)}
+    both = [mixed, (mixed["x"],)]
+    del mixed
+    out_m = on_device(both, device="meta")
+    assert out_m[0]["x"] is out_m[1][0]
