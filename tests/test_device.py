@@ -212,3 +212,20 @@ def test_a_wrong_kind_of_device_names_the_function(func: str) -> None:
         r"CUDA index or None, got float 1.5\. Pass device='auto' to let cudakit choose\.",
     ):
         calls[func]()
+
+
+def test_prefetch_set_epoch_negative_is_a_value_error_and_changes_nothing() -> None:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from cudakit.data import prefetch
+
+    ds = TensorDataset(torch.arange(4))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0)
+    batches = prefetch(DataLoader(ds, sampler=sampler), device="cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"set_epoch\(\) expects the epoch number as an int >= 0, got -1; epochs count "
+        r"from 0",
+    ):
+        batches.set_epoch(-1)
+    assert sampler.epoch == 0

@@ -276,12 +276,18 @@ class Prefetcher(Generic[T]):
 
         Raises:
             TypeError: ``epoch`` is not an int.
+            ValueError: ``epoch`` is negative.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise TypeError(
                 f"set_epoch() expects the epoch number as an int, got {type(epoch).__name__} "
                 f"{epoch!r}; call it once per epoch: `for epoch in range(n): "
                 "batches.set_epoch(epoch); for batch in batches: ...`."
+            )
+        if epoch < 0:
+            raise ValueError(
+                f"set_epoch() expects the epoch number as an int >= 0, got {epoch}; epochs "
+                "count from 0: `for epoch in range(n): batches.set_epoch(epoch)`."
             )
         for target in _epoch_targets(self._loader):
             target(epoch)
