@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from typing_extensions import ParamSpec, Self
 
-from .exceptions import NonFiniteStepsError
+from ..exceptions import NonFiniteStepsError
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction", "autocast_step"]
 
