@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
+
+from .._check import describe
 
 __all__ = ["KEYS", "Restored", "validate"]
 
@@ -43,12 +45,16 @@ class Restored(NamedTuple):
     window_weight: torch.Tensor | None
 
 
-def _fail(field: str, expected: str, got: object, exc: type[Exception] = ValueError) -> None:
-    shown = repr(got)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
+def _fail(
+    field: str | tuple[str, object],
+    expected: str,
+    got: object,
+    exc: type[Exception] = ValueError,
+) -> NoReturn:
+    """Raise for ``state[field]`` (or ``state[field][key]`` for a ``(field, key)`` pair)."""
+    path = f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
     raise exc(
-        f"{_WHERE}: state[{field!r}] must be {expected}, got {type(got).__name__} {shown}. "
+        f"{_WHERE}: state{path} must be {expected}, got {describe(got)}. "
         "Pass the dict returned by AutocastStep.state_dict(), unchanged."
     )
 
@@ -65,7 +71,6 @@ def _count(state: Mapping[str, Any], field: str) -> int:
 def _scalar_tensor(value: object, field: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         _fail(field, "a one-element tensor", value, TypeError)
-    assert isinstance(value, torch.Tensor)
     if value.numel() != 1 or value.is_complex():
         _fail(field, "a one-element real tensor", value)
     return value
@@ -83,7 +88,6 @@ def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mappin
         return None
     if not isinstance(value, Mapping):
         _fail("scaler", "None or the dict from GradScaler.state_dict()", value, TypeError)
-    assert isinstance(value, Mapping)
     if not value:  # a disabled scaler's state dict is empty
         return value
     for key in _SCALER_KEYS:
@@ -93,9 +97,9 @@ def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mappin
         if isinstance(number, torch.Tensor) and number.numel() == 1:
             number = float(number)
         if isinstance(number, bool) or not isinstance(number, (int, float)):
-            _fail(f"scaler][{key!r}", "a number", value[key], TypeError)
+            _fail(("scaler", key), "a number", value[key], TypeError)
         if not math.isfinite(float(number)) or float(number) <= 0:
-            _fail(f"scaler][{key!r}", "a positive finite number", value[key])
+            _fail(("scaler", key), "a positive finite number", value[key])
     return value
 
 
@@ -154,14 +158,14 @@ def validate(
         if g is None:
             continue
         if not isinstance(g, torch.Tensor):
-            _fail(f"grads'][{i}", "a tensor or None", g, TypeError)
+            _fail(("grads", i), "a tensor or None", g, TypeError)
         if tuple(g.shape) != tuple(p.shape):
             raise ValueError(
                 f"load_state_dict(): a checkpointed gradient has shape {tuple(g.shape)} "
                 f"but its parameter has shape {tuple(p.shape)}; resume with the same model."
             )
         if not g.is_floating_point():
-            _fail(f"grads'][{i}", f"a floating-point tensor like its parameter ({p.dtype})", g)
+            _fail(("grads", i), f"a floating-point tensor like its parameter ({p.dtype})", g)
 
     raw_losses = state["window_losses"]
     if not isinstance(raw_losses, (list, tuple)):
