@@ -97,14 +97,18 @@ class NonFiniteGuard:
         overwritten with the combined verdict, so every rank's scaler backs off (or
         not) together and every optimizer of the step skips (or not) together.
         """
-        flags = [f for per_opt in scaler_found or () for f in per_opt.values()]
+        if not scaler_found:
+            if found is not None and self.world > 1:
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            return found
+        flags = [f for per_opt in scaler_found for f in per_opt.values()]
         for flag in flags:
             found = flag.clone() if found is None else found + flag.to(found.device)
         if found is None:
             return None
         if self.world > 1:
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        if flags and (self.world > 1 or len(flags) > 1):
+        if self.world > 1 or len(flags) > 1:
             for flag in flags:
                 flag.copy_(found.reshape(flag.shape).clamp(max=1).to(flag.device))
         return found

@@ -261,6 +261,7 @@ class AutocastStep:
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
         #: The (first) optimizer: the one optimizer of a single-optimizer step.
         self.optimizer: torch.optim.Optimizer = optimizers[0]
+        self._single = optimizers[0] if len(optimizers) == 1 else None
         #: The schedulers stepped after every real optimizer step, in order.
         self.schedulers: tuple[Any, ...] = schedulers
         #: The scheduler as given (one, a list, or None).
@@ -348,9 +349,15 @@ class AutocastStep:
         return params
 
     def _params(self) -> list[torch.Tensor]:
+        if self._single is not None:
+            return [p for g in self._single.param_groups for p in g["params"]]
         return self._collect_params(self.optimizers)
 
     def _grads(self) -> list[torch.Tensor]:
+        if self._single is not None:
+            return [
+                p.grad for g in self._single.param_groups for p in g["params"] if p.grad is not None
+            ]
         return [p.grad for p in self._params() if p.grad is not None]
 
     # ------------------------------------------------------------------ autocast
@@ -629,7 +636,11 @@ class AutocastStep:
             if scaler is not None:
                 for opt in self.optimizers:
                     scaler.unscale_(opt)
-            factor = self._factor(pending)
+            factor = (
+                self._factor(pending)
+                if pending is not None or self._window.weight is not None
+                else None
+            )
             if factor is not None:
                 grads = [local(g) for g in self._grads()]
                 if grads:
@@ -690,8 +701,11 @@ class AutocastStep:
         loop would clip to zero and step on.
         """
         guard = self._guard
-        checks = list(self._window.losses) if self.skip_nonfinite else []
         scaler_found: list[dict[torch.device, torch.Tensor]] | None = None
+        if scaler is None and grad_norm is None:  # the usual guard: losses and gradients
+            checks = self._window.losses + self._grads()
+        else:
+            checks = list(self._window.losses) if self.skip_nonfinite else []
         if scaler is not None:
             scaler_found = []
             states = getattr(scaler, "_per_optimizer_states", {})
@@ -706,8 +720,6 @@ class AutocastStep:
                 checks.append(factor)
         elif grad_norm is not None:
             checks.append(grad_norm)
-        else:
-            checks.extend(self._grads())
         clean = False
         try:
             verdict = guard.combine(guard.check(checks), scaler_found)
