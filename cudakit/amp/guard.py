@@ -11,11 +11,14 @@ rank skip.
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import torch
 
 from .._dist import group_world_size
 
-__all__ = ["NonFiniteGuard", "local"]
+__all__ = ["NonFiniteGuard", "VerdictMailbox", "local"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -53,14 +56,17 @@ class NonFiniteGuard:
             flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
         return flag
 
+    def primary(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (flag, one) pair of the step's main device, made once."""
+        if self._primary is None:
+            self._primary = (self._flag(device), self._one(device))
+        return self._primary
+
     def check(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """A 1-element float tensor, > 0 iff a tensor holds an inf/NaN; None for no tensors."""
         if not tensors:
             return None
-        primary = self._primary
-        if primary is None:
-            device = local(tensors[0]).device
-            primary = self._primary = (self._flag(device), self._one(device))
+        primary = self._primary or self.primary(local(tensors[0]).device)
         try:  # fast path: one device, dense plain tensors (mixed dtypes are fine)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, *primary)
             return primary[0]
@@ -108,7 +114,58 @@ class NonFiniteGuard:
             return None
         if self.world > 1:
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        if self.world > 1 or len(flags) > 1:
-            for flag in flags:
-                flag.copy_(found.reshape(flag.shape).clamp(max=1).to(flag.device))
+        # The scaler then steps (or not) on the whole verdict: losses, optimizers, ranks.
+        for flag in flags:
+            flag.copy_(found.reshape(flag.shape).clamp(max=1).to(flag.device))
         return found
+
+
+class VerdictMailbox:
+    """Verdict tensors posted by sync-free steps, read back on the host later.
+
+    A post enqueues a copy of the verdict into a small host buffer (pinned, with a
+    CUDA event, on a GPU), so nothing waits. :meth:`drain` reads the posted verdicts
+    in order: after the event (already passed one step later) and straight from the
+    host buffer's memory, so the read itself launches nothing and syncs nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._posted: list[tuple[torch.Tensor, Any, ctypes.c_float]] = []
+        self._free: list[tuple[torch.Tensor, ctypes.c_float]] = []
+
+    def __len__(self) -> int:
+        return len(self._posted)
+
+    def post(self, verdict: torch.Tensor) -> None:
+        """Enqueue the device-to-host copy of a 1-element float32 verdict."""
+        if self._free:
+            host, cell = self._free.pop()
+        else:
+            pin = verdict.device.type == "cuda"
+            host = torch.empty(1, dtype=torch.float32, pin_memory=pin)
+            cell = ctypes.c_float.from_address(host.data_ptr())
+        event: Any = None
+        if verdict.device.type == "cuda":
+            host.copy_(verdict.reshape(1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:  # the CPU (already in order), or another accelerator (a plain copy)
+            host.copy_(verdict.reshape(1))
+        self._posted.append((host, event, cell))
+
+    def drain(self) -> list[bool]:
+        """True for each posted verdict that found an inf/NaN, oldest first; empties it."""
+        out: list[bool] = []
+        for host, event, cell in self._posted:
+            if event is not None:
+                event.synchronize()
+            out.append(cell.value > 0)
+            self._free.append((host, cell))
+        self._posted.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget posted verdicts (their windows were rolled back)."""
+        for host, _, cell in self._posted:
+            self._free.append((host, cell))
+        self._posted.clear()

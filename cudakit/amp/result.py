@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from typing_extensions import ParamSpec
 
-__all__ = ["StepResult", "SteppedFunction", "extract_loss", "weight_tensor"]
+__all__ = ["StepResult", "SteppedFunction", "Verdict", "extract_loss", "weight_tensor"]
 
 P = ParamSpec("P")
 
@@ -141,3 +141,38 @@ def weight_tensor(weight: object, like: torch.Tensor) -> torch.Tensor:
             " It counts the items (e.g. non-padding tokens) the summed loss covers."
         )
     return torch.tensor(float(weight), dtype=torch.float32, device=like.device)
+
+
+class Verdict:
+    """``StepResult.stepped``/``skipped`` of a sync-free step: a bool read when you ask.
+
+    The verdict stays a device tensor until ``bool()``, ``==`` or ``repr()`` reads it;
+    that read waits for the step's kernels, as ``.item()`` would, so a loop that never
+    reads it never waits.
+
+    >>> v = Verdict(torch.zeros(1), skipped=True)
+    >>> bool(v), v == False, v
+    (False, True, False)
+    """
+
+    __slots__ = ("_flag", "_skipped", "_value")
+
+    def __init__(self, flag: torch.Tensor, *, skipped: bool) -> None:
+        self._flag = flag
+        self._skipped = skipped
+        self._value: bool | None = None
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            found = bool(self._flag.item() > 0)
+            self._value = found if self._skipped else not found
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(bool(self))

@@ -25,7 +25,7 @@ from typing_extensions import ParamSpec, Self
 from .._check import check_bool, check_int, check_number, check_optional
 from ..exceptions import NonFiniteStepsError
 from . import checkpoint
-from .guard import NonFiniteGuard, local
+from .guard import NonFiniteGuard, VerdictMailbox, local
 from .policy import (
     Capabilities,
     check_autocast,
@@ -34,7 +34,7 @@ from .policy import (
     parse_dtype,
     probe_capabilities,
 )
-from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
+from .result import SteppedFunction, StepResult, Verdict, extract_loss, weight_tensor
 from .window import GradSync, Window
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction", "autocast_step"]
@@ -186,6 +186,7 @@ class AutocastStep:
         scheduler: Any = None,
         skip_nonfinite: bool = True,
         max_skipped: int | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         where = "autocast_step"
         optimizers = _check_optimizers(optimizer)
@@ -222,6 +223,7 @@ class AutocastStep:
                 f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
             )
         schedulers = _check_schedulers(scheduler, optimizers)
+        compile_options = _check_compile(compile)
         if scaler is not None and not callable(getattr(scaler, "scale", None)):
             raise TypeError(
                 "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
@@ -289,6 +291,19 @@ class AutocastStep:
         )
         self._scaling = scaler is not None and scaler.is_enabled()
         self._guarded = skip_nonfinite or self._scaling
+        #: True when every optimizer skips on the device (fused Adam, AdamW, SGD...):
+        #: then a guarded step reads nothing back; its verdict is read lazily.
+        self.sync_free: bool = self._guarded and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
+        )
+        self._mailbox = VerdictMailbox()
+        #: ``torch.compile`` options when ``compile=`` is on, else None.
+        self.compile_options: dict[str, Any] | None = compile_options
+        self._compiled_check: Callable[..., torch.Tensor | None] | None = (
+            _compile(_check_and_clip, compile_options, fullgraph=True)
+            if compile_options is not None and self.sync_free
+            else None
+        )
         self._window = Window(accumulate)
         self._sync = GradSync(model, accumulate)
         self._guard = NonFiniteGuard()
@@ -323,12 +338,14 @@ class AutocastStep:
 
     @property
     def steps(self) -> int:
-        """Optimizer steps that really updated the weights so far."""
+        """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
+        self._settle()
         return self._steps
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps dropped for a non-finite loss or gradient so far."""
+        """Optimizer steps dropped for an inf/NaN loss or gradient (reads pending verdicts)."""
+        self._settle()
         return self._skipped_steps
 
     def __repr__(self) -> str:
@@ -397,9 +414,11 @@ class AutocastStep:
                 "returns the loss."
             )
 
+        forward = self._forward(func)
+
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> StepResult:
-            return self._run(func, args, kwargs)
+            return self._run(forward, args, kwargs)
 
         w = cast(Any, wrapper)
         w.autocast_step = self
@@ -407,6 +426,18 @@ class AutocastStep:
         w.state_dict = self.state_dict
         w.load_state_dict = self.load_state_dict
         return cast(SteppedFunction[P], w)
+
+    def _forward(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """The forward of a decorated function: under autocast, compiled with ``compile=``."""
+        device_type, dtype, enabled = self.device_type, self.dtype, self.enabled
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                return func(*args, **kwargs)
+
+        if self.compile_options is None:
+            return forward
+        return _compile(functools.wraps(func)(forward), self.compile_options)
 
     def _nested_error(self, outer: AutocastStep) -> RuntimeError:
         where = "the same" if outer is self else "another"
@@ -427,14 +458,12 @@ class AutocastStep:
                 self._save_buffers()
             if self._sync.active and not self._window.closes_next():
                 with self._sync.paused():
-                    with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-                        output = func(*args, **kwargs)
+                    output = func(*args, **kwargs)
                     loss, weight = extract_loss(output)
                     self._backward(loss, weight)
                     self._window.unsynced = True
             else:
-                with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-                    output = func(*args, **kwargs)
+                output = func(*args, **kwargs)
                 loss, weight = extract_loss(output)
                 self._backward(loss, weight)
             return self._after_backward(loss.detach(), output)
@@ -628,23 +657,20 @@ class AutocastStep:
 
     def _finish(self, loss: torch.Tensor, output: object, pending: int | None) -> StepResult:
         """The one path that finishes a window: unscale, weight, check, clip, step or skip."""
+        if self._mailbox:
+            self._settle()  # the previous window's verdict: there by now
+        if self.sync_free:
+            return self._finish_on_device(loss, output, pending)
         scaler = self.scaler if self._scaling else None
         scale = self._scale_snapshot
         grad_norm: torch.Tensor | None = None
         skipped = False
         try:
-            if scaler is not None:
-                for opt in self.optimizers:
-                    scaler.unscale_(opt)
             factor = (
-                self._factor(pending)
-                if pending is not None or self._window.weight is not None
+                self._prepare(pending)
+                if scaler is not None or pending is not None or self._window.weight is not None
                 else None
             )
-            if factor is not None:
-                grads = [local(g) for g in self._grads()]
-                if grads:
-                    torch._foreach_mul_(grads, factor)
             if self._guarded:
                 if scaler is None and self.max_grad_norm is not None:
                     # Clipping reads every gradient for the total norm anyway: that norm is
@@ -680,6 +706,131 @@ class AutocastStep:
             raise self._streak_error()
         return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
 
+    def _prepare(self, pending: int | None) -> torch.Tensor | float | None:
+        """Unscale (fp16) and weight the window's gradients; the factor used, if any."""
+        if self._scaling:
+            scaler = cast(torch.amp.GradScaler, self.scaler)
+            for opt in self.optimizers:
+                scaler.unscale_(opt)
+        factor = (
+            self._factor(pending)
+            if pending is not None or self._window.weight is not None
+            else None
+        )
+        if factor is not None:
+            grads = [local(g) for g in self._grads()]
+            if grads:
+                torch._foreach_mul_(grads, factor)
+        return factor
+
+    def _finish_on_device(
+        self, loss: torch.Tensor, output: object, pending: int | None
+    ) -> StepResult:
+        """:meth:`_finish` for optimizers that skip on the device: nothing is read back.
+
+        The verdict stays a tensor: the optimizers get it as ``found_inf`` (as
+        ``GradScaler`` hands it to fused optimizers) and skip on the device; buffers are
+        restored with ``torch.where``; the counters and the schedulers catch up when the
+        verdict is read, one window later or when you read them.
+        """
+        scaler = self.scaler if self._scaling else None
+        scale = self._scale_snapshot
+        try:
+            factor = self._prepare(pending)
+            verdict, grad_norm = self._verdict_on_device(scaler, factor)
+            if scaler is not None:
+                for opt in self.optimizers:
+                    scaler.step(opt)  # fused: hands the flags to the optimizer, no read
+                scaler.update()
+            else:
+                for opt in self.optimizers:
+                    _step_on_device(opt, verdict)
+            if self._buffers_saved and self._buffers:
+                skip = verdict.reshape(()) > 0
+                with torch.no_grad():
+                    for buf, saved in zip(self._buffers, self._buffer_copies, strict=True):
+                        buf.copy_(torch.where(skip, saved, buf))
+            self._mailbox.post(verdict)
+        finally:
+            self._close_window()
+        return StepResult(
+            loss,
+            output,
+            cast(bool, Verdict(verdict, skipped=False)),
+            cast(bool, Verdict(verdict, skipped=True)),
+            scale,
+            grad_norm,
+        )
+
+    def _verdict_on_device(
+        self, scaler: torch.amp.GradScaler | None, factor: torch.Tensor | float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm."""
+        guard = self._guard
+        checks = list(self._window.losses) if self.skip_nonfinite else []
+        scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
+        if scaler is None:
+            checks.extend(self._grads())
+        clip = self.max_grad_norm
+        compiled = self._compiled_check
+        try:
+            found: torch.Tensor | None
+            if compiled is not None and checks:
+                flag, one = guard.primary(checks[0].device)
+                grad_norm = compiled(checks, flag, one, self._params() if clip else None, clip)
+                found = flag
+            else:
+                found = guard.check(checks)
+                grad_norm = self._clip() if clip is not None else None
+            verdict = guard.combine(found, scaler_found)
+            if verdict is None:  # nothing to check: a step that cannot go wrong
+                verdict = torch.zeros(1, device=self._params()[0].device)
+            return verdict.clone(), grad_norm
+        finally:
+            guard.reset()  # the flags are zero again for the next window
+
+    def _scaler_flags(
+        self,
+        scaler: torch.amp.GradScaler,
+        checks: list[torch.Tensor],
+        factor: torch.Tensor | float | None,
+    ) -> list[dict[torch.device, torch.Tensor]] | None:
+        """The scaler's per-optimizer inf flags (set by ``unscale_``); None if it keeps none.
+
+        Without them the gradients are added to ``checks``; a token weight's factor
+        (applied after the scaler's check) is always added.
+        """
+        found: list[dict[torch.device, torch.Tensor]] = []
+        states = getattr(scaler, "_per_optimizer_states", {})
+        for opt in self.optimizers:
+            flags = states.get(id(opt), {}).get("found_inf_per_device")
+            if not flags:
+                checks.extend(local(g) for g in self._grads())
+                found = []
+                break
+            found.append(flags)
+        if isinstance(factor, torch.Tensor):
+            checks.append(factor)
+        return found or None
+
+    def _settle(self) -> None:
+        """Read the verdicts of sync-free windows: counters, schedulers, the streak error."""
+        if not self._mailbox:
+            return
+        streak = False
+        for found in self._mailbox.drain():
+            if found:
+                self._skipped_steps += 1
+                self._consecutive_skipped += 1
+                streak = streak or self._consecutive_skipped >= self.max_skipped
+            else:
+                self._steps += 1
+                self._consecutive_skipped = 0
+                for s in self.schedulers:
+                    s.step()
+        if streak:
+            raise self._streak_error()
+
     def _close_window(self) -> None:
         self._window.clear()
         self._scale_snapshot = None
@@ -707,17 +858,7 @@ class AutocastStep:
         else:
             checks = list(self._window.losses) if self.skip_nonfinite else []
         if scaler is not None:
-            scaler_found = []
-            states = getattr(scaler, "_per_optimizer_states", {})
-            for opt in self.optimizers:
-                found_inf = states.get(id(opt), {}).get("found_inf_per_device")
-                if not found_inf:  # a scaler without torch's internals: check the grads
-                    checks.extend(local(g) for g in self._grads())
-                    scaler_found = None
-                    break
-                scaler_found.append(found_inf)
-            if isinstance(factor, torch.Tensor):
-                checks.append(factor)
+            scaler_found = self._scaler_flags(scaler, checks, factor)
         elif grad_norm is not None:
             checks.append(grad_norm)
         clean = False
@@ -779,6 +920,7 @@ class AutocastStep:
                 "AutocastStep.flush() called inside a step: call it after the loop over "
                 "the epoch's batches, outside the decorated function or `with step:` block."
             )
+        self._settle()
         window = self._window
         if window.position == 0:
             return None
@@ -800,6 +942,7 @@ class AutocastStep:
         >>> state["position"], state["steps"], state["scaler"]
         (0, 0, None)
         """
+        self._settle()
         window = self._window
         grads: list[torch.Tensor | None] = []
         if window.position:
@@ -836,6 +979,7 @@ class AutocastStep:
             dtype=self.dtype,
             params=params,
         )
+        self._mailbox.clear()  # verdicts of windows the checkpoint replaces
         if self.scaler is not None and restored.scaler is not None:
             self.scaler.load_state_dict(dict(restored.scaler))
         if restored.position:
@@ -859,6 +1003,63 @@ class AutocastStep:
 _NO_CAPS = Capabilities()
 
 
+def _step_on_device(opt: torch.optim.Optimizer, verdict: torch.Tensor) -> None:
+    """``opt.step()`` with ``found_inf``: the optimizer skips on the device if it is set."""
+    holder: Any = opt
+    holder.grad_scale = None
+    holder.found_inf = verdict.reshape(())  # 0-dim, like the step counts it is subtracted from
+    try:
+        opt.step()
+    finally:
+        del holder.grad_scale
+        del holder.found_inf
+
+
+def _check_and_clip(
+    checks: list[torch.Tensor],
+    flag: torch.Tensor,
+    one: torch.Tensor,
+    params: list[torch.Tensor] | None,
+    max_norm: float | None,
+) -> torch.Tensor | None:
+    """The guard's fused inf/NaN check, then clipping: the region ``compile=`` compiles."""
+    torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, one)
+    if params is None or max_norm is None:
+        return None
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+_COMPILE_OPTIONS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
+
+
+def _check_compile(value: object) -> dict[str, Any] | None:
+    """``compile=``: False, True (torch.compile's defaults) or a mapping of its options."""
+    if value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - _COMPILE_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"autocast_step(compile=...) got options torch.compile does not take: "
+                f"{unknown}; expected some of {sorted(_COMPILE_OPTIONS)}, e.g. "
+                "compile={'mode': 'max-autotune'}."
+            )
+        return dict(value)
+    raise TypeError(
+        f"autocast_step(compile=...) expects True, False or a dict of torch.compile options, "
+        f"got {type(value).__name__} {value!r}. For example: compile=True or "
+        "compile={'mode': 'reduce-overhead'}."
+    )
+
+
+def _compile(
+    fn: Callable[..., Any], options: Mapping[str, Any], **forced: Any
+) -> Callable[..., Any]:
+    return torch.compile(fn, **{**options, **forced})
+
+
 def autocast_step(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
@@ -871,6 +1072,7 @@ def autocast_step(
     scheduler: Any = None,
     skip_nonfinite: bool = True,
     max_skipped: int | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> AutocastStep:
     """Build a mixed-precision training step: autocast, scaling, clipping, accumulation, guard.
 
@@ -948,4 +1150,5 @@ def autocast_step(
         scheduler=scheduler,
         skip_nonfinite=skip_nonfinite,
         max_skipped=max_skipped,
+        compile=compile,
     )
