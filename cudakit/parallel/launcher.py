@@ -1,7 +1,6 @@
 """``launch()``: run a function in N local processes with torchrun's environment.
 
-The process management behind :func:`cudakit.parallel.launch` (its public home):
-the parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
+The parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
 with ``torch.multiprocessing``, collects each rank's result or traceback over a
 queue, and turns the first real failure into a :class:`~cudakit.exceptions.LaunchError`.
 """
@@ -19,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch.distributed as dist
 
-from .exceptions import LaunchError
+from ..exceptions import LaunchError
+from .group import teardown_owned_group
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
@@ -59,8 +59,6 @@ def _child(
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID="cudakit-launch",
     )
-    from .parallel import _teardown  # here: cudakit.parallel imports this module
-
     clean = False
     try:
         try:
@@ -85,7 +83,7 @@ def _child(
     finally:
         # A group cudakit created (parallelize() inside fn); the user's own group is theirs
         # to destroy. After a clean return the ranks meet in a barrier first.
-        _teardown(sync=clean)
+        teardown_owned_group(sync=clean)
 
 
 def _picklable(obj: object) -> bool:
