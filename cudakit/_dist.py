@@ -20,11 +20,13 @@ from collections.abc import Mapping
 
 import torch
 
+from ._check import fail_type
 from .exceptions import DistributedSetupError
 
 __all__ = [
     "LAUNCHER_VARS",
     "DistributedEnv",
+    "check_env",
     "current_rank",
     "current_world_size",
     "group_rank",
@@ -159,6 +161,28 @@ def _parse_int(env: Mapping[str, str], name: str, lo: int) -> int:
     return value
 
 
+def check_env(func: str, env: object) -> None:
+    """``env`` must be a mapping of environment variables with string values."""
+    if not isinstance(env, Mapping):
+        fail_type(
+            func,
+            "env",
+            "a mapping of environment variable names to strings",
+            env,
+            "Pass env=os.environ for this process, or env={} for a process without a launcher.",
+        )
+    for name in (*LAUNCHER_VARS, "LOCAL_WORLD_SIZE"):
+        value = env.get(name)
+        if value is not None and not isinstance(value, str):
+            fail_type(
+                func,
+                "env",
+                f"string values, as os.environ holds; {name} is not a string",
+                value,
+                f"Pass {name}={str(value)!r}.",
+            )
+
+
 def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
     """Read torchrun's variables from ``env`` (default ``os.environ``); ``None`` outside a launcher.
 
@@ -187,8 +211,12 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
         DistributedSetupError: variables are missing although ``WORLD_SIZE`` > 1, or
             a value is not an integer, or ``RANK``/``LOCAL_RANK`` is out of range.
 
+        TypeError: ``env`` is not a mapping of strings.
+
     .. versionadded:: 0.1
     """
+    if env is not None:
+        check_env("read_env", env)
     return read_launcher_env(_environ(env), strict=False)
 
 

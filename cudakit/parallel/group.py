@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from .._check import describe, fail_type, fail_value
 from .._contextlib import ContextDecorator
 from .._dist import (
     LAUNCHER_VARS,
@@ -35,7 +36,13 @@ from .._dist import (
 from ..device import DeviceLike
 from ..exceptions import DistributedSetupError
 from .ranks import barrier
-from .strategy import ParallelFacts, default_backend, gather_facts, rank_device
+from .strategy import (
+    ParallelFacts,
+    default_backend,
+    gather_facts,
+    rank_device,
+    requested_device,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -43,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIMEOUT",
     "ProcessGroupInfo",
+    "check_backend",
     "check_timeout",
     "ensure_group",
     "process_group",
@@ -70,7 +78,7 @@ class ProcessGroupInfo:
     created: bool
 
 
-def check_timeout(timeout: object) -> datetime.timedelta:
+def check_timeout(func: str, timeout: object) -> datetime.timedelta:
     """``timeout`` (seconds or a ``timedelta``; ``None``: 10 minutes) as a finite ``timedelta``."""
     if timeout is None:
         return DEFAULT_TIMEOUT
@@ -83,15 +91,42 @@ def check_timeout(timeout: object) -> datetime.timedelta:
             td = datetime.timedelta(seconds=float(timeout))
     else:
         raise TypeError(
-            f"timeout must be seconds (int/float) or a datetime.timedelta, got "
-            f"{type(timeout).__name__} {timeout!r}; e.g. timeout=600."
+            f"{func}(): timeout must be seconds (an int or float) or a datetime.timedelta, got "
+            f"{describe(timeout)}. Pass e.g. timeout=600, or None for the default 600 s."
         )
     if not td.total_seconds() > 0:
         raise ValueError(
-            f"timeout must be a finite positive duration, got {timeout!r}: an infinite "
-            "timeout turns one crashed rank into a hang on every other. Use e.g. timeout=600."
+            f"{func}(): timeout must be a finite positive duration, got {timeout!r}: an "
+            "infinite timeout turns one crashed rank into a hang on every other. Pass e.g. "
+            "timeout=600."
         )
     return td
+
+
+def check_backend(func: str, backend: object) -> str | None:
+    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        fail_type(
+            func,
+            "backend",
+            "a string such as 'nccl' or 'gloo', or None",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
+    parts = [p.split(":", 1)[-1].strip() for p in backend.split(",")]
+    if not all(p.lower() in dist.Backend.backend_list for p in parts):
+        fail_value(
+            func,
+            "backend",
+            f"one of {', '.join(map(repr, known))} (or a map such as 'cpu:gloo,cuda:nccl')",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    return backend
 
 
 # The store's key: the environment that made it.
@@ -312,7 +347,8 @@ class process_group(ContextDecorator):
 
     Raises:
         DistributedSetupError: no or an incomplete launcher environment, or NCCL missing.
-        TypeError, ValueError: a bad ``backend`` or ``timeout``.
+        TypeError, ValueError: a bad ``backend``, ``timeout`` or ``device`` (at the call).
+        DeviceError: a ``device`` this machine does not have (at the call).
 
     .. versionadded:: 0.1
     """
@@ -324,13 +360,10 @@ class process_group(ContextDecorator):
         timeout: float | datetime.timedelta | None = None,
         device: DeviceLike = None,
     ) -> None:
-        self._timeout = check_timeout(timeout)  # fail at the call site, not at entry
-        if backend is not None and not isinstance(backend, str):
-            raise TypeError(
-                f"backend must be a string such as 'nccl' or 'gloo', or None, got "
-                f"{type(backend).__name__}."
-            )
-        self.backend = backend
+        # Everything is checked at the call site, not at entry.
+        self._timeout = check_timeout("process_group", timeout)
+        self.backend = check_backend("process_group", backend)
+        requested_device("process_group", device, cuda_available=torch.cuda.is_available())
         self.timeout = timeout
         self.device = device
         self._created = False
@@ -340,7 +373,8 @@ class process_group(ContextDecorator):
 
     def __enter__(self) -> ProcessGroupInfo:
         require_distributed()
-        facts = gather_facts(self.device, strict_env=not is_group_running())
+        strict = not is_group_running()  # creating a group needs a complete launcher
+        facts = gather_facts(self.device, strict_env=strict, func="process_group")
         info = ensure_group(self.backend, self._timeout, facts, rank_device(facts))
         self._created = info.created
         return info

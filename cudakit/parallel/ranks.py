@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from .._check import check_bool, describe
 from .._contextlib import ContextDecorator
 from .._dist import (
     current_rank,
@@ -79,6 +80,7 @@ def is_main_process(*, local: bool = False) -> bool:
 
     .. versionadded:: 0.1
     """
+    check_bool("is_main_process", "local", local)
     return (local_rank() if local else rank()) == 0
 
 
@@ -111,7 +113,10 @@ class main_process_first(ContextDecorator):
 
     def __init__(self, *, local: bool = False) -> None:
         if not isinstance(local, bool):
-            raise TypeError(f"local must be True or False, got {type(local).__name__}.")
+            raise TypeError(
+                f"main_process_first(): local must be True or False, got {describe(local)}. "
+                "Pass local=True for one main process per node, local=False for rank 0."
+            )
         self.local = local
         self._sync = False
 

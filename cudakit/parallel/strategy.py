@@ -19,9 +19,11 @@ from typing import Any, Literal, cast, get_args
 import torch
 
 from .._accel import current_cuda_index
+from .._check import describe
 from .._dist import (
     LAUNCHER_VARS,
     DistributedEnv,
+    check_env,
     group_world_size,
     is_group_running,
     launch_hint,
@@ -43,6 +45,7 @@ __all__ = [
     "gather_facts",
     "plan_parallel",
     "rank_device",
+    "requested_device",
 ]
 
 #: What :func:`choose_strategy` decides.
@@ -64,11 +67,11 @@ _ALIASES = {
 }
 
 
-def check_strategy(strategy: object) -> str:
+def check_strategy(strategy: object, *, func: str = "parallelize") -> str:
     """``strategy`` if it is one of :data:`REQUESTS`; else an error with a suggestion."""
     if not isinstance(strategy, str):
         raise TypeError(
-            f"strategy must be one of {', '.join(map(repr, REQUESTS))}, got "
+            f"{func}(): strategy must be one of {', '.join(map(repr, REQUESTS))}, got "
             f"{type(strategy).__name__} {strategy!r}. Pass strategy='auto' to let cudakit choose."
         )
     if strategy not in REQUESTS:
@@ -78,7 +81,7 @@ def check_strategy(strategy: object) -> str:
             close = difflib.get_close_matches(low, REQUESTS, n=1)
             guess = close[0] if close else "auto"
         raise ValueError(
-            f"unknown strategy {strategy!r}; did you mean {guess!r}? Valid strategies: "
+            f"{func}(): unknown strategy {strategy!r}; did you mean {guess!r}? Valid strategies: "
             f"{', '.join(map(repr, REQUESTS))}."
         )
     return strategy
@@ -177,23 +180,35 @@ def choose_strategy(
 
     .. versionadded:: 0.1
     """
-    request = check_strategy(strategy)
+    request = check_strategy(strategy, func="choose_strategy")
+    check_env("choose_strategy", env)
     if isinstance(device_count, bool) or not isinstance(device_count, int):
-        raise TypeError(f"device_count must be an int, got {type(device_count).__name__}.")
+        raise TypeError(
+            f"choose_strategy(): device_count must be an int, got {describe(device_count)}. "
+            "Pass torch.cuda.device_count()."
+        )
     if device_count < 0:
-        raise ValueError(f"device_count must be >= 0, got {device_count}.")
+        raise ValueError(
+            f"choose_strategy(): device_count must be >= 0, got {device_count}. "
+            "Pass torch.cuda.device_count()."
+        )
     if not isinstance(device_type, str):
         raise TypeError(
-            f"device_type must be a string such as 'cuda' or 'cpu', got "
-            f"{type(device_type).__name__}; pass torch.device(...).type."
+            f"choose_strategy(): device_type must be a string such as 'cuda' or 'cpu', got "
+            f"{describe(device_type)}; pass torch.device(...).type."
         )
     if group_world_size is not None:
         if isinstance(group_world_size, bool) or not isinstance(group_world_size, int):
             raise TypeError(
-                f"group_world_size must be an int or None, got {type(group_world_size).__name__}."
+                f"choose_strategy(): group_world_size must be an int or None, got "
+                f"{describe(group_world_size)}. Pass torch.distributed.get_world_size(), or "
+                "None without a process group."
             )
         if group_world_size < 1:
-            raise ValueError(f"group_world_size must be >= 1, got {group_world_size}.")
+            raise ValueError(
+                f"choose_strategy(): group_world_size must be >= 1, got {group_world_size}. "
+                "Pass torch.distributed.get_world_size(), or None without a process group."
+            )
         world: int | None = group_world_size
     else:
         launcher = read_launcher_env(env, strict=request in ("ddp", "fsdp"))
@@ -217,21 +232,32 @@ class ParallelFacts:
     best_device: torch.device  # what device="auto" gives outside a launcher
 
 
-def _asks_for_rank_device(device: DeviceLike, cuda_available: bool) -> bool:
-    """Whether ``device`` means "this rank's own device" (``None``, ``"auto"``, bare ``"cuda"``)."""
+def requested_device(func: str, device: DeviceLike, *, cuda_available: bool) -> torch.device | None:
+    """``device`` resolved and checked; ``None`` when it asks for this rank's own device.
+
+    ``None``, ``"auto"`` and a bare ``"cuda"`` (with CUDA) mean the rank's own device,
+    ``cuda:LOCAL_RANK``. Anything else must exist here: ``TypeError`` for a wrong
+    kind, :class:`~cudakit.exceptions.DeviceError` for a device this machine lacks,
+    each message starting with ``func(device=...)``.
+    """
     if device is None or (isinstance(device, str) and device == "auto"):
-        return True
+        return None
     bare_cuda = (isinstance(device, str) and device == "cuda") or (
         isinstance(device, torch.device) and device.type == "cuda" and device.index is None
     )
-    return bare_cuda and cuda_available  # without CUDA, resolve_device explains
+    if bare_cuda and cuda_available:
+        return None
+    try:
+        return resolve_device(device)  # without CUDA, "cuda" is the clear DeviceError
+    except (TypeError, DeviceError) as err:
+        raise type(err)(f"{func}(device=...): {err}") from None
 
 
-def gather_facts(device: DeviceLike, *, strict_env: bool) -> ParallelFacts:
+def gather_facts(device: DeviceLike, *, strict_env: bool, func: str) -> ParallelFacts:
     """Read the launcher environment, the running group, the GPUs and ``device``, once.
 
     Never starts CUDA. ``strict_env=True`` makes any partial launcher environment
-    an error (the callers that need a launcher).
+    an error (the callers that need a launcher); ``func`` names the caller in errors.
 
     Raises:
         DistributedSetupError: an incomplete or inconsistent launcher environment.
@@ -239,7 +265,7 @@ def gather_facts(device: DeviceLike, *, strict_env: bool) -> ParallelFacts:
     """
     env = read_launcher_env(os.environ, strict=strict_env)
     cuda = torch.cuda.is_available()
-    requested = None if _asks_for_rank_device(device, cuda) else resolve_device(device)
+    requested = requested_device(func, device, cuda_available=cuda)
     return ParallelFacts(
         env=env,
         group_world_size=group_world_size() if is_group_running() else None,

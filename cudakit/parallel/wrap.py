@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from .._accel import current_cuda_index
+from .._check import check_bool
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ..exceptions import DistributedSetupError
-from .group import ProcessGroupInfo, check_timeout, ensure_group
+from .group import ProcessGroupInfo, check_backend, check_timeout, ensure_group
 from .ranks import is_main_process
 from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, plan_parallel
 
@@ -41,6 +42,14 @@ def _compiled_type() -> type[nn.Module] | None:
     except Exception:  # pragma: no cover - torch without dynamo
         return None
     return cast(type[nn.Module], OptimizedModule)
+
+
+def _check_module(func: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{func}() expects an nn.Module, got {type(model).__name__}. Pass the model "
+            "(the object parallelize() or torch.compile() returned)."
+        )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -66,11 +75,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     .. versionadded:: 0.1
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"unwrap() expects an nn.Module, got {type(model).__name__}. Pass the model "
-            "(the object parallelize() or torch.compile() returned)."
-        )
+    _check_module("unwrap", model)
     compiled = _compiled_type()
     wrappers: tuple[type[nn.Module], ...] = (
         nn.DataParallel,
@@ -108,8 +113,12 @@ def state_dict(model: nn.Module) -> dict[str, Any]:
     must call it): rank 0 receives the full, unsharded state dict on the CPU, the
     other ranks an empty dict.
 
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
     .. versionadded:: 0.1
     """
+    _check_module("state_dict", model)
     inner = unwrap(model)
     if is_fsdp2(inner):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -185,18 +194,21 @@ def load_state_dict(
         The missing and unexpected keys, as ``nn.Module.load_state_dict`` reports them.
 
     Raises:
-        TypeError: ``state`` is not a mapping, or ``model`` is not an ``nn.Module``.
+        TypeError: ``state`` is not a mapping, ``model`` is not an ``nn.Module``, or
+            ``strict`` is not a bool.
         RuntimeError: with ``strict=True``, keys that do not match (torch's message).
 
     .. versionadded:: 0.1
     """
-    inner = unwrap(model)
+    _check_module("load_state_dict", model)
     if not isinstance(state, Mapping):
         raise TypeError(
             f"load_state_dict() expects a mapping of parameter names to tensors, got "
             f"{type(state).__name__}. If you saved a whole checkpoint, pass "
             "checkpoint['model'] (or whichever key holds the model's state)."
         )
+    check_bool("load_state_dict", "strict", strict)
+    inner = unwrap(model)
     if is_fsdp2(inner):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -234,8 +246,24 @@ def _fully_shard() -> Callable[..., Any]:
     return cast("Callable[..., Any]", fully_shard)
 
 
+def _check_not_meta(model: nn.Module, device: torch.device) -> None:
+    if device.type == "meta":
+        return
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"parallelize() cannot move the {type(model).__name__} to {device}: its "
+                    f"{kind} {name!r} is on the meta device and holds no data to copy. Allocate "
+                    f"it first with `model.to_empty(device={str(device)!r})`, then initialise or "
+                    "load its weights (e.g. `model.load_state_dict(state_dict, assign=True)`), "
+                    "and pass that model to parallelize()."
+                )
+
+
 def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
+    _check_not_meta(model, plan.device)
     if plan.strategy == "ddp":
         ddp = nn.parallel.DistributedDataParallel
         _check_kwargs(ddp.__init__, plan.wrapper_kwargs, "DistributedDataParallel")
@@ -364,9 +392,15 @@ def parallelize(
     Returns:
         The model, moved and possibly wrapped; use :func:`unwrap` to get yours back.
 
+    Every argument is checked before anything happens: a refused call leaves the
+    model where it was and starts no process group.
+
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or unknown keyword arguments.
-        ValueError: an unknown strategy, or a model with no trainable parameters for DDP.
+        TypeError: ``model`` is not an ``nn.Module``; ``strategy``, ``device``,
+            ``backend`` or ``timeout`` of the wrong kind; unknown keyword arguments.
+        ValueError: an unknown strategy or backend, a timeout that is not a finite
+            positive duration, a model on the meta device (allocate it with
+            ``to_empty`` first), or a model with no trainable parameters for DDP.
         DeviceError: ``"dp"`` without CUDA, or a device that does not exist.
         DistributedSetupError: ``"ddp"``/``"fsdp"`` without a launcher, or an
             incomplete launcher environment.
@@ -382,17 +416,19 @@ def parallelize(
             "For example: model = parallelize(MyNet())."
         )
     request = check_strategy(strategy)
+    td = check_timeout("parallelize", timeout)
+    backend = check_backend("parallelize", backend)
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_fsdp2(model):
         logger.info(
             "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
         )
         return model
 
-    facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"))
+    facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
     plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
     _check_plan(model, plan)
     if plan.strategy in ("ddp", "fsdp"):
-        return _distribute(model, plan, facts, check_timeout(timeout))
+        return _distribute(model, plan, facts, td)
     if plan.strategy == "dp":
         return _replicate(model, plan)
     return _move(model, plan, facts)
