@@ -221,7 +221,10 @@ def choose_strategy(
 
 @dataclasses.dataclass(frozen=True)
 class ParallelFacts:
-    """What :func:`plan_parallel` needs to know about this process, read once."""
+    """What :func:`plan_parallel` needs to know about this process, read once.
+
+    .. versionadded:: 0.1
+    """
 
     env: DistributedEnv | None  # the launcher's variables; None outside a launcher
     group_world_size: int | None  # the running default group's size; None without one
@@ -314,7 +317,10 @@ def default_backend(backend: str | None, device: torch.device) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-    """Every decision :func:`~cudakit.parallel.parallelize` carries out."""
+    """Every decision :func:`~cudakit.parallel.parallelize` carries out.
+
+    .. versionadded:: 0.1
+    """
 
     request: str  # what the user asked for
     strategy: Strategy
@@ -351,6 +357,8 @@ def plan_parallel(
     Raises:
         DeviceError, DistributedSetupError: as :func:`choose_strategy`.
         TypeError: wrapper options for ``strategy="none"``.
+
+    .. versionadded:: 0.1
     """
     opts = dict(options or {})
     device = rank_device(facts)
