@@ -54,6 +54,7 @@ __all__ = [
     "check_timeout",
     "ensure_group",
     "process_group",
+    "require_distributed",
     "teardown_owned_group",
 ]
 
