@@ -259,6 +259,57 @@ def test_hook_closes_a_doctest_at_the_end_and_keeps_its_indent() -> None:
     ]
 
 
+def test_hook_fences_rest_literal_blocks() -> None:
+    """``text::`` plus an indented block renders as a fenced block after ``text:``."""
+    hooks = _hooks()
+    lines = [
+        "As a decorator over the function that computes the",
+        "loss::",
+        "",
+        "    @step",
+        "    def f(x):",
+        "        return x",
+        "",
+        "    result = f(1)",
+        "",
+        "A tree ::",
+        "",
+        "    A",
+        "    └── B(ValueError)",
+        "",
+        "After, with :func:`~cudakit.data.prefetch`.",
+        ".. versionadded:: 0.1",
+    ]
+    assert hooks._DoctestFences(None).run(lines) == [
+        "As a decorator over the function that computes the",
+        "loss:",
+        "",
+        "```python",
+        "@step",
+        "def f(x):",
+        "    return x",
+        "",
+        "result = f(1)",
+        "```",
+        "",
+        "A tree",
+        "",
+        "```text",
+        "A",
+        "└── B(ValueError)",
+        "```",
+        "",
+        "After, with [`prefetch`][cudakit.data.prefetch].",
+        "*Added in version 0.1.*",
+    ]
+
+
+def test_hook_leaves_a_double_colon_without_a_block_alone() -> None:
+    hooks = _hooks()
+    lines = ["Ends in a colon::", "not indented, so no literal block"]
+    assert hooks._DoctestFences(None).run(lines) == lines
+
+
 # -- the benchmarks page -----------------------------------------------------------
 
 #: The section of each utility page that docs/benchmarks.md copies under "From [x](x.md):".
