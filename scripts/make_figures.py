@@ -31,6 +31,7 @@ import contextlib
 import csv
 import io
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def rerun_demo(data: Path) -> None:
         plot(summary, path)
 
     demo._plot = capture
+    load_before = os.getloadavg()[0]
     out = io.StringIO()
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
@@ -91,8 +93,10 @@ def rerun_demo(data: Path) -> None:
     record = {
         "command": "cudakit demo --plot demo.png (defaults, --seed 0)",
         "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {platform.system()}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}",
+        # The timings in the summary are only as good as the machine was quiet.
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "summary": summary.to_dict(),
         "step_losses": [round(x, 6) for x in summary.step_losses],
         "step_memory": list(summary.step_memory),
