@@ -15,6 +15,9 @@ demo.json                   demo.png                     what ``cudakit demo --p
 prefetch_timeline.csv       prefetch_timeline.png        copy/compute overlap (a schematic)
 bench_on_device.json        bench_on_device.png          ratios to the hand-written code
 bench_autocast_step.json    bench_autocast_step.png      ratios to the hand-written code
+bench_memory_report.json    bench_memory_report.png      time per report
+bench_warmup.json           bench_warmup.png             pass times with and without warmup
+bench_prefetch.json         bench_prefetch.png           time per batch with and without it
 ==========================  ===========================  =================================
 
 The benchmark data files hold the figures of the tables on docs/benchmarks.md, with the
@@ -242,6 +245,54 @@ def ratio_figure(data: Path, out: Path) -> Path:
     return _save(fig, out / f"{data.stem}.png")
 
 
+def bars_figure(data: Path, out: Path) -> Path:
+    """Horizontal bars of measured values (one bar per series in each group), from 0."""
+    record = json.loads(data.read_text(encoding="utf-8"))
+    rows = record["rows"]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    colors = dict(
+        zip(series, ("#90caf9", _GREEN[0]) if len(series) > 1 else (_GREEN[0],), strict=False)
+    )
+    n = len(series)
+    height = 0.8 / n
+    fig = _figure(figsize=(9, 1.3 + 0.3 * n * len(groups) + 0.1 * len(groups)))
+    ax = fig.subplots()
+    top = max(r["value"] for r in rows)
+    for g, group in enumerate(groups):
+        for k, name in enumerate(series):
+            matches = [r for r in rows if r["group"] == group and r["series"] == name]
+            if not matches:
+                continue
+            y = g + (k - (n - 1) / 2) * height
+            value = matches[0]["value"]
+            label = name if g == 0 and n > 1 else None
+            ax.barh(y, value, height=height * 0.9, color=colors[name], label=label)
+            ax.text(value, y, f" {value}", va="center", fontsize=8)
+    goal = record.get("goal")
+    if goal:
+        ax.axvline(goal["value"], color="firebrick", linestyle="--", linewidth=1)
+        ax.text(goal["value"], -0.6, f"{goal['label']} ", color="firebrick", fontsize=8, ha="right")
+        top = max(top, goal["value"])
+    ax.set_yticks(range(len(groups)), groups, fontsize=9)
+    ax.set_ylim(len(groups) - 0.5, -0.8)
+    ax.set_xlim(0, top * 1.15)
+    ax.set_xlabel(record["unit"])
+    ax.set_title(record["title"], fontsize=11)
+    if n > 1:
+        ax.legend(loc="upper right", fontsize=8, frameon=False)
+    fig.text(
+        0.01,
+        0.005,
+        f"{record['script']}, measured {record['measured']}: {record['machine']}",
+        fontsize=7,
+        color="dimgray",
+        wrap=True,
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return _save(fig, out / f"{data.stem}.png")
+
+
 # -- main ------------------------------------------------------------------------------
 
 
@@ -253,6 +304,9 @@ def make_all(out: Path, figures: Path = FIGURES) -> list[Path]:
         timeline_figure(figures / "prefetch_timeline.csv", out),
         ratio_figure(figures / "bench_on_device.json", out),
         ratio_figure(figures / "bench_autocast_step.json", out),
+        bars_figure(figures / "bench_memory_report.json", out),
+        bars_figure(figures / "bench_warmup.json", out),
+        bars_figure(figures / "bench_prefetch.json", out),
     ]
 
 
