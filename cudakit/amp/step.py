@@ -300,8 +300,10 @@ class AutocastStep:
         #: ``torch.compile`` options when ``compile=`` is on, else None.
         self.compile_options: dict[str, Any] | None = compile_options
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
+            # Compiled only with clipping: inductor fuses the norm, the check and the
+            # scaling; the check alone is one fused kernel already.
             _compile(_check_and_clip, compile_options, fullgraph=True)
-            if compile_options is not None and self.sync_free
+            if compile_options is not None and self.sync_free and clip is not None
             else None
         )
         self._window = Window(accumulate)
