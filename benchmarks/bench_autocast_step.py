@@ -217,16 +217,21 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
 
         return step
 
-    def guarded_hand_step() -> Step:
+    def guarded_hand_step(compiled: bool) -> Step:
         """The hand-written loop plus the same guard, skipping on the device (found_inf)."""
         model = mlp_ln(device)
         opt: Any = fused(model)
         flag, one = torch.zeros(1, device=device), torch.ones(1, device=device)
 
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(dev_type, dtype=dtype, enabled=on):
+                return F.cross_entropy(model(x), y)
+
+        fwd = torch.compile(forward) if compiled else forward
+
         def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             opt.zero_grad()
-            with torch.autocast(dev_type, dtype=dtype, enabled=on):
-                loss = F.cross_entropy(model(x), y)
+            loss = fwd(x, y)
             loss.backward()
             grads = [p.grad for p in model.parameters()]
             torch._amp_foreach_non_finite_check_and_unscale_([loss.detach(), *grads], flag, one)
@@ -240,9 +245,11 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
 
     steps["hand-written"] = hand_step(False)
     if dtype != torch.float16:
-        steps["hand-written + guard on device"] = guarded_hand_step()
+        steps["hand-written + guard on device"] = guarded_hand_step(False)
     steps["cudakit @autocast_step (sync-free)"] = cudakit_step(False)
     steps["hand-written, compiled"] = hand_step(True)
+    if dtype != torch.float16:
+        steps["hand-written, compiled + guard on device"] = guarded_hand_step(True)
     steps["cudakit compile=True"] = cudakit_step(True)
     return steps
 
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
         pairs = [
             ("cudakit compile=True", "hand-written, compiled"),
+            ("cudakit compile=True", "hand-written, compiled + guard on device"),
             ("cudakit @autocast_step (sync-free)", "hand-written + guard on device"),
         ]
         for mine, theirs in pairs:
