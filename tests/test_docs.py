@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import doctest
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,20 @@ def run_page(path: Path) -> int:
     """Run every runnable block of ``path`` in one namespace; return how many ran."""
     text = path.read_text(encoding="utf-8")
     blocks = extract_blocks(text, str(path))
-    namespace: dict[str, Any] = {"__name__": "__docs__", "__file__": str(path)}
+    # A real module, as a script run by `python page.py` has (torch.compile looks the
+    # functions' module up in sys.modules).
+    module = types.ModuleType("__docs__")
+    module.__file__ = str(path)
+    sys.modules["__docs__"] = module
+    namespace: dict[str, Any] = module.__dict__
+    try:
+        _run_blocks(blocks, namespace, path)
+    finally:
+        sys.modules.pop("__docs__", None)
+    return len(blocks)
+
+
+def _run_blocks(blocks: list[Block], namespace: dict[str, Any], path: Path) -> None:
     for block in blocks:
         if block.lang == "python":
             padded = "\n" * (block.line - 1) + block.source
@@ -97,7 +112,6 @@ def run_page(path: Path) -> int:
             runner.run(test, out=out.append, clear_globs=False)
             if runner.summarize(verbose=False).failed:
                 pytest.fail("".join(out), pytrace=False)
-    return len(blocks)
 
 
 PAGES = sorted(DOCS.glob("*.md"))
