@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._accel import synchronize
 from ._units import format_bytes
 from .amp import AutocastStep, autocast_step
 from .data import loader_kwargs, prefetch
@@ -551,11 +552,6 @@ def _schedule(total_steps: int) -> Any:
     return factor
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _train(args: argparse.Namespace) -> DemoSummary:
     # Under torchrun or --nprocs, join the process group first: set_device(LOCAL_RANK)
     # must run before anything touches CUDA. The group is torn down when the block ends.
@@ -726,7 +722,7 @@ def _train_loop(
         )
         steps_before, skipped_before = step.steps, step.skipped_steps
         epoch_losses: list[torch.Tensor] = []
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with memory_report(f"epoch {epoch}", device=device, file=None) as mem:
             for i, (images, labels) in enumerate(prefetch(loader, device), start=1):
@@ -742,7 +738,7 @@ def _train_loop(
                         samples_per_s=i * batch_size * world / elapsed,
                     )
             step.flush()  # a partial accumulation window still updates the weights
-            _sync(device)
+            synchronize(device)
         seconds = time.perf_counter() - start
         losses = torch.stack(epoch_losses).float().cpu()  # one sync per epoch
         step_losses.extend(losses)
