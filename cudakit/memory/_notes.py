@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
+from .._notes import add_note
 from .._units import format_bytes, format_signed_bytes
 from . import _probes
 from .results import MEMORY_VIZ, MemoryReport
 
-__all__ = ["add_note", "explain_oom"]
-
-
-def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)`` where Python has it (3.11+)."""
-    add = getattr(exc, "add_note", None)
-    if add is not None:
-        add(note)
+__all__ = ["explain_oom"]
 
 
 def explain_oom(exc: BaseException, rep: MemoryReport) -> None:

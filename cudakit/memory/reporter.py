@@ -20,11 +20,12 @@ from typing_extensions import ParamSpec, Self
 
 from .._accel import follows_current_device
 from .._contextlib import ContextDecorator
+from .._notes import add_note
 from .._oom import is_oom_error
 from ..device import DeviceLike
 from . import _probes
 from ._frames import STACK, Frame
-from ._notes import add_note, explain_oom
+from ._notes import explain_oom
 from ._targets import Target
 from ._targets import targets as resolve_targets
 from ._throttle import Throttle

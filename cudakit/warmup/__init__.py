@@ -13,17 +13,19 @@ Public names:
 * :class:`preserve_state` is the no-trace guarantee on its own, as ``with`` or ``@``.
 * :func:`warmed` wraps a step function so that its first call is preceded by
   warm-up calls that leave no trace.
+* :func:`example_batch` takes a warm-up batch from a loader and leaves the RNG as it was.
 * :func:`find_batch_size` grows the batch size geometrically, then bisects;
   :func:`is_oom_error` is the out-of-memory test it uses.
 
 Modules: ``preserve`` (state rollback), ``passes`` (:func:`warmup`), ``report``,
-``warmed``, ``batch_size``; private: ``_args`` (shared argument checks),
-``_reserve`` (``reserve=``).
+``warmed``, ``example`` (:func:`example_batch`), ``batch_size``; private: ``_args``
+(shared argument checks), ``_loss`` (the two forms of ``loss_fn``), ``_reserve``.
 """
 
 from .._oom import is_oom_error
 from ..exceptions import MemoryReserveError, ReserveIgnoredWarning
 from .batch_size import find_batch_size
+from .example import example_batch
 from .passes import warmup
 from .preserve import preserve_state
 from .report import WarmupReport
@@ -33,6 +35,7 @@ __all__ = [
     "MemoryReserveError",
     "ReserveIgnoredWarning",
     "WarmupReport",
+    "example_batch",
     "find_batch_size",
     "is_oom_error",
     "preserve_state",

@@ -16,7 +16,7 @@ from typing_extensions import Self
 from .._contextlib import ContextDecorator
 from ._args import check_extra, check_model, check_optimizer
 
-__all__ = ["preserve_state"]
+__all__ = ["RngState", "preserve_state"]
 
 
 def _clone_value(value: Any) -> Any:
@@ -47,6 +47,34 @@ def _restore_dict(target: dict[Any, Any], saved: dict[Any, Any]) -> None:
     for key, value in saved.items():
         if key not in target or target[key] is not value:
             target[key] = value
+
+
+class RngState:
+    """The global random number generators (CPU, CUDA, ``random``, NumPy) and any extra
+    ``torch.Generator`` objects, saved so that :meth:`restore` puts them back."""
+
+    def __init__(self, generators: tuple[torch.Generator, ...] = ()) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.py = random.getstate()
+        np = sys.modules.get("numpy")
+        self.np = np.random.get_state() if np is not None else None
+        self.generators = [(g, g.get_state()) for g in generators]
+
+    def restore(self) -> None:
+        """Put every generator back as it was when this object was made."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        elif torch.cuda.is_initialized():
+            # CUDA started meanwhile: reset its generators to their fresh state.
+            torch.cuda.manual_seed_all(torch.cuda.initial_seed())
+        random.setstate(self.py)
+        np = sys.modules.get("numpy")
+        if np is not None and self.np is not None:
+            np.random.set_state(self.np)
+        for g, state in self.generators:
+            g.set_state(state)
 
 
 class _Snapshot:
@@ -111,12 +139,7 @@ class _Snapshot:
                     for g in optimizer.param_groups
                 ]
             self.extra = [(obj, copy.deepcopy(obj.state_dict())) for obj in extra]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_was_initialized = torch.cuda.is_initialized()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if self.cuda_was_initialized else None
-        self.py_rng = random.getstate()
-        np = sys.modules.get("numpy")
-        self.np_rng = np.random.get_state() if np is not None else None
+        self.rng = RngState()
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -148,16 +171,7 @@ class _Snapshot:
                     saved: dict[str, Any] = {k: _restore_value(v, c) for k, (v, c) in items.items()}
                     saved["params"] = params_obj
                     _restore_dict(g, saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        elif torch.cuda.is_initialized():
-            # CUDA started during the block: reset its generators to their fresh state.
-            torch.cuda.manual_seed_all(torch.cuda.initial_seed())
-        random.setstate(self.py_rng)
-        np = sys.modules.get("numpy")
-        if np is not None and self.np_rng is not None:
-            np.random.set_state(self.np_rng)
+        self.rng.restore()
 
 
 class preserve_state(ContextDecorator):

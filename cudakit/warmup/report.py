@@ -17,7 +17,8 @@ class WarmupReport:
     """What :func:`warmup` measured.
 
     Times are wall-clock seconds per pass (CUDA synchronised around each pass);
-    memory figures are bytes, ``None`` where not measured (on CPU, or without passes).
+    memory figures are bytes, ``None`` where not measured (without passes, or on a
+    device ``memory_report`` does not measure, such as MPS).
 
     >>> from cudakit.warmup import WarmupReport
     >>> r = WarmupReport(torch.device("cpu"), 2, True, (0.5, 0.1), None, None, None)
@@ -29,8 +30,10 @@ class WarmupReport:
         steps: Number of passes run.
         backward: Whether the passes ran backward too.
         pass_times: Seconds of each pass, in order.
-        peak_allocated: CUDA: peak bytes allocated during the last pass (the memory one
-            step needs, weights included); ``None`` on other devices.
+        peak_allocated: Peak memory during the last pass (the memory one step needs,
+            weights included), as ``memory_report`` measures it: CUDA allocated bytes
+            on a GPU, the process's resident set size (RSS) on the CPU; ``None``
+            elsewhere.
         reserved_after: CUDA: bytes held by the caching allocator after the call.
         reserve_requested: Bytes ``reserve=`` asked the allocator to hold, if given.
 
@@ -87,7 +90,8 @@ class WarmupReport:
             )
         na = "not measured on " + self.device.type
         peak = format_bytes(self.peak_allocated) if self.peak_allocated is not None else na
-        lines.append(f"  peak allocated in one step: {peak}")
+        what = "peak RSS of the process" if self.device.type == "cpu" else "peak allocated"
+        lines.append(f"  {what} in one step: {peak}")
         reserved = format_bytes(self.reserved_after) if self.reserved_after is not None else na
         lines.append(f"  reserved by the caching allocator after: {reserved}")
         return "\n".join(lines)
