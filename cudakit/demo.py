@@ -32,9 +32,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor, nn
@@ -292,14 +292,36 @@ def _plural(n: int, word: str) -> str:
 # -- command line ----------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+#: The largest values the options take: beyond them the demo cannot run (a seed torch
+#: cannot take, a data set that does not fit in memory, more processes than sense).
+MAX_SEED: Final = 2**62
+MAX_EPOCHS: Final = 10_000
+MAX_TRAIN_SIZE: Final = 1_000_000  # 12 KiB an image: 12 GiB
+MAX_NPROCS: Final = 256
+
+
+def _int_in(
+    minimum: int, maximum: int, *, what: str = "a positive integer"
+) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer in ``[minimum, maximum]``, with a clear message."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected {what}, at most {maximum}; got {value}. Use a smaller number."
+            )
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1, 2**31)
 
 
 def _batch_size(text: str) -> int | str:
@@ -327,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--epochs", type=_positive_int, default=3, metavar="N", help="epochs (default 3)"
+        "--epochs", type=_int_in(1, MAX_EPOCHS), default=3, metavar="N", help="epochs (default 3)"
     )
     p.add_argument(
         "--batch-size",
@@ -344,18 +366,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps (default auto)")
     p.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="seed of the data and the weights"
+        "--seed",
+        type=_int_in(0, MAX_SEED, what="a non-negative integer seed"),
+        default=0,
+        metavar="N",
+        help="seed of the data and the weights",
     )
     p.add_argument(
         "--train-size",
-        type=_positive_int,
+        type=_int_in(1, MAX_TRAIN_SIZE),
         default=None,
         metavar="N",
         help="training images (default 2048 on a CPU, 16384 on a GPU); 1/4 as many held out",
     )
     p.add_argument(
         "--nprocs",
-        type=_positive_int,
+        type=_int_in(1, MAX_NPROCS),
         default=1,
         metavar="N",
         help="train with DDP in N local processes (through cudakit.parallel.launch)",

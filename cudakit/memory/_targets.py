@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
+from .._check import check_device
 from ..device import DeviceLike, resolve_device
 from ..exceptions import DeviceError
 from . import _probes
@@ -27,7 +28,7 @@ def targets(device: DeviceLike | Literal["all"], who: str) -> tuple[Target, ...]
                 "device='cpu' for the process's resident memory."
             )
         return tuple((f"cuda:{i}", i) for i in range(cuda.device_count()))
-    dev = resolve_device(device)
+    dev = check_device(who, "device", device, resolve_device)
     if dev.type == "cuda":
         index = 0 if dev.index is None else dev.index
         return ((f"cuda:{index}", index),)

@@ -29,7 +29,7 @@ from ._notes import explain_oom
 from ._targets import Target
 from ._targets import targets as resolve_targets
 from ._throttle import Throttle
-from .results import DeviceMemory, MemoryReport
+from .results import DeviceMemory, MemoryReport, ReportFigures
 
 __all__ = ["LogTarget", "MemoryReported", "MemoryReporter", "memory_report"]
 
@@ -81,7 +81,7 @@ class MemoryReported(Protocol[P, R_co]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
 
-class MemoryReporter(ContextDecorator):
+class MemoryReporter(ContextDecorator, ReportFigures):
     """Measures a block (``with``) or every call of a function (``@``); see :func:`memory_report`.
 
     One object may be entered many times one after the other (a ``with`` inside a
@@ -91,7 +91,16 @@ class MemoryReporter(ContextDecorator):
     device at every entry, so an object made before ``torch.cuda.set_device``
     measures the right device.
 
+    The numbers of the latest finished block are also read from the reporter itself:
+    ``rep.peak_allocated`` is ``rep.last.peak_allocated`` (every figure of
+    :class:`MemoryReport`, and :attr:`elapsed`, :attr:`raised`, :attr:`devices`).
+
     >>> from cudakit.memory import memory_report
+    >>> step_memory = memory_report("step", device="cpu", file=None)
+    >>> with step_memory:
+    ...     pass
+    >>> step_memory.peak_allocated == step_memory.last.peak_allocated
+    True
     >>> lines = []
     >>> step_memory = memory_report("step", device="cpu", log=lines.append, every=2)
     >>> for _ in range(4):
@@ -149,6 +158,42 @@ class MemoryReporter(ContextDecorator):
     def last(self) -> MemoryReport | None:
         """The most recent finished report of this object (and its decorator clones)."""
         return self._agg.last
+
+    def _latest(self) -> MemoryReport:
+        """The open block's report, else the latest finished one; ``RuntimeError`` if none."""
+        rep = self._report if self._report is not None else self._agg.last
+        if rep is None:
+            raise RuntimeError(
+                f"memory_report({self.label or ''!r}) has not measured a block yet: its "
+                "numbers exist once a `with` block (or a decorated call) has ended, e.g. "
+                "`with rep: ...` then `rep.peak_allocated`. Use memory_snapshot() for the "
+                "numbers now."
+            )
+        return rep
+
+    def figures(self) -> DeviceMemory:
+        """The latest finished block's figures (see :meth:`MemoryReport.figures`).
+
+        .. versionadded:: 0.2
+        """
+        return self._latest().figures()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds the latest finished block took."""
+        return self._latest().elapsed
+
+    @property
+    def raised(self) -> str | None:
+        """The exception the latest finished block raised, by name, or ``None``."""
+        return self._latest().raised
+
+    @property
+    def devices(self) -> tuple[DeviceMemory, ...]:
+        """One :class:`DeviceMemory` per device of the latest finished block."""
+        rep = self._latest()
+        rep.figures()  # raises while the block is open, or when its numbers failed
+        return rep.devices
 
     @property
     def calls(self) -> int:

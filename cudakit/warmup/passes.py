@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .._accel import synchronize
-from .._check import fail_type, fail_value
+from .._check import check_device, fail_type, fail_value
 from .._notes import add_note
 from ..device import DeviceLike, resolve_device
 from ..exceptions import DeviceError, ReserveIgnoredWarning
@@ -206,7 +206,11 @@ def _plan(
             "loss_fn=lambda model, batch: ... returning the loss."
         )
     parsed = None if reserve is None else parse_reserve(reserve)
-    dev = resolve_device(device) if device is not None else _infer_device(module, batch)
+    dev = (
+        check_device("warmup", "device", device, resolve_device)
+        if device is not None
+        else _infer_device(module, batch)
+    )
     autocast, amp_state = _resolve_amp(amp, dev)
     extra_items = check_extra(extra, "warmup()")
     return _Plan(
