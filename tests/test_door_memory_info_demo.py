@@ -169,3 +169,13 @@ def test_demo_out_of_range_numbers_are_clean_errors(
     err = _error(capsys, *argv)
     assert re.search(message, err), err
     assert "Overflow" not in err
+
+
+def test_bare_decorator_form_checks_the_other_arguments_too() -> None:
+    def step() -> None:
+        pass
+
+    with pytest.raises(ValueError, match=r"memory_report\(every=0\) must be at least 1"):
+        memory_report(step, every=0)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"memory_report\(file=\.\.\.\) takes a text stream"):
+        memory_report(step, file="log.txt")  # type: ignore[call-overload]

@@ -423,9 +423,7 @@ def memory_report(
 
     .. versionadded:: 0.1
     """
-    if callable(label):
-        return MemoryReporter(None, device, file, log, every, record_history)(label)
-    if label is not None and not isinstance(label, str):
+    if label is not None and not isinstance(label, str) and not callable(label):
         raise TypeError(
             f"memory_report(label) takes a string naming the block, got "
             f"{type(label).__name__} {label!r}. For example: memory_report('train_step')."
@@ -462,4 +460,6 @@ def memory_report(
             f"got {type(record_history).__name__} {record_history!r}. "
             "For example: record_history='step.pickle'."
         )
+    if callable(label):  # bare @memory_report: every other argument checked above
+        return MemoryReporter(None, device, file, log, every, record_history)(label)
     return MemoryReporter(label, device, file, log, every, record_history)
