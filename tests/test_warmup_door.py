@@ -367,3 +367,84 @@ def test_models_are_not_copied_by_example_batch() -> None:
         torch.equal(a, b)
         for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {"model": "net"},
+            TypeError,
+            r"^warmed\(\) expects model to be a torch\.nn\.Module, got str",
+        ),
+        (
+            {"model": nn.Linear(1, 1), "optimizer": "sgd"},
+            TypeError,
+            r"^warmed\(\) expects optimizer to be a torch\.optim\.Optimizer or None, got str",
+        ),
+        (
+            {"model": nn.Linear(1, 1), "extra": 3},
+            TypeError,
+            r"^warmed\(\) expects extra to be a tuple",
+        ),
+        (
+            {"model": nn.LazyLinear(1)},
+            ValueError,
+            r"^warmed\(\) got a model with uninitialized lazy",
+        ),
+    ],
+)
+def test_warmed_errors_name_warmed(
+    kwargs: dict[str, Any], exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        warmed(**kwargs)
+
+
+def test_a_refused_warmed_changes_nothing() -> None:
+    model = _net()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"warmed\(\) expects steps to be an int >= 1, got 0"):
+        warmed(model=model, steps=0)
+    assert _same(before, _state(model))
+
+
+@pytest.mark.parametrize(
+    ("spec", "exc", "match"),
+    [
+        ("lots", ValueError, r"^warmup\(\): reserve='lots' is not a size.*\"80%\""),
+        ([1], TypeError, r"^warmup\(\): reserve= got list \[1\]\. Pass bytes"),
+        (2.0, ValueError, r"^warmup\(\): reserve=2\.0 is read as a fraction.*\(0, 1\]"),
+    ],
+)
+def test_reserve_errors_name_warmup_and_change_nothing(
+    spec: Any, exc: type[Exception], match: str
+) -> None:
+    model = _net()
+    before = _state(model)
+    with pytest.raises(exc, match=match):
+        warmup(model, _data(), loss_fn=nn.CrossEntropyLoss(), reserve=spec)
+    assert _same(before, _state(model))
+
+
+def test_steps_error_shows_the_value_and_the_fix() -> None:
+    with pytest.raises(
+        TypeError, match=r"warmup\(\) expects steps to be an int >= 1, got float 2\.5\. .*steps=2"
+    ):
+        warmup(nn.Linear(1, 1), torch.ones(1), steps=2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"start": "32"}, TypeError, r"start to be an int, got str '32'\. .*e\.g\. start=32"),
+        ({"upper": 0}, ValueError, r"upper >= 1, got 0\. Batch sizes count samples"),
+    ],
+)
+def test_find_batch_size_errors_say_the_fix(
+    kwargs: dict[str, Any], exc: type[Exception], match: str
+) -> None:
+    calls: list[int] = []
+    with pytest.raises(exc, match=match):
+        find_batch_size(calls.append, **kwargs)
+    assert calls == []  # refused before any trial ran

@@ -38,29 +38,29 @@ def parse_reserve(spec: object) -> tuple[str, float]:
         '(a float in (0, 1], or a string like "80%"), or None.'
     )
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise TypeError(f"reserve= got {type(spec).__name__} {spec!r}. {fix}")
+        raise TypeError(f"warmup(): reserve= got {type(spec).__name__} {spec!r}. {fix}")
     if isinstance(spec, int):
         if spec <= 0:
-            raise ValueError(f"reserve={spec} bytes must be positive. {fix}")
+            raise ValueError(f"warmup(): reserve={spec} bytes must be positive. {fix}")
         return "bytes", float(spec)
     if isinstance(spec, float):
         if not 0.0 < spec <= 1.0:
             raise ValueError(
-                f"reserve={spec} is read as a fraction of total device memory and must be in "
-                f"(0, 1]. {fix}"
+                f"warmup(): reserve={spec} is read as a fraction of total device memory and "
+                f"must be in (0, 1]. {fix}"
             )
         return "fraction", spec
     m = _SIZE_RE.match(spec)
     unit = m.group(2).lower() if m else ""
     if m is None or (unit != "%" and unit not in _UNITS):
-        raise ValueError(f"reserve={spec!r} is not a size cudakit understands. {fix}")
+        raise ValueError(f"warmup(): reserve={spec!r} is not a size cudakit understands. {fix}")
     value = float(m.group(1))
     if unit == "%":
         if not 0.0 < value <= 100.0:
-            raise ValueError(f"reserve={spec!r} must be a percentage in (0, 100]. {fix}")
+            raise ValueError(f"warmup(): reserve={spec!r} must be a percentage in (0, 100]. {fix}")
         return "fraction", value / 100.0
     if value * _UNITS[unit] < 1:
-        raise ValueError(f"reserve={spec!r} asks for no memory. {fix}")
+        raise ValueError(f"warmup(): reserve={spec!r} asks for no memory. {fix}")
     return "bytes", value * _UNITS[unit]
 
 

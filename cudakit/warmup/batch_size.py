@@ -34,10 +34,14 @@ def free_memory() -> None:
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"find_batch_size() expects {name} to be an int, got {type(value).__name__} {value!r}."
+            f"find_batch_size() expects {name} to be an int, got {type(value).__name__} "
+            f"{value!r}. Pass a whole number of samples, e.g. {name}=32."
         )
     if value < 1:
-        raise ValueError(f"find_batch_size() expects {name} >= 1, got {value}.")
+        raise ValueError(
+            f"find_batch_size() expects {name} >= 1, got {value}. Batch sizes count samples, "
+            f"from 1; e.g. {name}=32."
+        )
     return value
 
 

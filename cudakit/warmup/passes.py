@@ -179,7 +179,10 @@ def _plan(
     module = check_model(model, "warmup()")
     opt = check_optimizer(optimizer, "warmup()")
     if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"warmup() expects steps to be an int >= 1, got {type(steps).__name__}.")
+        raise TypeError(
+            f"warmup() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
+            "Two passes is typical: steps=2."
+        )
     if steps < 1:
         raise ValueError(f"warmup() expects steps >= 1, got {steps}. Two passes is typical.")
     _check_plan_shape(module, batch, loss_fn, reserve)

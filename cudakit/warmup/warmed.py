@@ -12,6 +12,7 @@ from torch import nn
 from typing_extensions import ParamSpec
 
 from .._contextlib import reject_deferred_body
+from ._args import check_extra, check_model, check_optimizer
 from .preserve import preserve_state
 
 P = ParamSpec("P")
@@ -100,8 +101,10 @@ def warmed(
 
     .. versionadded:: 0.1
     """
-    guard = preserve_state(model, optimizer, extra=extra)
-    if guard.model is None:
+    module = check_model(model, "warmed()")
+    opt = check_optimizer(optimizer, "warmed()")
+    extra_items = check_extra(extra, "warmed()")
+    if module is None:
         raise TypeError(
             "warmed() needs model=, the module the step function trains, so that the warm-up "
             "calls can be rolled back. Write @warmed(model=model, optimizer=optimizer)."
@@ -112,6 +115,7 @@ def warmed(
         )
     if steps < 1:
         raise ValueError(f"warmed() expects steps to be an int >= 1, got {steps!r}.")
+    guard = preserve_state(module, opt, extra=extra_items)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         if not callable(func):
