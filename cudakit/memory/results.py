@@ -255,7 +255,10 @@ class MemoryReport(ReportFigures):
         return self.devices
 
     def figures(self) -> DeviceMemory:
-        """The block's figures: the device's, or the sum over :attr:`devices`."""
+        """The block's figures: the device's, or the sum over :attr:`devices`.
+
+        .. versionadded:: 0.2
+        """
         return combine(self._devs())
 
     def line(self) -> str:
