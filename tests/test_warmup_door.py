@@ -448,3 +448,14 @@ def test_find_batch_size_errors_say_the_fix(
     with pytest.raises(exc, match=match):
         find_batch_size(calls.append, **kwargs)
     assert calls == []  # refused before any trial ran
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_a_criterion_that_fails_gets_a_note_saying_how_it_was_called() -> None:
+    def crit(output: torch.Tensor, target: Any) -> torch.Tensor:
+        return output.no_such_method()  # type: ignore[attr-defined,no-any-return]
+
+    with pytest.raises(AttributeError) as info:
+        warmup(_net(), _data(), loss_fn=crit)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "This one was called as loss_fn(model(inputs), target)." in notes

@@ -234,16 +234,19 @@ def _plan(
 def _one_pass(plan: _Plan, model: nn.Module) -> Any:
     """The forward pass (and loss) of one warm-up pass, under the plan's autocast."""
     with plan.autocast():
+        if plan.loss_fn is None:
+            return call_model(model, plan.batch)
         if plan.criterion:
             inputs, target = plan.batch
-            return plan.loss_fn(call_model(model, inputs), target)  # type: ignore[misc]
-        if plan.loss_fn is not None:
-            try:
-                return plan.loss_fn(model, plan.batch)
-            except (TypeError, AttributeError) as exc:
-                add_note(exc, f"cudakit: {describe_forms()} This one was called as the latter.")
-                raise
-        return call_model(model, plan.batch)
+            args: tuple[Any, Any] = (call_model(model, inputs), target)
+            form = "loss_fn(model(inputs), target)"
+        else:
+            args, form = (model, plan.batch), "loss_fn(model, batch)"
+        try:
+            return plan.loss_fn(*args)
+        except (TypeError, AttributeError) as exc:
+            add_note(exc, f"cudakit: {describe_forms()} This one was called as {form}.")
+            raise
 
 
 def _run_passes(plan: _Plan, model: nn.Module) -> tuple[list[float], bool, int | None]:
