@@ -179,3 +179,13 @@ def test_bare_decorator_form_checks_the_other_arguments_too() -> None:
         memory_report(step, every=0)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match=r"memory_report\(file=\.\.\.\) takes a text stream"):
         memory_report(step, file="log.txt")  # type: ignore[call-overload]
+
+
+def test_time_and_outcome_of_an_open_reporter_are_not_read_as_zero() -> None:
+    rep = memory_report("open", device="cpu", file=None)
+    with rep:
+        with pytest.raises(RuntimeError, match="still open"):
+            _ = rep.elapsed
+        with pytest.raises(RuntimeError, match="still open"):
+            _ = rep.raised
+    assert rep.elapsed > 0

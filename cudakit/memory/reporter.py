@@ -160,7 +160,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         return self._agg.last
 
     def _latest(self) -> MemoryReport:
-        """The open block's report, else the latest finished one; ``RuntimeError`` if none."""
+        """The latest finished report; ``RuntimeError`` while a block is open, or before one."""
         rep = self._report if self._report is not None else self._agg.last
         if rep is None:
             raise RuntimeError(
@@ -169,6 +169,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
                 "`with rep: ...` then `rep.peak_allocated`. Use memory_snapshot() for the "
                 "numbers now."
             )
+        rep.figures()  # raises while the block is open, or when its numbers failed
         return rep
 
     def figures(self) -> DeviceMemory:
@@ -191,9 +192,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
     @property
     def devices(self) -> tuple[DeviceMemory, ...]:
         """One :class:`DeviceMemory` per device of the latest finished block."""
-        rep = self._latest()
-        rep.figures()  # raises while the block is open, or when its numbers failed
-        return rep.devices
+        return self._latest().devices
 
     @property
     def calls(self) -> int:
