@@ -731,7 +731,7 @@ def _train_loop(
     warm = warmup(
         model,
         example,
-        loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]),
+        loss_fn=loss_fn,  # the criterion, called as loss_fn(model(images), labels)
         steps=2,
         optimizer=optimizer,
         amp=step,
