@@ -375,12 +375,12 @@ def test_models_are_not_copied_by_example_batch() -> None:
         (
             {"model": "net"},
             TypeError,
-            r"^warmed\(\) expects model to be a torch\.nn\.Module, got str",
+            r"^warmed\(model=\.\.\.\) expects a torch\.nn\.Module, got str 'net'\. Pass the module",
         ),
         (
             {"model": nn.Linear(1, 1), "optimizer": "sgd"},
             TypeError,
-            r"^warmed\(\) expects optimizer to be a torch\.optim\.Optimizer or None, got str",
+            r"^warmed\(optimizer=\.\.\.\) expects a torch\.optim\.Optimizer or None, got str 'sgd'",
         ),
         (
             {"model": nn.Linear(1, 1), "extra": 3},

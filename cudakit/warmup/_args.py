@@ -8,38 +8,50 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._check import check_optional, check_type
+
 __all__ = ["check_extra", "check_model", "check_optimizer"]
 
 
-def check_model(model: object, where: str) -> nn.Module | None:
+def check_model(model: object, func: str) -> nn.Module | None:
+    """``model`` if it is ``None`` or a module whose parameters all exist."""
     if model is None:
         return None
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{where} expects model to be a torch.nn.Module, got {type(model).__name__}. "
-            "Pass the module itself (not its state_dict or parameters())."
-        )
-    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    module = check_type(
+        func,
+        "model",
+        model,
+        nn.Module,
+        expected="a torch.nn.Module",
+        fix="Pass the module itself (not its state_dict or parameters()).",
+    )
+    where = f"{func}()"
+    lazy = [n for n, p in module.named_parameters() if nn.parameter.is_lazy(p)]
     if lazy:
         raise ValueError(
             f"{where} got a model with uninitialized lazy parameters ({', '.join(lazy[:3])}); "
             "a warm-up pass would materialize them and that cannot be undone. Run one "
             "forward pass first, e.g. `model(example_input)`, then call it again."
         )
-    return model
+    return module
 
 
-def check_optimizer(optimizer: object, where: str) -> torch.optim.Optimizer | None:
-    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    raise TypeError(
-        f"{where} expects optimizer to be a torch.optim.Optimizer or None, got "
-        f"{type(optimizer).__name__}. Pass the optimizer object; put schedulers and "
-        "GradScalers in extra=(...)."
+def check_optimizer(optimizer: object, func: str) -> torch.optim.Optimizer | None:
+    """``optimizer`` if it is ``None`` or an optimizer."""
+    return check_optional(
+        check_type,
+        func,
+        "optimizer",
+        optimizer,
+        types=torch.optim.Optimizer,
+        expected="a torch.optim.Optimizer or None",
+        fix="Pass the optimizer object; put schedulers and GradScalers in extra=(...).",
     )
 
 
-def check_extra(extra: object, where: str) -> tuple[Any, ...]:
+def check_extra(extra: object, func: str) -> tuple[Any, ...]:
+    """``extra`` as a tuple of objects with ``state_dict()`` and ``load_state_dict()``."""
+    where = f"{func}()"
     if not isinstance(extra, Iterable) or isinstance(extra, (str, bytes)):
         raise TypeError(
             f"{where} expects extra to be a tuple of objects with state_dict() and "

@@ -176,8 +176,8 @@ def _plan(
     device: DeviceLike,
 ) -> _Plan:
     """Check every argument of :func:`warmup` and decide what it runs; changes nothing."""
-    module = check_model(model, "warmup()")
-    opt = check_optimizer(optimizer, "warmup()")
+    module = check_model(model, "warmup")
+    opt = check_optimizer(optimizer, "warmup")
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(
             f"warmup() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
@@ -215,7 +215,7 @@ def _plan(
         else _infer_device(module, batch)
     )
     autocast, amp_state = _resolve_amp(amp, dev)
-    extra_items = check_extra(extra, "warmup()")
+    extra_items = check_extra(extra, "warmup")
     return _Plan(
         module,
         batch,

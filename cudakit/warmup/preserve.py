@@ -218,9 +218,9 @@ class preserve_state(ContextDecorator):
         *,
         extra: Iterable[Any] = (),
     ) -> None:
-        self.model = check_model(model, "preserve_state()")
-        self.optimizer = check_optimizer(optimizer, "preserve_state()")
-        self.extra = check_extra(extra, "preserve_state()")
+        self.model = check_model(model, "preserve_state")
+        self.optimizer = check_optimizer(optimizer, "preserve_state")
+        self.extra = check_extra(extra, "preserve_state")
         self._snapshots: list[_Snapshot] = []
 
     def clone(self) -> Self:

@@ -101,9 +101,9 @@ def warmed(
 
     .. versionadded:: 0.1
     """
-    module = check_model(model, "warmed()")
-    opt = check_optimizer(optimizer, "warmed()")
-    extra_items = check_extra(extra, "warmed()")
+    module = check_model(model, "warmed")
+    opt = check_optimizer(optimizer, "warmed")
+    extra_items = check_extra(extra, "warmed")
     if module is None:
         raise TypeError(
             "warmed() needs model=, the module the step function trains, so that the warm-up "
