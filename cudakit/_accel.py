@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["current_cuda_index"]
+__all__ = ["current_cuda_index", "follows_current_device", "synchronize"]
 
 
 def current_cuda_index() -> int:
@@ -14,3 +14,20 @@ def current_cuda_index() -> int:
     if torch.cuda.is_initialized():
         return int(torch.cuda.current_device())
     return 0
+
+
+def follows_current_device(device: object) -> bool:
+    """Whether ``device=`` means "this thread's current CUDA device" rather than a fixed one.
+
+    ``None``, ``"auto"``, ``"cuda"`` and ``torch.device("cuda")`` follow
+    ``torch.cuda.set_device``; ``"cuda:1"``, ``"cpu"`` and the like do not.
+    """
+    if isinstance(device, torch.device):
+        return device.type == "cuda" and device.index is None
+    return device is None or (isinstance(device, str) and device in ("auto", "cuda"))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op for devices that run synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._check import check_bool
 from ._units import format_bytes
 from .device import resolve_device
 
@@ -117,8 +118,12 @@ def device_info(*, init_cuda: bool = False) -> DeviceInfo:
     Returns:
         A frozen :class:`DeviceInfo`; ``str()`` gives the text ``cudakit info`` prints.
 
+    Raises:
+        TypeError: ``init_cuda`` is not a bool (``"no"`` would be truthy).
+
     .. versionadded:: 0.1
     """
+    check_bool("device_info", "init_cuda", init_cuda)
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
     initialized = bool(available and torch.cuda.is_initialized())
