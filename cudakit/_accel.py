@@ -1,10 +1,19 @@
-"""The current accelerator device, read without starting CUDA (one home for it)."""
+"""The current accelerator device and what the hardware runs natively (one home for both).
+
+Nothing here starts CUDA.
+"""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["current_cuda_index", "follows_current_device", "synchronize"]
+__all__ = [
+    "cpu_native_bf16",
+    "cpu_native_fp16",
+    "current_cuda_index",
+    "follows_current_device",
+    "synchronize",
+]
 
 
 def current_cuda_index() -> int:
@@ -31,3 +40,21 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op for devices that run synchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cpu_native_bf16() -> bool:
+    """True when this CPU computes bf16 natively (oneDNN's AVX512-bf16/AMX check)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+def cpu_native_fp16() -> bool:
+    """True when this CPU computes fp16 natively (oneDNN's AVX512-fp16/AMX-fp16 check)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False

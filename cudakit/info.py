@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._accel import cpu_native_bf16, cpu_native_fp16
 from ._check import check_bool
 from ._units import format_bytes
 from .device import resolve_device
@@ -51,6 +52,10 @@ class DeviceInfo:
     devices: tuple[CudaDeviceInfo, ...] = field(default_factory=tuple)
     #: Set when per-device details were left out, saying why.
     note: str | None = None
+    #: This CPU computes bf16 natively (AVX512-bf16/AMX); else bf16 is emulated and slow.
+    cpu_bf16_native: bool = False
+    #: This CPU computes fp16 natively (AVX512-fp16/AMX-fp16).
+    cpu_fp16_native: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable dict of every field."""
@@ -70,6 +75,13 @@ class DeviceInfo:
             f"current device  {'n/a' if self.current_device is None else self.current_device}",
             f"MPS available   {self.mps_available}",
             f"training device {self.training_device}",
+            f"CPU native bf16 {'yes' if self.cpu_bf16_native else 'no'}, "
+            f"native fp16 {'yes' if self.cpu_fp16_native else 'no'}"
+            + (
+                ""
+                if self.cpu_bf16_native
+                else " (autocast_step(dtype='auto') trains in float32 on this CPU)"
+            ),
         ]
         if not self.cuda_available:
             lines.append(
@@ -167,4 +179,6 @@ def device_info(*, init_cuda: bool = False) -> DeviceInfo:
         training_device=str(resolve_device("auto")),
         devices=tuple(devices),
         note=note,
+        cpu_bf16_native=cpu_native_bf16(),
+        cpu_fp16_native=cpu_native_fp16(),
     )

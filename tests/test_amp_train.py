@@ -528,3 +528,39 @@ def test_property_corrupted_state_loads_whole_or_changes_nothing(field: str, val
         after = fresh.state_dict()
         assert 0 <= after["position"] < 2
         assert after["consecutive_skipped"] <= after["skipped_steps"]
+
+
+def test_cpu_without_native_bf16_gets_float32(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import cudakit.amp.policy as policy
+    import cudakit.amp.step as step_module
+
+    # An AVX2-only CPU: oneDNN reports no native bf16 or fp16.
+    monkeypatch.setattr(step_module, "probe_capabilities", lambda device_type: Capabilities())
+    monkeypatch.setattr(policy, "_logged", set())
+    caplog.set_level(logging.INFO, logger="cudakit.amp")
+    for _ in range(2):
+        step = autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+        assert step.dtype == torch.float32
+        assert not step.enabled
+        assert step.scaler is None
+    logged = [r.getMessage() for r in caplog.records if r.name == "cudakit.amp"]
+    assert len(logged) == 1  # once, not per step
+    assert "no native bf16" in logged[0]
+    # An LSTM, which oneDNN refuses in emulated bf16, trains.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 8, batch_first=True)
+    lstm_step = autocast_step(torch.optim.Adam(lstm.parameters(), lr=1e-3))
+    assert lstm_step(lambda x: lstm(x)[0].pow(2).mean())(torch.randn(2, 3, 4)).stepped
+
+
+def test_probe_reads_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudakit.amp.policy import probe_capabilities
+
+    caps = probe_capabilities("cpu")
+    assert caps.cpu_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not caps.cuda_bf16
+    assert probe_capabilities("meta") == Capabilities()

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._accel import cpu_native_bf16, cpu_native_fp16
+
 __all__ = [
     "DTYPE_ALIASES",
     "Capabilities",
@@ -140,24 +142,6 @@ def decide_precision(
 def _precision(dtype: torch.dtype, reason: str = "") -> Precision:
     on = dtype != torch.float32
     return Precision(dtype, on, dtype == torch.float16, reason)
-
-
-def cpu_native_bf16() -> bool:
-    """True when this CPU computes bf16 natively (oneDNN's AVX512-bf16/AMX check)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
-
-
-def cpu_native_fp16() -> bool:
-    """True when this CPU computes fp16 natively (oneDNN's AVX512-fp16/AMX-fp16 check)."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False
 
 
 def _cuda_native_bf16() -> bool:
