@@ -15,6 +15,7 @@ from .data import loader_kwargs, prefetch
 from .device import DeviceLike, on_device, resolve_device
 from .exceptions import (
     BatchSizeSearchError,
+    CompiledWarmupWarning,
     CudakitError,
     DeviceError,
     DistributedSetupError,
@@ -43,6 +44,7 @@ from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmu
 __all__ = [
     "AutocastStep",
     "BatchSizeSearchError",
+    "CompiledWarmupWarning",
     "CudaDeviceInfo",
     "CudakitError",
     "DeviceError",

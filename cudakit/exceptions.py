@@ -12,6 +12,7 @@ exception type that describes it, so ``except ValueError`` keeps working::
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
     ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
+    CompiledWarmupWarning(UserWarning)       warmup() of a compiled model without amp=
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
 ``TypeError``/``ValueError``; calls made in the wrong order raise ``RuntimeError``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 __all__ = [
     "BatchSizeSearchError",
+    "CompiledWarmupWarning",
     "CudakitError",
     "DeviceError",
     "DistributedSetupError",
@@ -50,6 +52,17 @@ class BatchSizeSearchError(CudakitError, RuntimeError):
 
 class DistributedSetupError(CudakitError, RuntimeError):
     """The distributed environment is incomplete or inconsistent."""
+
+
+class CompiledWarmupWarning(UserWarning):
+    """``warmup()`` of a ``torch.compile``'d model without ``amp=``.
+
+    The warm-up passes would compile the float32 graph, and the first training step
+    under autocast would compile again. Pass ``amp=`` the ``autocast_step`` you train
+    with (or the dtype); ``amp=torch.float32`` says float32 training is meant.
+
+    .. versionadded:: 0.2
+    """
 
 
 class ReserveIgnoredWarning(UserWarning):

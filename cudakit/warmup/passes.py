@@ -24,7 +24,7 @@ from .._accel import synchronize
 from .._check import check_device, fail_type, fail_value
 from .._notes import add_note
 from ..device import DeviceLike, resolve_device
-from ..exceptions import DeviceError, ReserveIgnoredWarning
+from ..exceptions import CompiledWarmupWarning, DeviceError, ReserveIgnoredWarning
 from ..memory import memory_report
 from ._args import check_extra, check_model, check_optimizer
 from ._loss import call_model, describe_forms, loss_form, loss_of
@@ -162,6 +162,11 @@ class _Plan:
     reserve: ReserveSpec
     parsed_reserve: tuple[str, float] | None
     device: torch.device
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """True for a ``torch.compile``'d module (its ``OptimizedModule`` wrapper)."""
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
 def _plan(
@@ -381,11 +386,26 @@ def warmup(
         MemoryReserveError: ``reserve`` asks for more memory than is free; nothing
             is allocated.
 
+    Warns:
+        CompiledWarmupWarning: a ``torch.compile``'d model without ``amp=``: the
+            passes would compile the float32 graph, and training under autocast would
+            compile again.
+
     .. versionadded:: 0.1
     .. versionchanged:: 0.2
        Functional criteria (``F.nll_loss``); the CPU peak is measured; more checks.
     """
     plan = _plan(model, example_batch, loss_fn, steps, optimizer, amp, extra, reserve, device)
+    if amp is None and plan.model is not None and _is_compiled(plan.model):
+        warnings.warn(
+            "warmup() got a torch.compile'd model and no amp=, so it compiles the float32 "
+            'graph; a training step under autocast then recompiles it ("GLOBAL_STATE '
+            'changed: autocast"). Pass amp=step (your autocast_step) or the dtype you train '
+            "in, e.g. amp=torch.bfloat16, so warm-up compiles the graph training runs; "
+            "amp=torch.float32 says float32 training is meant.",
+            CompiledWarmupWarning,
+            stacklevel=2,
+        )
     times: list[float] = []
     backward = False
     peak: int | None = None
