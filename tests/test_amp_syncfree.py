@@ -211,3 +211,26 @@ def test_compile_true_fullgraph_no_recompiles_and_matches_eager() -> None:
     assert counters["stats"]["unique_graphs"] <= 2  # window positions: one graph each at most
     for a, b in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2)  # 10 steps of at most 2 * lr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_guarded_steps_never_synchronize(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))
+    step = autocast_step(
+        opt, model=model, dtype=dtype, max_grad_norm=1.0, accumulate=2, scheduler=sched
+    )
+    assert step.sync_free
+    fn = step(lambda x, y: _loss(model, x, y))
+    data = [(x.cuda(), y.cuda()) for x, y in _data(21, nan_at=9)]
+    fn(*data[0])  # persistent buffers are made on the first call
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in data[1:]:
+            fn(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.skipped_steps >= 1  # the NaN window (fp16 may also skip while scaling)
