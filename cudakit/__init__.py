@@ -1,9 +1,9 @@
 """cudakit: fast, correct PyTorch training on NVIDIA GPUs without rewriting the loop.
 
-Five composable utilities, each a plain call, a decorator or a ``with`` block:
-:func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`
-and :func:`parallelize`, plus device detection (:func:`device_info`) and
-data-loading helpers (:func:`prefetch`, :func:`loader_kwargs`).
+Six composable utilities, each a plain call, a decorator or a ``with`` block:
+:func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`,
+:func:`parallelize` and :func:`prefetch`, plus device detection
+(:func:`device_info`) and DataLoader settings (:func:`loader_kwargs`).
 
 Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 ``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``.

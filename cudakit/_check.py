@@ -3,7 +3,7 @@
 Each validator checks one argument and raises at the door, before anything happens:
 ``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. Every message names
 the function and the argument, says what came and what is expected, and ends with the
-fix::
+fix, for example:
 
     check_int("autocast_step", "accumulate", "4", minimum=1)
     # TypeError: autocast_step(accumulate=...) expects an int >= 1, got str '4'. ...

@@ -205,7 +205,7 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
         env: a mapping of environment variables; ``None`` reads ``os.environ``.
 
     Returns:
-        A :class:`DistributedEnv`, or ``None`` when no launcher set the variables.
+        A ``DistributedEnv``, or ``None`` when no launcher set the variables.
 
     Raises:
         DistributedSetupError: variables are missing although ``WORLD_SIZE`` > 1, or

@@ -1,7 +1,8 @@
 """Exceptions raised by cudakit.
 
 Every cudakit error derives from :class:`CudakitError` *and* from the standard
-exception type that describes it, so ``except ValueError`` keeps working::
+exception type that describes it, so ``except ValueError`` keeps working. The
+hierarchy:
 
     CudakitError
     ├── DeviceError(ValueError)              a device spec that cannot be honoured

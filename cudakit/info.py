@@ -128,7 +128,7 @@ def device_info(*, init_cuda: bool = False) -> DeviceInfo:
         init_cuda: allow starting CUDA to read per-device properties and free memory.
 
     Returns:
-        A frozen :class:`DeviceInfo`; ``str()`` gives the text ``cudakit info`` prints.
+        A frozen ``DeviceInfo``; ``str()`` gives the text ``cudakit info`` prints.
 
     Raises:
         TypeError: ``init_cuda`` is not a bool (``"no"`` would be truthy).

@@ -12,6 +12,7 @@ precision decision), ``guard`` (the non-finite check and its verdict across rank
 state dicts) and ``step`` (the thin :class:`AutocastStep` that composes them).
 """
 
+from .result import Verdict
 from .step import AutocastStep, SteppedFunction, StepResult, autocast_step
 
-__all__ = ["AutocastStep", "StepResult", "SteppedFunction", "autocast_step"]
+__all__ = ["AutocastStep", "StepResult", "SteppedFunction", "Verdict", "autocast_step"]

@@ -52,7 +52,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Capabilities(NamedTuple):
-    """What the hardware runs natively (False where it was not asked or is absent)."""
+    """What the hardware runs natively (False where it was not asked or is absent).
+
+    .. versionadded:: 0.2
+    """
 
     #: The CUDA device computes bf16 natively (compute capability 8.0 or later).
     cuda_bf16: bool = False
@@ -63,7 +66,10 @@ class Capabilities(NamedTuple):
 
 
 class Precision(NamedTuple):
-    """A decided precision: ``dtype`` is float32 exactly when autocast is off."""
+    """A decided precision: ``dtype`` is float32 exactly when autocast is off.
+
+    .. versionadded:: 0.2
+    """
 
     dtype: torch.dtype
     autocast: bool
@@ -115,6 +121,8 @@ def decide_precision(
     >>> decide_precision(None, "cuda", enabled=True, user_scaler=False,
     ...                  caps=Capabilities(cuda_bf16=True)).dtype
     torch.bfloat16
+
+    .. versionadded:: 0.2
     """
     if not enabled:
         return Precision(torch.float32, False, False)

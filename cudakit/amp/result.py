@@ -153,6 +153,8 @@ class Verdict:
     >>> v = Verdict(torch.zeros(1), skipped=True)
     >>> bool(v), v == False, v
     (False, True, False)
+
+    .. versionadded:: 0.2
     """
 
     __slots__ = ("_flag", "_skipped", "_value")

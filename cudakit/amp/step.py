@@ -551,7 +551,7 @@ class AutocastStep:
                 ``{"loss": summed_loss, "weight": count}``), kept as ``StepResult.output``.
 
         Returns:
-            What this call did, as a :class:`StepResult`.
+            What this call did, as a ``StepResult``.
 
         Raises:
             TypeError: ``loss`` holds no loss tensor.
@@ -910,7 +910,7 @@ class AutocastStep:
         True
 
         Returns:
-            The step's result as a :class:`StepResult` (``output`` is None, ``loss`` is
+            The step's result as a ``StepResult`` (``output`` is None, ``loss`` is
             the last micro-batch's), or None when nothing was pending.
 
         Raises:

@@ -14,14 +14,14 @@ Design notes:
   keeps the peak it saw before each later reset (``_frames``).
 * **Threads.** Reports on different threads that overlap on one device are marked
   ``shared=True``.
-* **Seams.** Everything read from ``torch.cuda`` or ``/proc`` goes through
-  ``_probes``; tests replace its objects with fakes.
 
 Modules: ``results`` (the report types and their one renderer), ``reporter``
-(:func:`memory_report`), ``snapshot`` (:func:`memory_snapshot`); private:
-``_probes``, ``_frames`` (open reports), ``_targets`` (``device=``), ``_throttle``
-(aggregate output), ``_notes`` (out-of-memory notes).
+(:func:`memory_report`), ``snapshot`` (:func:`memory_snapshot`).
 """
+
+# Private modules: _probes (every read of torch.cuda or /proc; tests replace its
+# objects with fakes), _frames (open reports), _targets (device=), _throttle
+# (aggregate output), _notes (out-of-memory notes).
 
 from .reporter import MemoryReported, MemoryReporter, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot

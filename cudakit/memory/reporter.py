@@ -8,6 +8,7 @@ marked ``shared=True`` and say so in their text rather than being silently wrong
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -120,9 +121,6 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         log: LogTarget | None,
         every: int | None,
         record_history: str | os.PathLike[str] | None,
-        *,
-        _targets: tuple[Target, ...] | None = None,
-        _agg: Throttle | None = None,
     ) -> None:
         self.label = label
         self._device = device
@@ -130,9 +128,9 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         self._log = log
         self._every = every
         self._history = None if record_history is None else os.fspath(record_history)
-        self._targets = _targets if _targets is not None else self._resolve()
+        self._targets = self._resolve()
         self._follow = follows_current_device(device)
-        self._agg_ = _agg  # created on first use: most `with` reports never need it
+        self._agg_: Throttle | None = None  # made on first use: most `with` reports never need it
         self._frames: list[Frame] | None = None
         self._report: MemoryReport | None = None
         self._t0 = 0.0
@@ -201,16 +199,13 @@ class MemoryReporter(ContextDecorator, ReportFigures):
 
     def clone(self, label: str | _Keep | None = _KEEP) -> Self:
         """A fresh, un-entered reporter with the same settings and the same output throttle."""
-        return type(self)(
-            self.label if isinstance(label, _Keep) else label,
-            self._device,
-            self._file,
-            self._log,
-            self._every,
-            self._history,
-            _targets=self._targets,
-            _agg=self._agg,
-        )
+        twin = copy.copy(self)  # the settings, the resolved targets, the throttle
+        twin.label = self.label if isinstance(label, _Keep) else label
+        twin._agg_ = self._agg  # shared: made now if it was not yet
+        twin._frames = None
+        twin._report = None
+        twin._t0 = 0.0
+        return twin
 
     def __call__(self, func: Callable[P, R]) -> MemoryReported[P, R]:
         """Decorate ``func``: every call is measured; output is throttled (see ``every``)."""
@@ -412,7 +407,7 @@ def memory_report(
             CUDA only. Starts CUDA if needed, since you asked for it.
 
     Returns:
-        A :class:`MemoryReporter` (``with`` yields a :class:`MemoryReport`), or the
+        A ``MemoryReporter`` (``with`` yields a ``MemoryReport``), or the
         decorated function when used as bare ``@memory_report``.
 
     Raises:

@@ -35,7 +35,7 @@ def memory_snapshot(
             ``"all"`` (every visible CUDA device, returned as a list).
 
     Returns:
-        A :class:`MemorySnapshot`, or a list of them for ``device="all"``.
+        A ``MemorySnapshot``, or a list of them for ``device="all"``.
 
     Raises:
         DeviceError: the device does not exist or cannot be measured.

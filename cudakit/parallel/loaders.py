@@ -148,7 +148,7 @@ def distributed_loader(
         **loader_kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``...).
 
     Returns:
-        A :class:`DistributedLoader`.
+        A ``DistributedLoader``.
 
     Raises:
         TypeError: a dataset that is not map-style (an ``IterableDataset``, a

@@ -390,7 +390,7 @@ def parallelize(
             ``"auto"`` they are ignored, with a log line, when no DDP is chosen.
 
     Returns:
-        The model, moved and possibly wrapped; use :func:`unwrap` to get yours back.
+        The model, moved and possibly wrapped; use ``unwrap`` to get yours back.
 
     Every argument is checked before anything happens: a refused call leaves the
     model where it was and starts no process group.

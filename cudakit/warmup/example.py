@@ -57,7 +57,7 @@ def example_batch(loader: Iterable[T], /) -> T:
             item would be gone from the real run.
 
     Returns:
-        The first batch, as the loader yields it (move it with :func:`~cudakit.on_device`).
+        The first batch, as the loader yields it (move it with ``on_device``).
 
     Raises:
         TypeError: ``loader`` is an iterator or generator, or not iterable.

@@ -371,7 +371,7 @@ def warmup(
             else the batch's, else :func:`~cudakit.device.resolve_device`'s choice.
 
     Returns:
-        A :class:`WarmupReport` with per-pass times, peak memory of one step and the
+        A ``WarmupReport`` with per-pass times, peak memory of one step and the
         memory reserved after the call.
 
     Raises:
