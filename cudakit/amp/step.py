@@ -416,11 +416,11 @@ class AutocastStep:
                 "returns the loss."
             )
 
-        forward = self._forward(func)
+        compiled = self._compiled_forward(func)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> StepResult:
-            return self._run(forward, args, kwargs)
+            return self._run(func, compiled, args, kwargs)
 
         w = cast(Any, wrapper)
         w.autocast_step = self
@@ -429,17 +429,25 @@ class AutocastStep:
         w.load_state_dict = self.load_state_dict
         return cast(SteppedFunction[P], w)
 
-    def _forward(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        """The forward of a decorated function: under autocast, compiled with ``compile=``."""
+    def _compiled_forward(self, func: Callable[..., Any]) -> Callable[..., Any] | None:
+        """With ``compile=``: ``func`` under autocast, compiled (autocast inside the graph)."""
+        if self.compile_options is None:
+            return None
         device_type, dtype, enabled = self.device_type, self.dtype, self.enabled
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 return func(*args, **kwargs)
 
-        if self.compile_options is None:
-            return forward
         return _compile(functools.wraps(func)(forward), self.compile_options)
+
+    def _forward(
+        self, func: Callable[..., Any], compiled: Callable[..., Any] | None, args: Any, kwargs: Any
+    ) -> Any:
+        if compiled is not None:
+            return compiled(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return func(*args, **kwargs)
 
     def _nested_error(self, outer: AutocastStep) -> RuntimeError:
         where = "the same" if outer is self else "another"
@@ -450,7 +458,13 @@ class AutocastStep:
             "nested."
         )
 
-    def _run(self, func: Callable[..., Any], args: Any, kwargs: Any) -> StepResult:
+    def _run(
+        self,
+        func: Callable[..., Any],
+        compiled: Callable[..., Any] | None,
+        args: Any,
+        kwargs: Any,
+    ) -> StepResult:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
@@ -460,12 +474,17 @@ class AutocastStep:
                 self._save_buffers()
             if self._sync.active and not self._window.closes_next():
                 with self._sync.paused():
-                    output = func(*args, **kwargs)
+                    output = self._forward(func, compiled, args, kwargs)
                     loss, weight = extract_loss(output)
                     self._backward(loss, weight)
                     self._window.unsynced = True
+            elif compiled is None:
+                with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+                    output = func(*args, **kwargs)
+                loss, weight = extract_loss(output)
+                self._backward(loss, weight)
             else:
-                output = func(*args, **kwargs)
+                output = compiled(*args, **kwargs)
                 loss, weight = extract_loss(output)
                 self._backward(loss, weight)
             return self._after_backward(loss.detach(), output)
@@ -659,9 +678,8 @@ class AutocastStep:
 
     def _finish(self, loss: torch.Tensor, output: object, pending: int | None) -> StepResult:
         """The one path that finishes a window: unscale, weight, check, clip, step or skip."""
-        if self._mailbox:
-            self._settle()  # the previous window's verdict: there by now
         if self.sync_free:
+            self._settle()  # the previous window's verdict: there by now
             return self._finish_on_device(loss, output, pending)
         scaler = self.scaler if self._scaling else None
         scale = self._scale_snapshot
@@ -699,9 +717,10 @@ class AutocastStep:
                         opt.step()
                 self._steps += 1
                 self._consecutive_skipped = 0
-                self._close_window()
-                for s in self.schedulers:
-                    s.step()
+                if self.schedulers:
+                    self._close_window()  # counters and window settled if one raises
+                    for s in self.schedulers:
+                        s.step()
         finally:
             self._close_window()
         if skipped and self._consecutive_skipped >= self.max_skipped:
