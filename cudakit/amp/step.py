@@ -23,9 +23,17 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from .._check import check_bool, check_int, check_number, check_optional
-from ..exceptions import NonFiniteStepsError
 from . import checkpoint
+from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
+from .ops import check_and_clip, step_on_device, zero_grad
+from .options import (
+    check_compile,
+    check_optimizers,
+    check_schedulers,
+    compile_fn,
+    device_type_of,
+)
 from .policy import (
     Capabilities,
     check_autocast,
@@ -51,105 +59,6 @@ _DEFAULT_MAX_SKIPPED = 10
 _ACTIVE: ContextVar[tuple[AutocastStep, str] | None] = ContextVar(
     "cudakit_autocast_step_active", default=None
 )
-
-_OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-# True while a torch profiler records (then zero_grad keeps its record_function scope).
-_profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
-
-
-def _zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``, minus its per-call overhead where that is safe.
-
-    For an optimizer that keeps torch's own ``zero_grad`` (not overridden by its class or
-    on the instance), and while no profiler records, this is the same loop torch runs
-    (every ``.grad`` set to None) without the dynamo-disable wrapper and
-    ``record_function`` scope around it. Otherwise the call.
-    """
-    if (
-        getattr(optimizer.zero_grad, "__func__", None) is not _OPTIMIZER_ZERO_GRAD
-        or _profiler_enabled()
-    ):
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                p.grad = None
-
-
-def _as_tuple(value: object) -> tuple[Any, ...]:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def _check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
-    optimizers = _as_tuple(optimizer)
-    if not optimizers:
-        raise ValueError(
-            f"autocast_step() got an empty {type(optimizer).__name__} of optimizers; pass "
-            "one optimizer, or a list such as [opt_matrices, opt_embeddings]."
-        )
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.Optimizer):
-            continue
-        hint = ""
-        if callable(opt) and not isinstance(opt, torch.nn.Module):
-            hint = (
-                " It looks like @autocast_step was used without arguments; write "
-                "@autocast_step(optimizer, ...) above the function."
-            )
-        elif isinstance(opt, torch.nn.Module):
-            hint = " Pass the optimizer first, and the model as model=... (for DDP no_sync)."
-        raise TypeError(
-            "autocast_step() expects a torch.optim.Optimizer (or a list of them) as its first "
-            f"argument, got {type(opt).__name__}.{hint}"
-        )
-    if len({id(o) for o in optimizers}) != len(optimizers):
-        raise ValueError(
-            "autocast_step() got the same optimizer twice in its list; each optimizer "
-            "steps once per step, so list each one once."
-        )
-    return optimizers
-
-
-def _check_schedulers(
-    scheduler: object, optimizers: Sequence[torch.optim.Optimizer]
-) -> tuple[Any, ...]:
-    if scheduler is None:
-        return ()
-    schedulers = _as_tuple(scheduler)
-    for s in schedulers:
-        if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError(
-                "autocast_step(scheduler=ReduceLROnPlateau) cannot work: it steps on a "
-                "validation metric, not once per optimizer step. Leave it out and call "
-                "scheduler.step(val_loss) after each validation."
-            )
-        if not callable(getattr(s, "step", None)):
-            raise TypeError(
-                "autocast_step(scheduler=...) expects a learning-rate scheduler with a "
-                f"step() method (or a list of them), got {type(s).__name__}."
-            )
-        owner = getattr(s, "optimizer", None)
-        if isinstance(owner, torch.optim.Optimizer) and all(owner is not o for o in optimizers):
-            raise ValueError(
-                f"autocast_step(scheduler=...) got a {type(s).__name__} of an optimizer this "
-                "step does not step; pass that optimizer too (autocast_step([opt_a, opt_b], "
-                "scheduler=[sched_a, sched_b])), or drive that scheduler yourself."
-            )
-    return schedulers
-
-
-def _device_type_of(params: Sequence[torch.Tensor]) -> str:
-    types = {p.device.type for p in params}
-    if not types:
-        raise ValueError(
-            "autocast_step() got an optimizer with no parameters, so there is nothing to "
-            "train. Build it from the model's parameters, e.g. "
-            "torch.optim.AdamW(model.parameters()), before wrapping it."
-        )
-    if len(types) == 1:
-        return types.pop()
-    return sorted(types - {"cpu"})[0]
 
 
 class AutocastStep:
@@ -189,7 +98,7 @@ class AutocastStep:
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         where = "autocast_step"
-        optimizers = _check_optimizers(optimizer)
+        optimizers = check_optimizers(optimizer)
         check_bool(where, "enabled", enabled)
         check_bool(where, "skip_nonfinite", skip_nonfinite)
         check_int(
@@ -222,8 +131,8 @@ class AutocastStep:
                 f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
                 f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
             )
-        schedulers = _check_schedulers(scheduler, optimizers)
-        compile_options = _check_compile(compile)
+        schedulers = check_schedulers(scheduler, optimizers)
+        compile_options = check_compile(compile)
         if scaler is not None and not callable(getattr(scaler, "scale", None)):
             raise TypeError(
                 "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
@@ -231,7 +140,7 @@ class AutocastStep:
             )
         requested = parse_dtype(dtype)
         params = self._collect_params(optimizers)
-        device_type = _device_type_of(params)
+        device_type = device_type_of(params)
         precision = decide_precision(
             requested,
             device_type,
@@ -280,15 +189,10 @@ class AutocastStep:
         self.accumulate: int = accumulate
         self.max_grad_norm: float | None = clip
         self.skip_nonfinite = skip_nonfinite
-        self.max_skipped: int = (
-            max_skipped
-            if max_skipped is not None
-            else (
-                _DEFAULT_MAX_SKIPPED_FP16
-                if precision.dtype == torch.float16
-                else _DEFAULT_MAX_SKIPPED
-            )
+        default_max = (
+            _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
         )
+        self._counts = StepCounters(max_skipped if max_skipped is not None else default_max)
         self._scaling = scaler is not None and scaler.is_enabled()
         self._guarded = skip_nonfinite or self._scaling
         #: True when every optimizer skips on the device (fused Adam, AdamW, SGD...):
@@ -302,16 +206,13 @@ class AutocastStep:
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
             # Compiled only with clipping: inductor fuses the norm, the check and the
             # scaling; the check alone is one fused kernel already.
-            _compile(_check_and_clip, compile_options, fullgraph=True)
+            compile_fn(check_and_clip, compile_options, fullgraph=True)
             if compile_options is not None and self.sync_free and clip is not None
             else None
         )
         self._window = Window(accumulate)
         self._sync = GradSync(model, accumulate)
         self._guard = NonFiniteGuard()
-        self._steps = 0  # real optimizer steps
-        self._skipped_steps = 0
-        self._consecutive_skipped = 0
         self._scale_snapshot: torch.Tensor | None = None
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
         self._block: (
@@ -342,13 +243,22 @@ class AutocastStep:
     def steps(self) -> int:
         """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
         self._settle()
-        return self._steps
+        return self._counts.steps
+
+    @property
+    def max_skipped(self) -> int:
+        """Skipped optimizer steps in a row that raise ``NonFiniteStepsError``."""
+        return self._counts.max_skipped
+
+    @max_skipped.setter
+    def max_skipped(self, value: int) -> None:
+        self._counts.max_skipped = value
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps dropped for an inf/NaN loss or gradient (reads pending verdicts)."""
         self._settle()
-        return self._skipped_steps
+        return self._counts.skipped
 
     def __repr__(self) -> str:
         return (
@@ -356,7 +266,7 @@ class AutocastStep:
             f"enabled={self.enabled}, scaler={'on' if self._scaling else 'off'}, "
             f"optimizers={len(self.optimizers)}, accumulate={self.accumulate}, "
             f"max_grad_norm={self.max_grad_norm}, skip_nonfinite={self.skip_nonfinite}, "
-            f"steps={self._steps}, skipped_steps={self._skipped_steps}, "
+            f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
             f"position={self._window.position})"
         )
 
@@ -439,7 +349,7 @@ class AutocastStep:
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 return func(*args, **kwargs)
 
-        return _compile(functools.wraps(func)(forward), self.compile_options)
+        return compile_fn(functools.wraps(func)(forward), self.compile_options)
 
     def _forward(
         self, func: Callable[..., Any], compiled: Callable[..., Any] | None, args: Any, kwargs: Any
@@ -624,7 +534,7 @@ class AutocastStep:
             raise self._mixed_weights_error()
         if window.position == 0:
             for opt in self.optimizers:
-                _zero_grad(opt)
+                zero_grad(opt)
         if weight_t is not None:
             window.add_weight(weight_t)
         elif self.accumulate != 1:
@@ -684,7 +594,7 @@ class AutocastStep:
         scaler = self.scaler if self._scaling else None
         scale = self._scale_snapshot
         grad_norm: torch.Tensor | None = None
-        skipped = False
+        skipped = streak = False
         try:
             factor = (
                 self._prepare(pending)
@@ -703,8 +613,7 @@ class AutocastStep:
                 if scaler is not None:
                     scaler.update()  # lowers the scale; no optimizer runs
                 self._restore_buffers()
-                self._skipped_steps += 1
-                self._consecutive_skipped += 1
+                streak = self._counts.record_skip()
             else:
                 if self.max_grad_norm is not None and grad_norm is None:
                     grad_norm = self._clip()
@@ -715,16 +624,15 @@ class AutocastStep:
                 else:
                     for opt in self.optimizers:
                         opt.step()
-                self._steps += 1
-                self._consecutive_skipped = 0
+                self._counts.record_step()
                 if self.schedulers:
                     self._close_window()  # counters and window settled if one raises
                     for s in self.schedulers:
                         s.step()
         finally:
             self._close_window()
-        if skipped and self._consecutive_skipped >= self.max_skipped:
-            raise self._streak_error()
+        if streak:
+            raise self._counts.streak_error(self.dtype)
         return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
 
     def _prepare(self, pending: int | None) -> torch.Tensor | float | None:
@@ -765,7 +673,7 @@ class AutocastStep:
                 scaler.update()
             else:
                 for opt in self.optimizers:
-                    _step_on_device(opt, verdict)
+                    step_on_device(opt, verdict)
             if self._buffers_saved and self._buffers:
                 skip = verdict.reshape(()) > 0
                 with torch.no_grad():
@@ -841,16 +749,13 @@ class AutocastStep:
         streak = False
         for found in self._mailbox.drain():
             if found:
-                self._skipped_steps += 1
-                self._consecutive_skipped += 1
-                streak = streak or self._consecutive_skipped >= self.max_skipped
+                streak = self._counts.record_skip() or streak
             else:
-                self._steps += 1
-                self._consecutive_skipped = 0
+                self._counts.record_step()
                 for s in self.schedulers:
                     s.step()
         if streak:
-            raise self._streak_error()
+            raise self._counts.streak_error(self.dtype)
 
     def _close_window(self) -> None:
         self._window.clear()
@@ -896,16 +801,6 @@ class AutocastStep:
         finally:
             if not clean:
                 guard.reset()
-
-    def _streak_error(self) -> NonFiniteStepsError:
-        return NonFiniteStepsError(
-            f"autocast_step skipped {self._consecutive_skipped} optimizer steps in a row "
-            f"because the loss or gradients were inf/NaN (dtype={self.dtype}, "
-            f"max_skipped={self.max_skipped}); the weights and optimizer state are the "
-            "last good ones. Check the data for NaNs, lower the learning rate, set "
-            "max_grad_norm=..., or try dtype=torch.bfloat16; raise max_skipped=... if "
-            "long streaks are expected."
-        )
 
     # ------------------------------------------------------------------ epoch end, checkpoints
 
@@ -971,9 +866,9 @@ class AutocastStep:
         return {
             "accumulate": self.accumulate,
             "position": window.position,
-            "steps": self._steps,
-            "skipped_steps": self._skipped_steps,
-            "consecutive_skipped": self._consecutive_skipped,
+            "steps": self._counts.steps,
+            "skipped_steps": self._counts.skipped,
+            "consecutive_skipped": self._counts.consecutive,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "grads": grads,
             "window_losses": [t.clone() for t in window.losses],
@@ -1015,70 +910,13 @@ class AutocastStep:
             window.weighted = True
         elif restored.position:
             window.weighted = False
-        self._steps = restored.steps
-        self._skipped_steps = restored.skipped_steps
-        self._consecutive_skipped = restored.consecutive_skipped
+        self._counts.steps = restored.steps
+        self._counts.skipped = restored.skipped_steps
+        self._counts.consecutive = restored.consecutive_skipped
         self._scale_snapshot = None  # taken again by the next backward
 
 
 _NO_CAPS = Capabilities()
-
-
-def _step_on_device(opt: torch.optim.Optimizer, verdict: torch.Tensor) -> None:
-    """``opt.step()`` with ``found_inf``: the optimizer skips on the device if it is set."""
-    holder: Any = opt
-    holder.grad_scale = None
-    holder.found_inf = verdict.reshape(())  # 0-dim, like the step counts it is subtracted from
-    try:
-        opt.step()
-    finally:
-        del holder.grad_scale
-        del holder.found_inf
-
-
-def _check_and_clip(
-    checks: list[torch.Tensor],
-    flag: torch.Tensor,
-    one: torch.Tensor,
-    params: list[torch.Tensor] | None,
-    max_norm: float | None,
-) -> torch.Tensor | None:
-    """The guard's fused inf/NaN check, then clipping: the region ``compile=`` compiles."""
-    torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, one)
-    if params is None or max_norm is None:
-        return None
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-_COMPILE_OPTIONS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
-
-
-def _check_compile(value: object) -> dict[str, Any] | None:
-    """``compile=``: False, True (torch.compile's defaults) or a mapping of its options."""
-    if value is False:
-        return None
-    if value is True:
-        return {}
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - _COMPILE_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"autocast_step(compile=...) got options torch.compile does not take: "
-                f"{unknown}; expected some of {sorted(_COMPILE_OPTIONS)}, e.g. "
-                "compile={'mode': 'max-autotune'}."
-            )
-        return dict(value)
-    raise TypeError(
-        f"autocast_step(compile=...) expects True, False or a dict of torch.compile options, "
-        f"got {type(value).__name__} {value!r}. For example: compile=True or "
-        "compile={'mode': 'reduce-overhead'}."
-    )
-
-
-def _compile(
-    fn: Callable[..., Any], options: Mapping[str, Any], **forced: Any
-) -> Callable[..., Any]:
-    return torch.compile(fn, **{**options, **forced})
 
 
 def autocast_step(
