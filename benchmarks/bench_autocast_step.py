@@ -18,6 +18,13 @@ the explicit form (``with step:`` + ``step.backward(loss)``); the decorator with
 (``Fabric(precision="bf16-mixed")``) doing the same step.
 
 Cases: an MLP 64 wide (batch 32) and one 1024 wide (batch 256), AdamW.
+
+``--compile`` compares, side by side in one run, on an MLP 4x128 with GELU and
+LayerNorm (batch 32) and fused AdamW: the hand-written eager step, cudakit eager
+(sync-free guard), a hand-written compiled step (``torch.compile`` over the forward
+and loss; backward through the compiled graph; the fused optimizer step) and
+``autocast_step(..., compile=True)``. ``--dtype`` picks the precision of every
+implementation (default bf16; ``auto`` is what ``autocast_step`` picks here).
 """
 
 from __future__ import annotations
@@ -57,18 +64,24 @@ def mlp(width: int, device: torch.device) -> torch.nn.Module:
     ).to(device)
 
 
-def make_steps(width: int, device: torch.device) -> dict[str, Step]:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    probe = autocast_step(torch.optim.SGD(mlp(8, device).parameters(), lr=0.1))
+    return probe.dtype  # the dtype autocast_step picks here
+
+
+def make_steps(width: int, device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
     dev_type = device.type
     steps: dict[str, Step] = {}
+    on = dtype != torch.float32
 
     model = mlp(width, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    probe = autocast_step(opt)  # the dtype autocast_step picks here
-    dtype = probe.dtype
     scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
 
     def hand(x: torch.Tensor, y: torch.Tensor) -> Any:
-        with torch.autocast(dev_type, dtype=dtype):
+        with torch.autocast(dev_type, dtype=dtype, enabled=on):
             loss = F.cross_entropy(model(x), y)
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -85,7 +98,7 @@ def make_steps(width: int, device: torch.device) -> dict[str, Step]:
     m2 = mlp(width, device)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
 
-    @autocast_step(o2)
+    @autocast_step(o2, dtype=dtype)
     def decorated(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(m2(x), y)
 
@@ -93,7 +106,7 @@ def make_steps(width: int, device: torch.device) -> dict[str, Step]:
 
     m3 = mlp(width, device)
     o3 = torch.optim.AdamW(m3.parameters(), lr=1e-4)
-    s3 = autocast_step(o3)
+    s3 = autocast_step(o3, dtype=dtype)
 
     def explicit(x: torch.Tensor, y: torch.Tensor) -> Any:
         with s3:
@@ -105,7 +118,7 @@ def make_steps(width: int, device: torch.device) -> dict[str, Step]:
     m4 = mlp(width, device)
     o4 = torch.optim.AdamW(m4.parameters(), lr=1e-4)
 
-    @autocast_step(o4, skip_nonfinite=False)
+    @autocast_step(o4, dtype=dtype, skip_nonfinite=False)
     def unguarded(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(m4(x), y)
 
@@ -153,6 +166,94 @@ def make_steps(width: int, device: torch.device) -> dict[str, Step]:
     return steps
 
 
+def mlp_ln(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, 128), torch.nn.GELU()]
+    for _ in range(3):
+        layers += [torch.nn.LayerNorm(128), torch.nn.Linear(128, 128), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 10)).to(device)
+
+
+def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
+    """Eager and compiled, hand-written and cudakit, all with fused AdamW."""
+    dev_type = device.type
+    on = dtype != torch.float32
+    steps: dict[str, Step] = {}
+
+    def fused(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def hand_step(compiled: bool) -> Step:
+        model = mlp_ln(device)
+        opt = fused(model)
+        scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
+
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(dev_type, dtype=dtype, enabled=on):
+                return F.cross_entropy(model(x), y)
+
+        fwd = torch.compile(forward) if compiled else forward
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            loss = fwd(x, y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    def cudakit_step(compiled: bool) -> Step:
+        model = mlp_ln(device)
+
+        @autocast_step(fused(model), dtype=dtype, compile=compiled)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(model(x), y)
+
+        return step
+
+    def guarded_hand_step(compiled: bool) -> Step:
+        """The hand-written loop plus the same guard, skipping on the device (found_inf)."""
+        model = mlp_ln(device)
+        opt: Any = fused(model)
+        flag, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(dev_type, dtype=dtype, enabled=on):
+                return F.cross_entropy(model(x), y)
+
+        fwd = torch.compile(forward) if compiled else forward
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            opt.zero_grad()
+            loss = fwd(x, y)
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            torch._amp_foreach_non_finite_check_and_unscale_([loss.detach(), *grads], flag, one)
+            opt.found_inf, opt.grad_scale = flag.clone().reshape(()), None
+            flag.zero_()
+            opt.step()
+            del opt.found_inf, opt.grad_scale
+            return loss
+
+        return step
+
+    steps["hand-written"] = hand_step(False)
+    if dtype != torch.float16:
+        steps["hand-written + guard on device"] = guarded_hand_step(False)
+    steps["cudakit @autocast_step (sync-free)"] = cudakit_step(False)
+    steps["hand-written, compiled"] = hand_step(True)
+    if dtype != torch.float16:
+        steps["hand-written, compiled + guard on device"] = guarded_hand_step(True)
+    steps["cudakit compile=True"] = cudakit_step(True)
+    return steps
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -172,6 +273,17 @@ def main(argv: list[str] | None = None) -> None:
         default="wall",
         help="wall (default) or cpu: this thread's CPU time, for shared CPU machines",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32", "auto"),
+        default="bf16",
+        help="precision of every implementation (auto: what autocast_step picks here)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="eager and compiled steps (hand-written and cudakit) with fused AdamW",
+    )
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
@@ -179,19 +291,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rounds = args.rounds or (3 if args.quick else 21)
+    dtype = resolve_dtype(args.dtype, device)
     cases = [("MLP 64 wide, batch 32", 64, 32), ("MLP 1024 wide, batch 256", 1024, 256)]
+    if args.compile:
+        cases = [("MLP 4x128 GELU+LayerNorm, batch 32", 128, 32)]
 
     print(
         f"# torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "
-        f"{rounds} rounds, {args.clock} clock"
+        f"{rounds} rounds, {args.clock} clock, {str(dtype).removeprefix('torch.')}"
     )
     header = "| case | implementation | median per step | ratio to hand-written |"
     print(header)
     print("|---|---|---:|---:|")
     for name, width, batch in cases:
-        steps = make_steps(width, device)
-        x = torch.randn(batch, 64, device=device)
+        steps = (
+            make_compile_steps(device, dtype) if args.compile else make_steps(width, device, dtype)
+        )
+        x = torch.randn(batch, 64, device=device)  # every model takes 64 features
         y = torch.randint(0, 10, (batch,), device=device)
         target = 0.02 if args.quick else 0.25  # seconds per implementation per round
         # Calibrate the number of steps per timing on the hand-written loop (warms all up).
@@ -228,6 +345,15 @@ def main(argv: list[str] | None = None) -> None:
         for key in steps:
             med = statistics.median(times[key]) * 1e6
             print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
+        pairs = [
+            ("cudakit compile=True", "hand-written, compiled"),
+            ("cudakit compile=True", "hand-written, compiled + guard on device"),
+            ("cudakit @autocast_step (sync-free)", "hand-written + guard on device"),
+        ]
+        for mine, theirs in pairs:
+            if mine in steps and theirs in steps:
+                per_round = [a / b for a, b in zip(times[mine], times[theirs], strict=True)]
+                print(f"# {mine} / {theirs}: {statistics.median(per_round):.3f}")
         with contextlib.suppress(Exception):
             del steps
 

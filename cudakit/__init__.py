@@ -1,9 +1,9 @@
 """cudakit: fast, correct PyTorch training on NVIDIA GPUs without rewriting the loop.
 
-Five composable utilities, each a plain call, a decorator or a ``with`` block:
-:func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`
-and :func:`parallelize`, plus device detection (:func:`device_info`) and
-data-loading helpers (:func:`prefetch`, :func:`loader_kwargs`).
+Six composable utilities, each a plain call, a decorator or a ``with`` block:
+:func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`,
+:func:`parallelize` and :func:`prefetch`, plus device detection
+(:func:`device_info`) and DataLoader settings (:func:`loader_kwargs`).
 
 Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 ``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``.
@@ -15,6 +15,7 @@ from .data import loader_kwargs, prefetch
 from .device import DeviceLike, on_device, register_container, resolve_device
 from .exceptions import (
     BatchSizeSearchError,
+    CompiledWarmupWarning,
     CudakitError,
     DeviceError,
     DistributedSetupError,
@@ -44,6 +45,7 @@ from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmu
 __all__ = [
     "AutocastStep",
     "BatchSizeSearchError",
+    "CompiledWarmupWarning",
     "CudaDeviceInfo",
     "CudakitError",
     "DeviceError",

@@ -1,10 +1,19 @@
-"""The current accelerator device, read without starting CUDA (one home for it)."""
+"""The current accelerator device and what the hardware runs natively (one home for both).
+
+Nothing here starts CUDA.
+"""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["current_cuda_index"]
+__all__ = [
+    "cpu_native_bf16",
+    "cpu_native_fp16",
+    "current_cuda_index",
+    "follows_current_device",
+    "synchronize",
+]
 
 
 def current_cuda_index() -> int:
@@ -14,3 +23,38 @@ def current_cuda_index() -> int:
     if torch.cuda.is_initialized():
         return int(torch.cuda.current_device())
     return 0
+
+
+def follows_current_device(device: object) -> bool:
+    """Whether ``device=`` means "this thread's current CUDA device" rather than a fixed one.
+
+    ``None``, ``"auto"``, ``"cuda"`` and ``torch.device("cuda")`` follow
+    ``torch.cuda.set_device``; ``"cuda:1"``, ``"cpu"`` and the like do not.
+    """
+    if isinstance(device, torch.device):
+        return device.type == "cuda" and device.index is None
+    return device is None or (isinstance(device, str) and device in ("auto", "cuda"))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op for devices that run synchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_native_bf16() -> bool:
+    """True when this CPU computes bf16 natively (oneDNN's AVX512-bf16/AMX check)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+def cpu_native_fp16() -> bool:
+    """True when this CPU computes fp16 natively (oneDNN's AVX512-fp16/AMX-fp16 check)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False

@@ -3,7 +3,7 @@
 Each validator checks one argument and raises at the door, before anything happens:
 ``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. Every message names
 the function and the argument, says what came and what is expected, and ends with the
-fix::
+fix, for example:
 
     check_int("autocast_step", "accumulate", "4", minimum=1)
     # TypeError: autocast_step(accumulate=...) expects an int >= 1, got str '4'. ...
@@ -22,6 +22,7 @@ __all__ = [
     "check_bool",
     "check_callable",
     "check_choice",
+    "check_device",
     "check_int",
     "check_number",
     "check_optional",
@@ -166,3 +167,20 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]) -> T:
+    """``resolve(value)`` (``resolve_device``), its error naming ``func`` and ``arg``.
+
+    The resolver is passed in, so this module imports nothing of cudakit's. The
+    error keeps its type (``TypeError``, ``DeviceError``) and its text, prefixed with
+    ``func(arg=value):``.
+    """
+    try:
+        return resolve(value)
+    except (TypeError, ValueError) as exc:
+        try:
+            named = type(exc)(f"{func}({arg}={value!r}): {exc}")
+        except Exception:
+            raise exc from None
+        raise named from exc

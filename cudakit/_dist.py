@@ -1,18 +1,55 @@
 """The one place that reads the distributed environment of this process.
 
-``launched_world_size`` reads what a launcher (torchrun, ``cudakit.launch``, SLURM)
-promised through the environment; ``group_world_size`` and ``group_rank`` read the
-process group actually running. Both answer without starting anything.
+Two sources, each read here and nowhere else:
+
+* what a launcher (torchrun, ``cudakit.parallel.launch``, SLURM) promised through
+  environment variables: ``launched_*`` and :func:`read_env` (strict parsing, for
+  the callers that set a process group up from them);
+* the process group actually running: ``group_*`` and :func:`is_group_running`.
+
+``current_rank``/``current_world_size`` prefer the running group and fall back to
+the launcher's variables. Every function answers without starting anything (no
+process group, no CUDA context).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["group_rank", "group_world_size", "is_group_running", "launched_world_size"]
+from ._check import fail_type
+from .exceptions import DistributedSetupError
+
+__all__ = [
+    "LAUNCHER_VARS",
+    "DistributedEnv",
+    "check_env",
+    "current_rank",
+    "current_world_size",
+    "group_rank",
+    "group_world_size",
+    "is_group_running",
+    "launch_hint",
+    "launched_local_rank",
+    "launched_local_world_size",
+    "launched_rank",
+    "launched_world_size",
+    "read_env",
+    "read_launcher_env",
+]
+
+#: The variables torchrun sets in every process, all needed to build a process group.
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+# --------------------------------------------------------------------------- running group
 
 
 def is_group_running() -> bool:
@@ -35,10 +72,190 @@ def group_rank() -> int:
     return int(torch.distributed.get_rank())
 
 
+# --------------------------------------------------------------------------- launcher variables
+
+
+def _int_var(env: Mapping[str, str] | None, name: str, default: int) -> int:
+    raw = _environ(env).get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        return default
+
+
 def launched_world_size(env: Mapping[str, str] | None = None) -> int:
     """``WORLD_SIZE`` as a launcher set it (1 when unset or unreadable)."""
-    value = (os.environ if env is None else env).get("WORLD_SIZE", "1")
+    return max(1, _int_var(env, "WORLD_SIZE", 1))
+
+
+def launched_rank(env: Mapping[str, str] | None = None) -> int:
+    """``RANK`` as a launcher set it (0 when unset or unreadable)."""
+    return _int_var(env, "RANK", 0)
+
+
+def launched_local_rank(env: Mapping[str, str] | None = None) -> int:
+    """``LOCAL_RANK`` as a launcher set it (0 when unset or unreadable): the GPU index."""
+    return _int_var(env, "LOCAL_RANK", 0)
+
+
+def launched_local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """Processes on this node: ``LOCAL_WORLD_SIZE``, else ``SLURM_NTASKS_PER_NODE``, else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = _environ(env).get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def current_rank() -> int:
+    """This process's global rank: the running group's, else ``RANK``, else 0."""
+    return group_rank() if is_group_running() else launched_rank()
+
+
+def current_world_size() -> int:
+    """The number of processes: the running group's, else ``WORLD_SIZE``, else 1."""
+    return group_world_size() if is_group_running() else launched_world_size()
+
+
+# --------------------------------------------------------------------------- strict parsing
+
+
+def launch_hint(world: int | None = None) -> str:
+    """The sentence that tells how to start ``world`` processes correctly."""
+    n = world if world and world > 1 else "N"
+    return (
+        f"Launch the script with `torchrun --nproc-per-node {n} script.py` (one node), or call "
+        "cudakit.parallel.launch(fn, nprocs=N) from Python"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedEnv:
+    """The launcher environment of this process, as torchrun sets it.
+
+    .. versionadded:: 0.1
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def _parse_int(env: Mapping[str, str], name: str, lo: int) -> int:
+    raw = env[name]
     try:
-        return max(1, int(value))
+        value = int(raw.strip())
     except ValueError:
-        return 1
+        raise DistributedSetupError(
+            f"environment variable {name}={raw!r} is not an integer. {launch_hint()}, which "
+            "sets it correctly."
+        ) from None
+    if value < lo:
+        raise DistributedSetupError(
+            f"environment variable {name}={value} must be >= {lo}. {launch_hint()}, which sets "
+            "it correctly."
+        )
+    return value
+
+
+def check_env(func: str, env: object) -> None:
+    """``env`` must be a mapping of environment variables with string values."""
+    if not isinstance(env, Mapping):
+        fail_type(
+            func,
+            "env",
+            "a mapping of environment variable names to strings",
+            env,
+            "Pass env=os.environ for this process, or env={} for a process without a launcher.",
+        )
+    for name in (*LAUNCHER_VARS, "LOCAL_WORLD_SIZE"):
+        value = env.get(name)
+        if value is not None and not isinstance(value, str):
+            fail_type(
+                func,
+                "env",
+                f"string values, as os.environ holds; {name} is not a string",
+                value,
+                f"Pass {name}={str(value)!r}.",
+            )
+
+
+def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
+    """Read torchrun's variables from ``env`` (default ``os.environ``); ``None`` outside a launcher.
+
+    >>> read_env({})
+    >>> read_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+    ...           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    DistributedEnv(rank=1, world_size=2, local_rank=1, local_world_size=2,
+                   master_addr='127.0.0.1', master_port=29500)
+    >>> read_env({"WORLD_SIZE": "2", "RANK": "0"})
+    Traceback (most recent call last):
+    ...
+    cudakit.exceptions.DistributedSetupError: incomplete launcher environment: ...
+
+    A partial environment is an error when it claims more than one process (or
+    ``strict=True`` in the callers that need a launcher); one that claims a single
+    process (``WORLD_SIZE`` unset or ``1``) with some variables missing is treated
+    as no launcher at all, so stray variables never break a plain ``python script.py``.
+
+    Args:
+        env: a mapping of environment variables; ``None`` reads ``os.environ``.
+
+    Returns:
+        A ``DistributedEnv``, or ``None`` when no launcher set the variables.
+
+    Raises:
+        DistributedSetupError: variables are missing although ``WORLD_SIZE`` > 1, or
+            a value is not an integer, or ``RANK``/``LOCAL_RANK`` is out of range.
+
+        TypeError: ``env`` is not a mapping of strings.
+
+    .. versionadded:: 0.1
+    """
+    if env is not None:
+        check_env("read_env", env)
+    return read_launcher_env(_environ(env), strict=False)
+
+
+def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv | None:
+    """:func:`read_env`; with ``strict=True`` any partial environment is an error."""
+    present = [k for k in LAUNCHER_VARS if env.get(k, "") != ""]
+    if not present:
+        return None
+    missing = [k for k in LAUNCHER_VARS if k not in present]
+    if missing:
+        world = _parse_int(env, "WORLD_SIZE", 1) if "WORLD_SIZE" in present else None
+        if not strict and (world is None or world == 1):
+            return None
+        raise DistributedSetupError(
+            f"incomplete launcher environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing. {launch_hint(world)}, which sets all of "
+            f"{', '.join(LAUNCHER_VARS)}; for several nodes add --nnodes, --node-rank and "
+            "--rdzv-endpoint (see the cudakit parallel docs)."
+        )
+    world = _parse_int(env, "WORLD_SIZE", 1)
+    rank_ = _parse_int(env, "RANK", 0)
+    local = _parse_int(env, "LOCAL_RANK", 0)
+    port = _parse_int(env, "MASTER_PORT", 1)
+    local_world = (
+        _parse_int(env, "LOCAL_WORLD_SIZE", 1) if env.get("LOCAL_WORLD_SIZE", "") else world
+    )
+    if rank_ >= world:
+        raise DistributedSetupError(
+            f"RANK={rank_} but WORLD_SIZE={world}: ranks run from 0 to WORLD_SIZE-1. "
+            f"{launch_hint(world)} instead of setting the variables by hand."
+        )
+    if local >= local_world:
+        raise DistributedSetupError(
+            f"LOCAL_RANK={local} but LOCAL_WORLD_SIZE={local_world}: local ranks run from 0 to "
+            f"LOCAL_WORLD_SIZE-1. {launch_hint(world)} instead of setting the variables by hand."
+        )
+    if port > 65535:
+        raise DistributedSetupError(
+            f"MASTER_PORT={port} is not a TCP port (1-65535). Pick a free port, e.g. "
+            "`torchrun --master-port 29500 ...`, or let torchrun choose with --standalone."
+        )
+    return DistributedEnv(rank_, world, local, local_world, env["MASTER_ADDR"], port)

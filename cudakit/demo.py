@@ -32,13 +32,14 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor, nn
 
+from ._accel import synchronize
 from ._units import format_bytes
 from .amp import AutocastStep, autocast_step
 from .data import loader_kwargs, prefetch
@@ -291,14 +292,36 @@ def _plural(n: int, word: str) -> str:
 # -- command line ----------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+#: The largest values the options take: beyond them the demo cannot run (a seed torch
+#: cannot take, a data set that does not fit in memory, more processes than sense).
+MAX_SEED: Final = 2**62
+MAX_EPOCHS: Final = 10_000
+MAX_TRAIN_SIZE: Final = 1_000_000  # 12 KiB an image: 12 GiB
+MAX_NPROCS: Final = 256
+
+
+def _int_in(
+    minimum: int, maximum: int, *, what: str = "a positive integer"
+) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer in ``[minimum, maximum]``, with a clear message."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected {what}, at most {maximum}; got {value}. Use a smaller number."
+            )
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1, 2**31)
 
 
 def _batch_size(text: str) -> int | str:
@@ -326,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--epochs", type=_positive_int, default=3, metavar="N", help="epochs (default 3)"
+        "--epochs", type=_int_in(1, MAX_EPOCHS), default=3, metavar="N", help="epochs (default 3)"
     )
     p.add_argument(
         "--batch-size",
@@ -343,18 +366,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps (default auto)")
     p.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="seed of the data and the weights"
+        "--seed",
+        type=_int_in(0, MAX_SEED, what="a non-negative integer seed"),
+        default=0,
+        metavar="N",
+        help="seed of the data and the weights",
     )
     p.add_argument(
         "--train-size",
-        type=_positive_int,
+        type=_int_in(1, MAX_TRAIN_SIZE),
         default=None,
         metavar="N",
         help="training images (default 2048 on a CPU, 16384 on a GPU); 1/4 as many held out",
     )
     p.add_argument(
         "--nprocs",
-        type=_positive_int,
+        type=_int_in(1, MAX_NPROCS),
         default=1,
         metavar="N",
         help="train with DDP in N local processes (through cudakit.parallel.launch)",
@@ -551,11 +578,6 @@ def _schedule(total_steps: int) -> Any:
     return factor
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _train(args: argparse.Namespace) -> DemoSummary:
     # Under torchrun or --nprocs, join the process group first: set_device(LOCAL_RANK)
     # must run before anything touches CUDA. The group is torn down when the block ends.
@@ -709,7 +731,7 @@ def _train_loop(
     warm = warmup(
         model,
         example,
-        loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]),
+        loss_fn=loss_fn,  # the criterion, called as loss_fn(model(images), labels)
         steps=2,
         optimizer=optimizer,
         amp=step,
@@ -726,7 +748,7 @@ def _train_loop(
         )
         steps_before, skipped_before = step.steps, step.skipped_steps
         epoch_losses: list[torch.Tensor] = []
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with memory_report(f"epoch {epoch}", device=device, file=None) as mem:
             for i, (images, labels) in enumerate(prefetch(loader, device), start=1):
@@ -742,7 +764,7 @@ def _train_loop(
                         samples_per_s=i * batch_size * world / elapsed,
                     )
             step.flush()  # a partial accumulation window still updates the weights
-            _sync(device)
+            synchronize(device)
         seconds = time.perf_counter() - start
         losses = torch.stack(epoch_losses).float().cpu()  # one sync per epoch
         step_losses.extend(losses)

@@ -1,7 +1,8 @@
 """Exceptions raised by cudakit.
 
 Every cudakit error derives from :class:`CudakitError` *and* from the standard
-exception type that describes it, so ``except ValueError`` keeps working::
+exception type that describes it, so ``except ValueError`` keeps working. The
+hierarchy:
 
     CudakitError
     ├── DeviceError(ValueError)              a device spec that cannot be honoured
@@ -12,6 +13,7 @@ exception type that describes it, so ``except ValueError`` keeps working::
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
     ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
+    CompiledWarmupWarning(UserWarning)       warmup() of a compiled model without amp=
     TensorsLeftBehindWarning(UserWarning)    on_device() met an unknown object holding tensors
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "BatchSizeSearchError",
+    "CompiledWarmupWarning",
     "CudakitError",
     "DeviceError",
     "DistributedSetupError",
@@ -52,6 +55,17 @@ class BatchSizeSearchError(CudakitError, RuntimeError):
 
 class DistributedSetupError(CudakitError, RuntimeError):
     """The distributed environment is incomplete or inconsistent."""
+
+
+class CompiledWarmupWarning(UserWarning):
+    """``warmup()`` of a ``torch.compile``'d model without ``amp=``.
+
+    The warm-up passes would compile the float32 graph, and the first training step
+    under autocast would compile again. Pass ``amp=`` the ``autocast_step`` you train
+    with (or the dtype); ``amp=torch.float32`` says float32 training is meant.
+
+    .. versionadded:: 0.2
+    """
 
 
 class ReserveIgnoredWarning(UserWarning):

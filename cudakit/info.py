@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ._accel import cpu_native_bf16, cpu_native_fp16
+from ._check import check_bool
 from ._units import format_bytes
 from .device import resolve_device
 
@@ -50,6 +52,10 @@ class DeviceInfo:
     devices: tuple[CudaDeviceInfo, ...] = field(default_factory=tuple)
     #: Set when per-device details were left out, saying why.
     note: str | None = None
+    #: This CPU computes bf16 natively (AVX512-bf16/AMX); else bf16 is emulated and slow.
+    cpu_bf16_native: bool = False
+    #: This CPU computes fp16 natively (AVX512-fp16/AMX-fp16).
+    cpu_fp16_native: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable dict of every field."""
@@ -69,6 +75,13 @@ class DeviceInfo:
             f"current device  {'n/a' if self.current_device is None else self.current_device}",
             f"MPS available   {self.mps_available}",
             f"training device {self.training_device}",
+            f"CPU native bf16 {'yes' if self.cpu_bf16_native else 'no'}, "
+            f"native fp16 {'yes' if self.cpu_fp16_native else 'no'}"
+            + (
+                ""
+                if self.cpu_bf16_native
+                else " (autocast_step(dtype='auto') trains in float32 on this CPU)"
+            ),
         ]
         if not self.cuda_available:
             lines.append(
@@ -115,10 +128,14 @@ def device_info(*, init_cuda: bool = False) -> DeviceInfo:
         init_cuda: allow starting CUDA to read per-device properties and free memory.
 
     Returns:
-        A frozen :class:`DeviceInfo`; ``str()`` gives the text ``cudakit info`` prints.
+        A frozen ``DeviceInfo``; ``str()`` gives the text ``cudakit info`` prints.
+
+    Raises:
+        TypeError: ``init_cuda`` is not a bool (``"no"`` would be truthy).
 
     .. versionadded:: 0.1
     """
+    check_bool("device_info", "init_cuda", init_cuda)
     available = torch.cuda.is_available()
     count = torch.cuda.device_count() if available else 0
     initialized = bool(available and torch.cuda.is_initialized())
@@ -162,4 +179,6 @@ def device_info(*, init_cuda: bool = False) -> DeviceInfo:
         training_device=str(resolve_device("auto")),
         devices=tuple(devices),
         note=note,
+        cpu_bf16_native=cpu_native_bf16(),
+        cpu_fp16_native=cpu_native_fp16(),
     )

@@ -10,12 +10,17 @@ both use the site's Markdown extensions; code inside fences is left alone):
 * Sphinx roles become code: ``:func:`~cudakit.device.on_device``` links to the API
   reference entry (as ``on_device``), roles naming something outside cudakit become
   plain code spans;
-* ``.. versionadded:: 0.1`` becomes "*Added in version 0.1.*".
+* ``.. versionadded:: 0.1`` becomes "*Added in version 0.1.*";
+* a reST literal block (a paragraph ending in ``::``, a blank line, an indented block)
+  becomes a fenced block, ``python`` when it compiles and ``text`` otherwise, and the
+  paragraph ends in one colon (``Example::`` -> ``Example:``; a lone or spaced ``::``
+  disappears), as Sphinx renders it.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import Any
 
 from markdown import Extension, Markdown
@@ -25,6 +30,8 @@ from mkdocs.plugins import event_priority
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 _ROLE = re.compile(r":(?:func|class|meth|attr|data|exc|mod|obj):`(~?)([\w.]+)(\(\))?`")
 _VERSION = re.compile(r"^(\s*)\.\. version(added|changed):: *(\S+)\s*$")
+# A paragraph line that introduces a reST literal block (not a ``.. directive::``).
+_LITERAL = re.compile(r"^(?P<indent>\s*)(?!\.\. )(?P<text>.*?)(?P<space>\s?)::\s*$")
 
 
 def _role(m: re.Match[str]) -> str:
@@ -43,13 +50,52 @@ def _prose(line: str) -> str:
     return _ROLE.sub(_role, line) if ":`" in line else line
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _literal_block(lines: list[str], i: int) -> tuple[list[str], int] | None:
+    """Fence the reST literal block introduced by ``lines[i]``; None if there is none.
+
+    Returns the replacement lines and the index of the first line after the block.
+    """
+    m = _LITERAL.match(lines[i])
+    if m is None or i + 1 >= len(lines) or lines[i + 1].strip():
+        return None
+    base = _indent(lines[i])
+    j = i + 1
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    end = j
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > base):
+        end += 1
+    while end > j and not lines[end - 1].strip():
+        end -= 1
+    if end == j:  # no indented block follows
+        return None
+    indent = m["indent"]
+    body = textwrap.dedent("\n".join(lines[j:end]))
+    try:
+        compile(body, "<docstring>", "exec")
+        lang = "python"
+    except SyntaxError:
+        lang = "text"
+    text = m["text"]
+    head = [] if not text else [f"{indent}{text}" + ("" if m["space"] else ":")]
+    block = [f"{indent}```{lang}", *(f"{indent}{ln}" if ln else "" for ln in body.split("\n"))]
+    return [*(_prose(h) for h in head), "", *block, f"{indent}```"], end
+
+
 class _DoctestFences(Preprocessor):
     def run(self, lines: list[str]) -> list[str]:
         out: list[str] = []
         fence: str | None = None
         in_doctest = False
         indent = ""
-        for line in lines:
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            i += 1
             if in_doctest:
                 if line.strip():
                     out.append(line)
@@ -64,6 +110,9 @@ class _DoctestFences(Preprocessor):
             elif m:
                 fence = m.group(1)
                 out.append(line)
+            elif (literal := _literal_block(lines, i - 1)) is not None:
+                out.extend(literal[0])
+                i = literal[1]
             elif line.lstrip().startswith(">>>"):
                 indent = line[: len(line) - len(line.lstrip())]
                 if out and out[-1].strip():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import doctest
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +83,20 @@ def run_page(path: Path) -> int:
     """Run every runnable block of ``path`` in one namespace; return how many ran."""
     text = path.read_text(encoding="utf-8")
     blocks = extract_blocks(text, str(path))
-    namespace: dict[str, Any] = {"__name__": "__docs__", "__file__": str(path)}
+    # A real module, as a script run by `python page.py` has (torch.compile looks the
+    # functions' module up in sys.modules).
+    module = types.ModuleType("__docs__")
+    module.__file__ = str(path)
+    sys.modules["__docs__"] = module
+    namespace: dict[str, Any] = module.__dict__
+    try:
+        _run_blocks(blocks, namespace, path)
+    finally:
+        sys.modules.pop("__docs__", None)
+    return len(blocks)
+
+
+def _run_blocks(blocks: list[Block], namespace: dict[str, Any], path: Path) -> None:
     for block in blocks:
         if block.lang == "python":
             padded = "\n" * (block.line - 1) + block.source
@@ -97,7 +112,6 @@ def run_page(path: Path) -> int:
             runner.run(test, out=out.append, clear_globs=False)
             if runner.summarize(verbose=False).failed:
                 pytest.fail("".join(out), pytrace=False)
-    return len(blocks)
 
 
 PAGES = sorted(DOCS.glob("*.md"))
@@ -259,48 +273,126 @@ def test_hook_closes_a_doctest_at_the_end_and_keeps_its_indent() -> None:
     ]
 
 
+def test_hook_fences_rest_literal_blocks() -> None:
+    """``text::`` plus an indented block renders as a fenced block after ``text:``."""
+    hooks = _hooks()
+    lines = [
+        "As a decorator over the function that computes the",
+        "loss::",
+        "",
+        "    @step",
+        "    def f(x):",
+        "        return x",
+        "",
+        "    result = f(1)",
+        "",
+        "A tree ::",
+        "",
+        "    A",
+        "    └── B(ValueError)",
+        "",
+        "After, with :func:`~cudakit.data.prefetch`.",
+        ".. versionadded:: 0.1",
+    ]
+    assert hooks._DoctestFences(None).run(lines) == [
+        "As a decorator over the function that computes the",
+        "loss:",
+        "",
+        "```python",
+        "@step",
+        "def f(x):",
+        "    return x",
+        "",
+        "result = f(1)",
+        "```",
+        "",
+        "A tree",
+        "",
+        "```text",
+        "A",
+        "└── B(ValueError)",
+        "```",
+        "",
+        "After, with [`prefetch`][cudakit.data.prefetch].",
+        "*Added in version 0.1.*",
+    ]
+
+
+def test_hook_leaves_a_double_colon_without_a_block_alone() -> None:
+    hooks = _hooks()
+    lines = ["Ends in a colon::", "not indented, so no literal block"]
+    assert hooks._DoctestFences(None).run(lines) == lines
+
+
 # -- the benchmarks page -----------------------------------------------------------
 
-#: The section of each utility page that docs/benchmarks.md copies under "From [x](x.md):".
-BENCH_SECTIONS = {
-    "device.md": "## Benchmark",
-    "precision.md": "## Speed",
-    "memory.md": "## Overhead",
-    "warmup.md": "## Benchmarks",
-    "data.md": "## Benchmarks",
+REPO = "https://github.com/cudakit/cudakit/blob/main/"
+
+#: Each benchmark script, and the utility page that summarises it and links to its table.
+BENCHMARKS = {
+    "bench_on_device.py": "device.md",
+    "bench_autocast_step.py": "precision.md",
+    "bench_memory_report.py": "memory.md",
+    "bench_warmup.py": "warmup.md",
+    "bench_prefetch.py": "data.md",
 }
 
-
-def _section(lines: list[str], start: int) -> list[str]:
-    """Lines after ``start`` up to the next ``## `` heading, blank lines trimmed."""
-    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("## ")), len(lines))
-    body = lines[start + 1 : end]
-    while body and not body[0].strip():
-        body.pop(0)
-    while body and not body[-1].strip():
-        body.pop()
-    return body
+_TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
 
 
-def test_benchmarks_page_copies_every_utility_benchmark_as_it_is() -> None:
-    """Each utility's benchmark section appears in docs/benchmarks.md, word for word.
+def _sections(text: str) -> dict[str, str]:
+    """The ``## `` sections of a page, by heading."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
-    A re-measured table on a utility page must be copied to the benchmarks page too.
-    """
-    bench = (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
-    copied = {}
-    for i, line in enumerate(bench):
-        m = re.match(r"^From \[\w+\]\((\w+\.md)\):$", line)
-        if m:
-            copied[m.group(1)] = _section(bench, i)
-    assert sorted(copied) == sorted(BENCH_SECTIONS)
-    for page, heading in BENCH_SECTIONS.items():
-        lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
-        assert heading in lines, f"{page} has no {heading!r} section any more"
-        assert copied[page] == _section(lines, lines.index(heading)), (
-            f"docs/benchmarks.md's copy of {page} {heading!r} is out of date; "
-            "copy that section again."
-        )
-    text = "\n".join(bench)
-    assert "No GPU figures exist yet" in text
-    assert len(list((ROOT / "benchmarks").glob("bench_*.py"))) == len(BENCH_SECTIONS)
+
+def test_every_benchmark_has_one_current_table_on_the_benchmarks_page() -> None:
+    """One section per script: a link to the script, the date measured, one table."""
+    assert {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")} == set(BENCHMARKS)
+    sections = _sections((DOCS / "benchmarks.md").read_text(encoding="utf-8"))
+    for script in BENCHMARKS:
+        link = f"({REPO}benchmarks/{script})"
+        (body,) = [b for b in sections.values() if link in b]
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", body), f"{script}: no date measured"
+        tables = [ln for ln in body.splitlines() if _TABLE_RULE.match(ln)]
+        assert len(tables) == 1, f"{script}: {len(tables)} tables; keep only the latest run"
+
+
+def test_utility_pages_link_to_the_benchmarks_instead_of_copying_them() -> None:
+    """A table or paragraph of docs/benchmarks.md appears on no other page."""
+    bench = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    rows = {ln for ln in bench.splitlines() if ln.startswith("| ") and re.search(r"\d", ln)}
+    paragraphs = {p.strip() for p in bench.split("\n\n") if len(p.strip()) > 120}
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.name == "benchmarks.md":
+            continue
+        text = page.read_text(encoding="utf-8")
+        assert not rows & set(text.splitlines()), f"{page.name} copies a benchmark table"
+        for para in paragraphs:
+            assert para not in text, f"{page.name} copies from benchmarks.md: {para[:60]}..."
+    for page in BENCHMARKS.values():
+        assert "](benchmarks.md#" in (DOCS / page).read_text(encoding="utf-8"), page
+    assert "No GPU figures are published here" in bench
+
+
+def test_benchmark_figure_data_matches_the_tables() -> None:
+    """The chart data in docs/figures/ holds the figures the benchmarks page shows."""
+    import json
+
+    sections = _sections((DOCS / "benchmarks.md").read_text(encoding="utf-8"))
+    for script in BENCHMARKS:
+        name = script.removesuffix(".py")
+        data = json.loads((DOCS / "figures" / f"{name}.json").read_text(encoding="utf-8"))
+        assert data["script"] == f"benchmarks/{script}"
+        (body,) = [b for b in sections.values() if f"benchmarks/{script})" in b]
+        assert data["measured"] in body
+        assert f"(figures/{name}.png)" in body
+        for row in data["rows"]:
+            if "ratio" in row:  # cudakit and its peers against the hand-written code
+                if row["implementation"] == data["reference"]:
+                    continue
+                digits = 2 if name == "bench_on_device" else 3
+                shown = [f"{row['ratio']:.{digits}f}"]
+            else:
+                shown = [f"{row['value']:,.{d}f}" for d in (1, 2)]
+            assert any(re.search(rf"\| {re.escape(v)}(x| µs)? \|", body) for v in shown), row

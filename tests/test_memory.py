@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import cudakit.memory as mem
+from cudakit._accel import follows_current_device
 from cudakit.device import resolve_device
 from cudakit.exceptions import DeviceError
 from cudakit.memory import (
@@ -30,6 +30,9 @@ from cudakit.memory import (
     MemoryReport,
     MemoryReporter,
     MemorySnapshot,
+    _frames,
+    _probes,
+    _targets,
     memory_report,
     memory_snapshot,
 )
@@ -162,31 +165,31 @@ def _fake_resolve(fake: FakeCuda) -> Any:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     f = FakeCuda()
-    monkeypatch.setattr(mem, "_cuda", f)
-    monkeypatch.setattr(mem, "resolve_device", _fake_resolve(f))
+    monkeypatch.setattr(_probes, "cuda", f)
+    monkeypatch.setattr(_targets, "resolve_device", _fake_resolve(f))
     return f
 
 
 @pytest.fixture
 def fake2(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     f = FakeCuda(count=2)
-    monkeypatch.setattr(mem, "_cuda", f)
-    monkeypatch.setattr(mem, "resolve_device", _fake_resolve(f))
+    monkeypatch.setattr(_probes, "cuda", f)
+    monkeypatch.setattr(_targets, "resolve_device", _fake_resolve(f))
     return f
 
 
 @pytest.fixture
 def fcpu(monkeypatch: pytest.MonkeyPatch) -> FakeCpu:
     f = FakeCpu()
-    monkeypatch.setattr(mem, "_cpu", f)
+    monkeypatch.setattr(_probes, "cpu", f)
     return f
 
 
 @pytest.fixture(autouse=True)
 def _no_open_frames() -> Iterator[None]:
     yield
-    assert all(not frames for frames in mem._OPEN.values()), "a report was left open"
-    assert mem._HISTORY_DEPTH == 0
+    assert all(not frames for frames in _frames.STACK.open.values()), "a report was left open"
+    assert _frames.STACK.history_depth == 0
 
 
 # --------------------------------------------------------------------------- CUDA logic
@@ -283,9 +286,9 @@ def _programs(draw: st.DrawFn) -> list[tuple[str, int]]:
 @given(_programs())
 def test_nested_peaks_match_a_brute_force_model(program: list[tuple[str, int]]) -> None:
     f = FakeCuda()
-    saved = mem._cuda, getattr(mem, "resolve_device")  # noqa: B009
-    mem._cuda = f
-    setattr(mem, "resolve_device", _fake_resolve(f))  # noqa: B010
+    saved = _probes.cuda, _targets.resolve_device
+    _probes.cuda = f
+    _targets.resolve_device = _fake_resolve(f)  # type: ignore[assignment]
     try:
         stack: list[tuple[MemoryReporter, MemoryReport, int]] = []
         history: list[int] = [0]  # allocated after every event
@@ -307,8 +310,8 @@ def test_nested_peaks_match_a_brute_force_model(program: list[tuple[str, int]]) 
         for rep, expected in results:
             assert rep.peak_allocated == expected
     finally:
-        mem._cuda = saved[0]
-        setattr(mem, "resolve_device", saved[1])  # noqa: B010
+        _probes.cuda = saved[0]
+        _targets.resolve_device = saved[1]
 
 
 def test_cuda_not_started_is_reported_without_starting_it(fake: FakeCuda) -> None:
@@ -422,11 +425,11 @@ def test_default_device_follows_the_current_device_at_each_call(fake2: FakeCuda)
     ],
 )
 def test_which_device_specs_follow_the_current_device(device: Any, follows: bool) -> None:
-    assert mem._follows_current(device) is follows
+    assert follows_current_device(device) is follows
 
 
 def test_device_all_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mem, "_cuda", FakeCuda(count=0))
+    monkeypatch.setattr(_probes, "cuda", FakeCuda(count=0))
     with pytest.raises(DeviceError, match=r"device='all'.*CUDA is not available.*device=None"):
         memory_report(device="all")
     with pytest.raises(DeviceError, match=r"memory_snapshot\(device='all'\)"):
@@ -550,7 +553,7 @@ def test_failure_while_opening_leaves_nothing_open(fake2: FakeCuda) -> None:
     r = memory_report(device="all", file=None, record_history="h.pickle")
     with pytest.raises(RuntimeError, match="unspecified launch failure"):
         r.__enter__()
-    assert not mem._OPEN.get("cuda:0")  # the frame opened for cuda:0 was rolled back
+    assert not _frames.STACK.open.get("cuda:0")  # the frame opened for cuda:0 was rolled back
     assert fake2.calls[-1] == "stop_history"
     fake2.stats = real_stats  # type: ignore[method-assign]
     with r as rep:  # the object is usable again
@@ -656,7 +659,7 @@ def test_cpu_peak_since_start_when_it_cannot_be_reset(fcpu: FakeCpu) -> None:
 
 
 def test_real_proc_backend_reads_and_resets() -> None:
-    cpu = mem._ProcCpu()
+    cpu = _probes.ProcCpu()
     rss, peak = cpu.rss_peak()
     assert 0 < rss <= peak
     assert abs(cpu.rss() - rss) < 64 * MiB
@@ -671,7 +674,7 @@ def test_real_proc_backend_reads_and_resets() -> None:
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_proc_backend_reads_the_child_after_a_fork() -> None:
     # Descriptors opened on /proc/self name the parent; a forked child must reopen them.
-    cpu = mem._cpu
+    cpu = _probes.cpu
     cpu.rss()  # open them in the parent
     pid = os.fork()
     if pid == 0:  # the child: no pytest, no torch ops, exit code is the verdict
@@ -704,10 +707,10 @@ def test_cpu_peak_ignores_a_stale_thread_exit_high_water_mark() -> None:
 
 
 def test_stale_getrusage_floor_falls_back_to_vmhwm(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = mem._ProcCpu()
+    cpu = _probes.ProcCpu()
     if not cpu.reset_peak(cpu.rss()):
         pytest.skip("this kernel cannot reset the peak RSS")
-    monkeypatch.setattr(mem._ProcCpu, "_maxrss", staticmethod(lambda: 1 << 50))
+    monkeypatch.setattr(_probes.ProcCpu, "_maxrss", staticmethod(lambda: 1 << 50))
     assert cpu.reset_peak(cpu.rss()) is True
     assert cpu._ru_exact is False
     assert cpu.peak() < 1 << 50  # read from /proc/self/status instead
@@ -853,7 +856,7 @@ def test_default_throttle_first_call_then_time_based(
     fcpu: FakeCpu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [1000.0]
-    monkeypatch.setattr(mem, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(_probes, "monotonic", lambda: now[0])
     out = io.StringIO()
 
     @memory_report(device="cpu", file=out)
@@ -876,7 +879,7 @@ def test_rare_calls_each_report_under_default_throttle(
     fcpu: FakeCpu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [0.0]
-    monkeypatch.setattr(mem, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(_probes, "monotonic", lambda: now[0])
     out = io.StringIO()
     rep = memory_report("epoch", device="cpu", file=out)
     for _ in range(3):
@@ -929,7 +932,7 @@ def test_exit_without_enter_is_a_clear_error() -> None:
 def test_forked_child_can_close_a_report_opened_before_the_fork(fcpu: FakeCpu) -> None:
     r = memory_report(device="cpu", file=None)
     rep = r.__enter__()
-    mem._after_fork()  # what the child sees: no open reports
+    _frames.STACK.reset()  # what the child sees: no open reports
     r.__exit__(None, None, None)
     assert rep.done
 
@@ -993,7 +996,7 @@ def test_threads_on_same_device_keep_peaks_consistent(fake: FakeCuda) -> None:
     for t in threads:
         t.join(30)
     assert not errors
-    assert not mem._OPEN.get("cuda:0")
+    assert not _frames.STACK.open.get("cuda:0")
 
 
 # --------------------------------------------------------------------------- record_history

@@ -20,6 +20,9 @@ from torch import nn
 
 import cudakit.parallel as cp
 from cudakit.exceptions import CudakitError, DeviceError, DistributedSetupError
+from cudakit.parallel import group as cp_group
+from cudakit.parallel import launcher as cp_launcher
+from cudakit.parallel import wrap as cp_wrap
 
 _LAUNCHER_VARS = (
     "WORLD_SIZE",
@@ -46,7 +49,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in _LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     yield
-    cp._teardown()
+    cp_group.teardown_owned_group()
     assert not dist.is_initialized()
 
 
@@ -307,8 +310,8 @@ def test_process_group_lifecycle(single_rank_env: dict[str, str]) -> None:
             assert not inner.created
         assert dist.is_initialized()
     assert not dist.is_initialized()
-    cp._teardown()  # double teardown never raises
-    cp._teardown()
+    cp_group.teardown_owned_group()  # double teardown never raises
+    cp_group.teardown_owned_group()
 
 
 def test_process_group_destroyed_after_exception(single_rank_env: dict[str, str]) -> None:
@@ -332,7 +335,7 @@ def test_process_group_leaves_user_groups_alone(single_rank_env: dict[str, str])
         with cp.process_group() as info:
             assert not info.created
         assert dist.is_initialized()
-        cp._teardown()  # not cudakit's: the atexit net does not touch it either
+        cp_group.teardown_owned_group()  # not cudakit's: the atexit net does not touch it either
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
@@ -355,8 +358,8 @@ def test_process_group_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 def _pretend_two_ranks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A one-process group that reports two ranks, with the exit barrier recorded."""
     calls: list[str] = []
-    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(cp, "_exit_barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(cp_group, "_exit_barrier", lambda: calls.append("barrier"))
     return calls
 
 
@@ -379,12 +382,12 @@ def test_process_group_exit_barrier_failure_still_destroys(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
 
     def peer_gone() -> None:
         raise RuntimeError("Rank 1 failed to pass monitoredBarrier")
 
-    monkeypatch.setattr(cp, "_exit_barrier", peer_gone)
+    monkeypatch.setattr(cp_group, "_exit_barrier", peer_gone)
     with caplog.at_level(logging.WARNING, logger="cudakit"), cp.process_group():
         pass
     assert not dist.is_initialized()
@@ -410,15 +413,15 @@ def test_process_group_reentered_uses_fresh_keys_on_one_store(
         made.append(args)
         return rendezvous(*args, **kwargs)
 
-    monkeypatch.setattr(cp.dist, "rendezvous", counting)
+    monkeypatch.setattr(dist, "rendezvous", counting)
     for _ in range(3):
         with cp.process_group(timeout=10):
             x = torch.ones(1)
             dist.all_reduce(x)
         assert not dist.is_initialized()
     assert len(made) == 1  # one store for the process: rank 0's server never restarts
-    assert cp._store is not None
-    store = agent if agent_store else cp._store[1]
+    assert cp_group._state.store is not None
+    store = agent if agent_store else cp_group._state.store[1]
     keys = store.list_keys()
     generations = {k.split("/")[1] for k in keys if k.startswith("cudakit/")}
     assert len(generations) == 3, keys  # every group wrote under its own prefix
@@ -427,7 +430,7 @@ def test_process_group_reentered_uses_fresh_keys_on_one_store(
 
 def test_exit_barrier_single_rank_gloo(single_rank_env: dict[str, str]) -> None:
     with cp.process_group():
-        cp._exit_barrier()  # monitored_barrier on gloo: returns at once with one rank
+        cp_group._exit_barrier()  # monitored_barrier on gloo: returns at once with one rank
 
 
 def test_nccl_unavailable_is_clear(single_rank_env: dict[str, str]) -> None:
@@ -537,7 +540,7 @@ def test_strip_prefixes_property(keys: list[str], stack: list[str], lead: bool) 
     own = [("module." + k if lead else k) for k in keys]  # maybe a real `module` submodule
     prefix = "".join(stack)
     sd: OrderedDict[str, int] = OrderedDict((prefix + k, i) for i, k in enumerate(own))
-    out = cp._strip(sd, set(own))
+    out = cp_wrap._strip(sd, set(own))
     assert list(out) == own
     assert list(out.values()) == list(range(len(own)))
     assert list(sd) == [prefix + k for k in own]  # untouched
@@ -622,16 +625,14 @@ def _signal_death(index: int) -> Exception:
 
 
 def test_launch_signal_death_outcomes(caplog: pytest.LogCaptureFixture) -> None:
-    from cudakit import _launch
-
     death = _signal_death(0)
     with caplog.at_level(logging.WARNING, logger="cudakit"):
-        assert _launch._exited(death, {0: b"r0", 1: b"r1"}, {}, 2, [4242, 4343]) is None
+        assert cp_launcher._exited(death, {0: b"r0", 1: b"r1"}, {}, 2, [4242, 4343]) is None
     assert (
         "rank 0 returned its result, then died while shutting down (process 0 terminated with "
         "signal SIGABRT); the results are kept" in caplog.text
     )
-    err = _launch._exited(death, {0: b"r0"}, {}, 2, [4242, 4343])
+    err = cp_launcher._exited(death, {0: b"r0"}, {}, 2, [4242, 4343])
     assert isinstance(err, cp.LaunchError)
     assert str(err) == (
         "rank 0 of 2 (pid 4242) returned its result, then died while shutting down (process 0 "
@@ -639,32 +640,30 @@ def test_launch_signal_death_outcomes(caplog: pytest.LogCaptureFixture) -> None:
         "sys.exit(), os._exit(), a segfault or the OOM killer in its output."
     )
     assert (err.rank, err.pid, err.exitcode, err.pids) == (0, 4242, -6, [4242, 4343])
-    err = _launch._exited(death, {}, {}, 1, [4242])
+    err = cp_launcher._exited(death, {}, {}, 1, [4242])
     assert err is not None
     assert str(err).startswith(
         "rank 0 of 1 (pid 4242) died without a Python exception (process 0 terminated with "
         "signal SIGABRT). Look for"
     )
     cause = b"Traceback (most recent call last):\n  ...\nValueError: the real cause\n"
-    err = _launch._exited(death, {}, {1: (5.0, cause)}, 2, [4242, 4343])
+    err = cp_launcher._exited(death, {}, {1: (5.0, cause)}, 2, [4242, 4343])
     assert err is not None
     assert err.rank == 1
     assert str(err).startswith("rank 1 of 2 (pid 4343) failed: ValueError: the real cause")
 
 
 def test_launch_names_the_cause_not_its_echo() -> None:
-    from cudakit import _launch
-
     echo = b"Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
     cause = b"Traceback ...\n  raise ValueError\nValueError: bad batch\n"
-    err = _launch._first_failure({0: (1.0, echo), 1: (2.0, cause)}, 2, [10, 11])
+    err = cp_launcher._first_failure({0: (1.0, echo), 1: (2.0, cause)}, 2, [10, 11])
     assert err.rank == 1  # reported later, but rank 0's error is only the echo of it
     assert str(err).startswith(
         "rank 1 of 2 (pid 11) failed: ValueError: bad batch\n(then, probably as a consequence: "
         "rank 0: RuntimeError: [../gloo/pair.cc:534] Connection closed by peer)"
     )
     assert err.traceback_text == cause.decode()
-    both = _launch._first_failure({0: (2.0, cause), 1: (1.0, cause)}, 2, [10, 11])
+    both = cp_launcher._first_failure({0: (2.0, cause), 1: (1.0, cause)}, 2, [10, 11])
     assert both.rank == 1  # two real failures: the earlier one
 
 

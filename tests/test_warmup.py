@@ -35,7 +35,8 @@ from cudakit.warmup import (
 
 # Not `import cudakit.warmup as wu`: once cudakit/__init__.py exports the function `warmup`,
 # the attribute cudakit.warmup is the function; the module is in sys.modules.
-wu = importlib.import_module("cudakit.warmup")
+batch_size = importlib.import_module("cudakit.warmup.batch_size")
+_reserve = importlib.import_module("cudakit.warmup._reserve")
 
 # --------------------------------------------------------------------------- helpers
 
@@ -44,7 +45,7 @@ wu = importlib.import_module("cudakit.warmup")
 def _fast_free_memory(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full gc.collect() costs ~0.1-0.3 s inside pytest+hypothesis; skip it per try on CPU."""
     if "cuda" not in request.keywords and "real_free" not in request.node.name:
-        monkeypatch.setattr(wu, "_free_memory", lambda: None)
+        monkeypatch.setattr(batch_size, "free_memory", lambda: None)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -345,12 +346,14 @@ def test_warmup_report_on_cpu() -> None:
     assert report.first_pass_s == report.pass_times[0]
     assert report.last_pass_s == report.pass_times[-1]
     assert report.speedup == pytest.approx(report.pass_times[0] / report.pass_times[-1])
-    assert report.peak_allocated is None
+    assert report.peak_allocated is not None  # the process's peak RSS, as memory_report
+    assert report.peak_allocated > 0
     assert report.reserved_after is None
     assert report.reserve_requested is None
     text = str(report)
     assert "3 forward+backward pass(es)" in text
-    assert "not measured on cpu" in text
+    assert "peak RSS of the process in one step: " in text
+    assert "reserved by the caching allocator after: not measured on cpu" in text
     assert json.loads(json.dumps(report.to_dict()))["steps"] == 3
 
 
@@ -594,7 +597,7 @@ def test_reserve_on_cpu_is_a_warned_no_op() -> None:
     ],
 )
 def test_reserve_specs(spec: Any, expected: tuple[str, float]) -> None:
-    kind, value = wu._parse_reserve(spec)
+    kind, value = _reserve.parse_reserve(spec)
     assert kind == expected[0]
     assert value == pytest.approx(expected[1])
 
@@ -708,10 +711,10 @@ def test_reserve_grows_the_cache_even_when_a_free_cached_block_would_serve_it(
     alloc.install(monkeypatch)
     # 300 held and free in the cache; asking for 500 needs 200 more from the driver. One
     # allocation of 200 would be carved from the cached 300 and grow nothing.
-    assert wu._reserve_cuda(500, "bytes", 500.0, CUDA0) == 500
+    assert _reserve.reserve_cuda(500, "bytes", 500.0, CUDA0) == 500
     assert alloc.reserved >= 500
     assert alloc.live == 0  # all back in the cache
-    assert wu._reserve_cuda(0.4, "fraction", 0.4, CUDA0) == 400  # already held: no-op
+    assert _reserve.reserve_cuda(0.4, "fraction", 0.4, CUDA0) == 400  # already held: no-op
     assert alloc.reserved == 500
 
 
@@ -741,7 +744,7 @@ def test_impossible_reserve_allocates_nothing(
     alloc = FakeCudaAllocator(total=1000, used_elsewhere=100, cached=[])
     alloc.install(monkeypatch)
     with pytest.raises(MemoryReserveError, match=match):
-        wu._reserve_cuda(spec, kind, value, CUDA0)
+        _reserve.reserve_cuda(spec, kind, value, CUDA0)
     assert alloc.reserved == 0
 
 
@@ -754,7 +757,7 @@ def test_reserve_that_fails_midway_frees_what_it_held(monkeypatch: pytest.Monkey
         match=r"reserve='50%': 500 B looked free on cuda:0 "
         r"but could not be allocated.*Ask for less",
     ):
-        wu._reserve_cuda("50%", "fraction", 0.5, CUDA0)
+        _reserve.reserve_cuda("50%", "fraction", 0.5, CUDA0)
     assert alloc.live == 0
 
 
@@ -1023,8 +1026,8 @@ def test_lower_bound_failure_names_the_bound_and_the_fix() -> None:
 
 def test_real_free_memory_runs_between_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     freed: list[int] = []
-    real = wu._free_memory
-    monkeypatch.setattr(wu, "_free_memory", lambda: freed.append(1) or real())
+    real = batch_size.free_memory
+    monkeypatch.setattr(batch_size, "free_memory", lambda: freed.append(1) or real())
     trial = Trial(50)
     find_batch_size(trial, start=8)
     assert len(freed) == len(trial.tried)

@@ -1,7 +1,6 @@
 """``launch()``: run a function in N local processes with torchrun's environment.
 
-The process management behind :func:`cudakit.parallel.launch` (its public home):
-the parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
+The parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
 with ``torch.multiprocessing``, collects each rank's result or traceback over a
 queue, and turns the first real failure into a :class:`~cudakit.exceptions.LaunchError`.
 """
@@ -19,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch.distributed as dist
 
-from .exceptions import LaunchError
+from .._check import describe
+from ..exceptions import LaunchError
+from .group import teardown_owned_group
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
@@ -59,8 +60,6 @@ def _child(
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID="cudakit-launch",
     )
-    from .parallel import _teardown  # here: cudakit.parallel imports this module
-
     clean = False
     try:
         try:
@@ -85,7 +84,7 @@ def _child(
     finally:
         # A group cudakit created (parallelize() inside fn); the user's own group is theirs
         # to destroy. After a clean return the ranks meet in a barrier first.
-        _teardown(sync=clean)
+        teardown_owned_group(sync=clean)
 
 
 def _picklable(obj: object) -> bool:
@@ -129,14 +128,29 @@ def _first_failure(
         lines = t.strip().splitlines()
         return lines[-1] if lines else "an exception"
 
-    also = ""
-    if len(order) > 1:
-        later = "; ".join(
-            f"rank {r}: {last_line(failures[r][1].decode(errors='replace'))}" for r in order[1:]
+    # The other failures: an echo ("Connection closed by peer") is probably a consequence of
+    # the first; a real exception of its own is an independent failure, and said to be.
+    echoes = [r for r in order[1:] if _is_echo(failures[r][1])]
+    own = [r for r in order[1:] if r not in echoes]
+    first_line = last_line(text)
+
+    def listed(ranks: list[int]) -> str:
+        return "; ".join(
+            f"rank {r}: {last_line(failures[r][1].decode(errors='replace'))}" for r in ranks
         )
-        also = f"\n(then, probably as a consequence: {later})"
+
+    also = ""
+    if own:
+        lines = {last_line(failures[r][1].decode(errors="replace")) for r in own}
+        if lines == {first_line}:
+            who = f"rank {own[0]}" if len(own) == 1 else f"ranks {', '.join(map(str, own))}"
+            also += f"\n({who} failed too, independently, with the same error)"
+        else:
+            also += f"\n(also failed, independently: {listed(own)})"
+    if echoes:
+        also += f"\n(then, probably as a consequence: {listed(echoes)})"
     return LaunchError(
-        f"rank {first} of {nprocs} (pid {pids[first]}) failed: {last_line(text)}{also}\n\n"
+        f"rank {first} of {nprocs} (pid {pids[first]}) failed: {first_line}{also}\n\n"
         f"Traceback from rank {first}:\n{text}",
         rank=first,
         pid=pids[first],
@@ -264,8 +278,10 @@ def launch(
                 f"{timeout!r}; e.g. timeout=600, or None to wait for as long as the ranks run."
             )
     if start_method not in ("spawn", "forkserver", "fork"):
-        raise ValueError(
-            f"start_method must be 'spawn', 'forkserver' or 'fork', got {start_method!r}."
+        exc_type = ValueError if isinstance(start_method, str) else TypeError
+        raise exc_type(
+            f"launch(): start_method must be 'spawn', 'forkserver' or 'fork', got "
+            f"{describe(start_method)}. Keep the default 'spawn', which is safe with CUDA."
         )
     if start_method != "fork":
         try:

@@ -1,0 +1,18 @@
+"""Mixed precision: :func:`autocast_step` runs a whole AMP training step for you.
+
+One object owns the parts of a mixed-precision step whose order is easy to get
+wrong: ``torch.autocast``, ``GradScaler``, gradient accumulation (DDP's ``no_sync``,
+FSDP2's ``set_requires_gradient_sync``), unscale-then-clip, a fused non-finite guard
+that keeps bad steps away from the weights and the optimizer state, the schedulers
+and clearing the gradients.
+
+The package is built from small parts, each owning its state: ``policy`` (the pure
+precision decision), ``guard`` (the non-finite check and its verdict across ranks),
+``window`` (the accumulation window and gradient sync), ``checkpoint`` (validated
+state dicts) and ``step`` (the thin :class:`AutocastStep` that composes them).
+"""
+
+from .result import Verdict
+from .step import AutocastStep, SteppedFunction, StepResult, autocast_step
+
+__all__ = ["AutocastStep", "StepResult", "SteppedFunction", "Verdict", "autocast_step"]

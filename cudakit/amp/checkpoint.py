@@ -1,0 +1,188 @@
+"""Checkpoint state of an :class:`~cudakit.amp.AutocastStep`: validated whole, then applied.
+
+:func:`validate` reads a state dict and returns a :class:`Restored` with every field
+checked (types, ranges, shapes, the accumulate/scaler compatibility) or raises
+``TypeError``/``ValueError`` naming the field. Only then does the step apply it, so
+a refused state changes nothing: not the counters, not the scaler, not a ``.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+
+from .._check import describe
+
+__all__ = ["KEYS", "Restored", "validate"]
+
+KEYS = (
+    "accumulate",
+    "position",
+    "steps",
+    "skipped_steps",
+    "consecutive_skipped",
+    "scaler",
+    "grads",
+    "window_losses",
+)
+_WHERE = "AutocastStep.load_state_dict()"
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+class Restored(NamedTuple):
+    """A checked state, ready to apply."""
+
+    position: int
+    steps: int
+    skipped_steps: int
+    consecutive_skipped: int
+    scaler: Mapping[str, Any] | None
+    grads: list[torch.Tensor | None]
+    window_losses: list[torch.Tensor]
+    window_weight: torch.Tensor | None
+
+
+def _fail(
+    field: str | tuple[str, object],
+    expected: str,
+    got: object,
+    exc: type[Exception] = ValueError,
+) -> NoReturn:
+    """Raise for ``state[field]`` (or ``state[field][key]`` for a ``(field, key)`` pair)."""
+    path = f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
+    raise exc(
+        f"{_WHERE}: state{path} must be {expected}, got {describe(got)}. "
+        "Pass the dict returned by AutocastStep.state_dict(), unchanged."
+    )
+
+
+def _count(state: Mapping[str, Any], field: str) -> int:
+    value = state[field]
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(field, "an int >= 0", value, TypeError)
+    if value < 0:
+        _fail(field, "an int >= 0", value)
+    return int(value)
+
+
+def _scalar_tensor(value: object, field: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(field, "a one-element tensor", value, TypeError)
+    if value.numel() != 1 or value.is_complex():
+        _fail(field, "a one-element real tensor", value)
+    return value
+
+
+def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mapping[str, Any] | None:
+    if (value is None) != (not has_scaler):
+        raise ValueError(
+            f"{_WHERE}: the checkpoint was "
+            f"{'taken without' if value is None else 'taken with'} a GradScaler "
+            f"but this step {'has one' if has_scaler else 'has none'} "
+            f"(dtype={dtype}). Resume with the same dtype=... as the checkpointed run."
+        )
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        _fail("scaler", "None or the dict from GradScaler.state_dict()", value, TypeError)
+    if not value:  # a disabled scaler's state dict is empty
+        return value
+    for key in _SCALER_KEYS:
+        if key not in value:
+            _fail("scaler", f"a GradScaler state with {key!r}", value)
+        number = value[key]
+        if isinstance(number, torch.Tensor) and number.numel() == 1:
+            number = float(number)
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            _fail(("scaler", key), "a number", value[key], TypeError)
+        if not math.isfinite(float(number)) or float(number) <= 0:
+            _fail(("scaler", key), "a positive finite number", value[key])
+    return value
+
+
+def validate(
+    state: object,
+    *,
+    accumulate: int,
+    has_scaler: bool,
+    dtype: torch.dtype,
+    params: Sequence[torch.Tensor],
+) -> Restored:
+    """Check a whole state against the step it is loaded into; raise before any change."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"load_state_dict() expects the dict from AutocastStep.state_dict(), got "
+            f"{type(state).__name__}."
+        )
+    missing = [k for k in KEYS if k not in state]
+    if missing:
+        raise ValueError(
+            f"load_state_dict(): the state is missing {missing}; pass the dict returned "
+            "by AutocastStep.state_dict()."
+        )
+    saved_accumulate = state["accumulate"]
+    if isinstance(saved_accumulate, bool) or not isinstance(saved_accumulate, int):
+        _fail("accumulate", "an int >= 1", saved_accumulate, TypeError)
+    if saved_accumulate < 1:
+        _fail("accumulate", "an int >= 1", saved_accumulate)
+    position = _count(state, "position")
+    if position >= saved_accumulate:
+        _fail("position", f"an int from 0 to accumulate - 1 = {saved_accumulate - 1}", position)
+    if position and saved_accumulate != accumulate:
+        raise ValueError(
+            f"load_state_dict(): the checkpoint was taken mid-window with accumulate="
+            f"{saved_accumulate}, but this step has accumulate={accumulate}. "
+            "Resume with the same accumulate=..., or checkpoint right after an optimizer step."
+        )
+    steps = _count(state, "steps")
+    skipped = _count(state, "skipped_steps")
+    consecutive = _count(state, "consecutive_skipped")
+    if consecutive > skipped:
+        _fail("consecutive_skipped", f"at most skipped_steps={skipped}", consecutive)
+    scaler = _check_scaler(state["scaler"], has_scaler, dtype)
+
+    raw_grads = state["grads"]
+    if not isinstance(raw_grads, (list, tuple)):
+        _fail("grads", "a list of tensors or None", raw_grads, TypeError)
+    grads = list(raw_grads)
+    if position and len(grads) != len(params):
+        raise ValueError(
+            f"load_state_dict(): the checkpoint holds gradients for {len(grads)} "
+            f"parameters but the optimizer has {len(params)}; resume with the same model "
+            "and optimizer."
+        )
+    for i, (p, g) in enumerate(zip(params, grads, strict=False)):
+        if g is None:
+            continue
+        if not isinstance(g, torch.Tensor):
+            _fail(("grads", i), "a tensor or None", g, TypeError)
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(
+                f"load_state_dict(): a checkpointed gradient has shape {tuple(g.shape)} "
+                f"but its parameter has shape {tuple(p.shape)}; resume with the same model."
+            )
+        if not g.is_floating_point():
+            _fail(("grads", i), f"a floating-point tensor like its parameter ({p.dtype})", g)
+
+    raw_losses = state["window_losses"]
+    if not isinstance(raw_losses, (list, tuple)):
+        _fail("window_losses", "a list of one-element tensors", raw_losses, TypeError)
+    losses = [_scalar_tensor(t, "window_losses") for t in raw_losses]
+    if len(losses) > position:
+        _fail("window_losses", f"at most position={position} losses", raw_losses)
+    weight = state.get("window_weight")
+    if weight is not None:
+        weight = _scalar_tensor(weight, "window_weight")
+    return Restored(
+        position=position,
+        steps=steps,
+        skipped_steps=skipped,
+        consecutive_skipped=consecutive,
+        scaler=scaler,
+        grads=grads if position else [],
+        window_losses=losses,
+        window_weight=weight if position else None,
+    )

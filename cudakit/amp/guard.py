@@ -1,0 +1,171 @@
+"""The non-finite guard: one fused check for inf/NaN, and one verdict for every rank.
+
+:class:`NonFiniteGuard` owns small persistent flag tensors (one per device). A check
+runs ``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of one (values
+unchanged) over the window's losses and the gradients: the cheapest exact full pass
+torch offers, and one that cannot overflow the way a norm can. Sharded gradients
+(FSDP2's ``DTensor``) are checked through their local shards, and the verdict is
+combined across ranks (an all-reduce with ``MAX``), so a NaN on one rank makes every
+rank skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from .._dist import group_world_size
+
+__all__ = ["NonFiniteGuard", "VerdictMailbox", "local"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local shard, else the tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+class NonFiniteGuard:
+    """Persistent per-device flags, the fused check, and the verdict across ranks."""
+
+    def __init__(self) -> None:
+        self._ones: dict[torch.device, torch.Tensor] = {}
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        self._primary: tuple[torch.Tensor, torch.Tensor] | None = None  # (flag, one)
+        self._world: int | None = None
+
+    @property
+    def world(self) -> int:
+        """Ranks in the default process group, read once at the first verdict."""
+        if self._world is None:
+            self._world = group_world_size()
+        return self._world
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return one
+
+    def _flag(self, device: torch.device) -> torch.Tensor:
+        # Zero between checks (re-zeroed only after a hit): no fill kernel on the hot path.
+        flag = self._flags.get(device)
+        if flag is None:
+            flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return flag
+
+    def primary(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (flag, one) pair of the step's main device, made once."""
+        if self._primary is None:
+            self._primary = (self._flag(device), self._one(device))
+        return self._primary
+
+    def check(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """A 1-element float tensor, > 0 iff a tensor holds an inf/NaN; None for no tensors."""
+        if not tensors:
+            return None
+        primary = self._primary or self.primary(local(tensors[0]).device)
+        try:  # fast path: one device, dense plain tensors (mixed dtypes are fine)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, *primary)
+            return primary[0]
+        except (RuntimeError, AttributeError, TypeError):
+            pass  # several devices, sparse gradients, or DTensors: group local tensors
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in tensors:
+            t = local(t)
+            if t.is_sparse:
+                t = t.coalesce()._values()
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        per_device: dict[torch.device, torch.Tensor] = {}
+        for (device, _), group in groups.items():
+            flag = per_device[device] = self._flag(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, self._one(device))
+        found: torch.Tensor | None = None
+        for flag in per_device.values():
+            found = flag if found is None else found + flag.to(found.device)
+        return found
+
+    def reset(self) -> None:
+        """Zero the flags after a hit (or a check that raised), ready for the next check."""
+        for flag in self._flags.values():
+            flag.zero_()
+
+    def combine(
+        self,
+        found: torch.Tensor | None,
+        scaler_found: list[dict[torch.device, torch.Tensor]] | None = None,
+    ) -> torch.Tensor | None:
+        """One verdict tensor: ``found`` plus the scaler's per-optimizer flags, MAX over ranks.
+
+        Under ``torch.distributed`` the all-reduce runs here; the scaler's flags are
+        overwritten with the combined verdict, so every rank's scaler backs off (or
+        not) together and every optimizer of the step skips (or not) together.
+        """
+        if not scaler_found:
+            if found is not None and self.world > 1:
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            return found
+        flags = [f for per_opt in scaler_found for f in per_opt.values()]
+        for flag in flags:
+            found = flag.clone() if found is None else found + flag.to(found.device)
+        if found is None:
+            return None
+        if self.world > 1:
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        # The scaler then steps (or not) on the whole verdict: losses, optimizers, ranks.
+        for flag in flags:
+            flag.copy_(found.reshape(flag.shape).clamp(max=1).to(flag.device))
+        return found
+
+
+class VerdictMailbox:
+    """Verdict tensors posted by sync-free steps, read back on the host later.
+
+    A post enqueues a copy of the verdict into a small host buffer (pinned, with a
+    CUDA event, on a GPU), so nothing waits. :meth:`drain` reads the posted verdicts
+    in order: after the event (already passed one step later) and straight from the
+    host buffer's memory, so the read itself launches nothing and syncs nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._posted: list[tuple[torch.Tensor, Any, ctypes.c_float]] = []
+        self._free: list[tuple[torch.Tensor, ctypes.c_float]] = []
+
+    def __len__(self) -> int:
+        return len(self._posted)
+
+    def post(self, verdict: torch.Tensor) -> None:
+        """Enqueue the device-to-host copy of a 1-element float32 verdict."""
+        if self._free:
+            host, cell = self._free.pop()
+        else:
+            pin = verdict.device.type == "cuda"
+            host = torch.empty(1, dtype=torch.float32, pin_memory=pin)
+            cell = ctypes.c_float.from_address(host.data_ptr())
+        event: Any = None
+        if verdict.device.type == "cuda":
+            host.copy_(verdict.reshape(1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:  # the CPU (already in order), or another accelerator (a plain copy)
+            host.copy_(verdict.reshape(1))
+        self._posted.append((host, event, cell))
+
+    def drain(self) -> list[bool]:
+        """True for each posted verdict that found an inf/NaN, oldest first; empties it."""
+        out: list[bool] = []
+        for host, event, cell in self._posted:
+            if event is not None:
+                event.synchronize()
+            out.append(cell.value > 0)
+            self._free.append((host, cell))
+        self._posted.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget posted verdicts (their windows were rolled back)."""
+        for host, _, cell in self._posted:
+            self._free.append((host, cell))
+        self._posted.clear()

@@ -1,0 +1,209 @@
+"""The precision policy: which dtype, whether autocast runs, whether a scaler is needed.
+
+:func:`decide_precision` is pure: it takes the capabilities of the machine as an
+argument (:class:`Capabilities`, gathered once by :func:`probe_capabilities`) and
+is tested over every combination. ``dtype="auto"`` never picks a precision the
+hardware only emulates, so automatic precision is never slower than float32:
+
+- CUDA: bf16 where the GPU runs it natively (Ampere and later), else fp16 with a
+  ``GradScaler``;
+- CPU: bf16 only where the CPU runs it natively (AVX512-bf16 or AMX), else float32
+  with autocast off;
+- MPS: fp16 with a scaler; other accelerators: bf16.
+
+An explicit dtype is always honoured.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from .._accel import cpu_native_bf16, cpu_native_fp16
+
+__all__ = [
+    "DTYPE_ALIASES",
+    "Capabilities",
+    "Precision",
+    "check_autocast",
+    "cpu_native_bf16",
+    "cpu_native_fp16",
+    "decide_precision",
+    "log_choice",
+    "parse_dtype",
+    "probe_capabilities",
+]
+
+_log = logging.getLogger("cudakit.amp")
+
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Capabilities(NamedTuple):
+    """What the hardware runs natively (False where it was not asked or is absent).
+
+    .. versionadded:: 0.2
+    """
+
+    #: The CUDA device computes bf16 natively (compute capability 8.0 or later).
+    cuda_bf16: bool = False
+    #: The CPU has native bf16 kernels (AVX512-bf16 or AMX), per oneDNN.
+    cpu_bf16: bool = False
+    #: The CPU has native fp16 kernels (AVX512-fp16 or AMX-fp16), per oneDNN.
+    cpu_fp16: bool = False
+
+
+class Precision(NamedTuple):
+    """A decided precision: ``dtype`` is float32 exactly when autocast is off.
+
+    .. versionadded:: 0.2
+    """
+
+    dtype: torch.dtype
+    autocast: bool
+    scaler: bool
+    #: Why ``"auto"`` chose what it chose (empty for an explicit dtype).
+    reason: str = ""
+
+
+def parse_dtype(dtype: object) -> torch.dtype | None:
+    """The torch dtype asked for (None for ``"auto"``); TypeError/ValueError otherwise."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return None
+        alias = DTYPE_ALIASES.get(dtype.lower())
+        if alias is None:
+            raise ValueError(
+                f"autocast_step(dtype={dtype!r}) is not a precision cudakit knows; expected "
+                '"auto", torch.bfloat16, torch.float16 or torch.float32 '
+                '(or the strings "bf16", "fp16", "fp32").'
+            )
+        return alias
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"autocast_step(dtype=...) expects a torch.dtype or 'auto', got "
+            f"{type(dtype).__name__} {dtype!r}. For example: dtype=torch.bfloat16."
+        )
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"autocast_step(dtype={dtype}) is not a mixed-precision dtype; expected "
+            "torch.bfloat16, torch.float16, torch.float32 (autocast off) or 'auto'."
+        )
+    return dtype
+
+
+def decide_precision(
+    requested: torch.dtype | None,
+    device_type: str,
+    *,
+    enabled: bool,
+    user_scaler: bool,
+    caps: Capabilities,
+) -> Precision:
+    """Decide the step's precision from the request and the machine's capabilities.
+
+    ``requested`` is None for ``"auto"``. Pure: no device is queried here.
+
+    >>> decide_precision(None, "cpu", enabled=True, user_scaler=False, caps=Capabilities())
+    Precision(dtype=torch.float32, autocast=False, scaler=False, reason='...')
+    >>> decide_precision(None, "cuda", enabled=True, user_scaler=False,
+    ...                  caps=Capabilities(cuda_bf16=True)).dtype
+    torch.bfloat16
+
+    .. versionadded:: 0.2
+    """
+    if not enabled:
+        return Precision(torch.float32, False, False)
+    if requested is not None:
+        return _precision(requested)
+    if user_scaler:
+        return _precision(torch.float16, "a GradScaler was given, so fp16")
+    if device_type == "cuda":
+        if caps.cuda_bf16:
+            return _precision(torch.bfloat16, "the GPU runs bf16 natively")
+        return _precision(torch.float16, "the GPU has no native bf16, so fp16 with a scaler")
+    if device_type == "mps":
+        return _precision(torch.float16, "MPS runs fp16")
+    if device_type == "cpu":
+        if caps.cpu_bf16:
+            return _precision(torch.bfloat16, "the CPU runs bf16 natively (AVX512-bf16/AMX)")
+        return _precision(
+            torch.float32,
+            "the CPU has no native bf16 (no AVX512-bf16 or AMX), where emulated bf16 is "
+            "about 10 times slower than float32; pass dtype=torch.bfloat16 to force it",
+        )
+    return _precision(torch.bfloat16, f"{device_type} runs bf16")
+
+
+def _precision(dtype: torch.dtype, reason: str = "") -> Precision:
+    on = dtype != torch.float32
+    return Precision(dtype, on, dtype == torch.float16, reason)
+
+
+def _cuda_native_bf16() -> bool:
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch < 2.3 has no including_emulation
+        major, _ = torch.cuda.get_device_capability()
+        return major >= 8
+
+
+def probe_capabilities(device_type: str) -> Capabilities:
+    """Gather the capabilities :func:`decide_precision` needs for ``device_type``, only those."""
+    if device_type == "cuda":
+        return Capabilities(cuda_bf16=_cuda_native_bf16())
+    if device_type == "cpu":
+        return Capabilities(cpu_bf16=cpu_native_bf16(), cpu_fp16=cpu_native_fp16())
+    return Capabilities()
+
+
+_logged: set[tuple[str, torch.dtype]] = set()
+
+
+def log_choice(device_type: str, precision: Precision) -> None:
+    """Log once per (device type, dtype) why ``"auto"`` fell back to float32."""
+    key = (device_type, precision.dtype)
+    if precision.dtype == torch.float32 and precision.reason and key not in _logged:
+        _logged.add(key)
+        _log.info("autocast_step(dtype='auto') on %s: float32, %s.", device_type, precision.reason)
+
+
+def check_autocast(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
+    """Raise if ``torch.autocast`` would refuse or silently disable this combination."""
+    available = getattr(torch.amp.autocast_mode, "is_autocast_available", None)
+    if enabled and available is not None and not available(device_type):
+        raise ValueError(
+            f"autocast_step(): the optimizer's parameters are on {device_type!r}, where "
+            "torch.autocast is not available. Move the model to 'cuda' or 'cpu' first "
+            "(cudakit.device.on_device(model, device=...)), or pass enabled=False."
+        )
+    if not enabled:
+        return
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.autocast(device_type, dtype=dtype, enabled=True)
+    except RuntimeError as e:
+        raise ValueError(
+            f"autocast_step(dtype={dtype}) cannot run on {device_type!r}: {e} "
+            "Pass dtype='auto' to let cudakit pick the precision this device supports."
+        ) from None
+    for w in caught:
+        if "not support" in str(w.message) or "Disabling autocast" in str(w.message):
+            raise ValueError(
+                f"autocast_step(dtype={dtype}) cannot run on {device_type!r}: "
+                f"{str(w.message).strip()} Pass dtype='auto' to let cudakit pick the "
+                "precision this device supports."
+            )

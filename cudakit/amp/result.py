@@ -1,0 +1,180 @@
+"""What a step returns (:class:`StepResult`), and what a step function may return."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from typing_extensions import ParamSpec
+
+__all__ = ["StepResult", "SteppedFunction", "Verdict", "extract_loss", "weight_tensor"]
+
+P = ParamSpec("P")
+
+
+class StepResult(NamedTuple):
+    """What one call of an :class:`AutocastStep` did.
+
+    No field forces a host-device synchronisation: ``stepped`` and ``skipped``
+    are plain bools decided by the step itself (the non-finite guard needs one
+    sync per *optimizer* step, the same one ``GradScaler.step`` makes), while
+    ``loss``, ``scale`` and ``grad_norm`` stay tensors on the device; only
+    ``.item()``/``float()`` on them syncs, when you choose to.
+
+    >>> r = StepResult(torch.tensor(0.5), None, True, False, None, None)
+    >>> r.stepped, float(r.loss)
+    (True, 0.5)
+
+    .. versionadded:: 0.1
+    """
+
+    #: The loss the function returned, detached (not divided by ``accumulate``).
+    loss: torch.Tensor
+    #: The function's original return value (``None`` for :meth:`AutocastStep.flush`).
+    output: Any
+    #: True when the optimizer really updated the weights on this call.
+    stepped: bool
+    #: True when a non-finite loss or gradient was caught and the step dropped.
+    skipped: bool
+    #: The loss scale (0-dim float32 tensor) this call's loss was multiplied by; None without fp16.
+    scale: torch.Tensor | None
+    #: Total gradient norm before clipping (0-dim tensor) on clipping steps; else None.
+    grad_norm: torch.Tensor | None
+
+
+class SteppedFunction(Protocol[P]):
+    """A loss function decorated by an :class:`AutocastStep`: each call returns a StepResult.
+
+    .. versionadded:: 0.1
+    """
+
+    #: The :class:`AutocastStep` that runs the step (shared state).
+    autocast_step: Any
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> StepResult: ...
+
+    def flush(self) -> StepResult | None:
+        """Step on a partial accumulation window; see :meth:`AutocastStep.flush`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint state; see :meth:`AutocastStep.state_dict`."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a checkpoint; see :meth:`AutocastStep.load_state_dict`."""
+
+
+def extract_loss(output: object) -> tuple[torch.Tensor, object]:
+    """The loss and its weight (None when unweighted) inside a step function's return.
+
+    Accepted: a scalar tensor, ``(loss, ...)``, ``{"loss": loss, ...}`` and
+    ``{"loss": summed_loss, "weight": count, ...}`` (a token-weighted loss).
+    """
+    # Fast path: a plain tensor that passes every check below (errors come from the slow path).
+    if type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
+        return output, None
+    weight: object = None
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping):
+        if "loss" not in output:
+            raise TypeError(
+                "autocast_step: the function returned a mapping without a 'loss' key "
+                f"(keys: {sorted(map(str, output))}). Return {{'loss': loss, ...}}, a "
+                "(loss, ...) tuple, or the scalar loss tensor itself."
+            )
+        loss = output["loss"]
+        weight = output.get("weight")
+    elif isinstance(output, (tuple, list)):
+        if not output:
+            raise TypeError(
+                f"autocast_step: the function returned an empty {type(output).__name__}; "
+                "return the scalar loss tensor, (loss, ...) or {'loss': loss, ...}."
+            )
+        loss = output[0]
+    else:
+        raise TypeError(
+            "autocast_step: the function must return the loss: a scalar tensor, a tuple or "
+            f"list whose first item is the loss, or a mapping with a 'loss' key; got "
+            f"{type(output).__name__}. Did you forget `return loss`?"
+        )
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"autocast_step: the loss must be a torch.Tensor, got {type(loss).__name__} "
+            f"{loss!r}. Return the loss tensor itself, not loss.item()."
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"autocast_step: the loss must be a scalar tensor, got shape {tuple(loss.shape)}. "
+            "Reduce it first, e.g. loss.mean() or loss.sum()."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "autocast_step: the loss does not require grad, so there is nothing to "
+            "backpropagate. Was it computed under torch.no_grad()/inference_mode(), from "
+            "detached tensors, or with a frozen model?"
+        )
+    return loss, weight
+
+
+def weight_tensor(weight: object, like: torch.Tensor) -> torch.Tensor:
+    """A token weight as a 0-dim float32 tensor on ``like``'s device (no host sync)."""
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
+            raise ValueError(
+                "autocast_step: the returned 'weight' must be a one-element real tensor or a "
+                f"number (the count of items the summed loss covers), got a tensor of shape "
+                f"{tuple(weight.shape)} and dtype {weight.dtype}. Return e.g. "
+                "{'loss': loss_sum, 'weight': mask.sum()}."
+            )
+        return weight.detach().reshape(()).to(device=like.device, dtype=torch.float32)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(
+            "autocast_step: the returned 'weight' must be a number or a one-element tensor "
+            f"(the count of items the summed loss covers), got {type(weight).__name__} "
+            f"{weight!r}. Return e.g. {{'loss': loss_sum, 'weight': mask.sum()}}."
+        )
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(
+            f"autocast_step: the returned 'weight' must be a finite number >= 0, got {weight!r}."
+            " It counts the items (e.g. non-padding tokens) the summed loss covers."
+        )
+    return torch.tensor(float(weight), dtype=torch.float32, device=like.device)
+
+
+class Verdict:
+    """``StepResult.stepped``/``skipped`` of a sync-free step: a bool read when you ask.
+
+    The verdict stays a device tensor until ``bool()``, ``==`` or ``repr()`` reads it;
+    that read waits for the step's kernels, as ``.item()`` would, so a loop that never
+    reads it never waits.
+
+    >>> v = Verdict(torch.zeros(1), skipped=True)
+    >>> bool(v), v == False, v
+    (False, True, False)
+
+    .. versionadded:: 0.2
+    """
+
+    __slots__ = ("_flag", "_skipped", "_value")
+
+    def __init__(self, flag: torch.Tensor, *, skipped: bool) -> None:
+        self._flag = flag
+        self._skipped = skipped
+        self._value: bool | None = None
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            found = bool(self._flag.item() > 0)
+            self._value = found if self._skipped else not found
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(bool(self))

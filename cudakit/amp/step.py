@@ -1,0 +1,1013 @@
+"""The thin :class:`AutocastStep` that composes the parts of a mixed-precision step.
+
+The parts each own their state: the precision ``policy`` (decided once), the
+accumulation ``window`` and its gradient sync, the non-finite ``guard``, and the
+``checkpoint`` validation. This module orders them: open the window (clear the
+gradients of the step's parameters, as ``opt.zero_grad()`` before backward in a
+hand-written loop), forward under autocast, backward, and when the window is full
+one path that finishes it: unscale, weight, check, clip, step every optimizer (or
+none), update the scaler, step the schedulers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any, cast
+
+import torch
+from typing_extensions import ParamSpec, Self
+
+from .._check import check_bool, check_int, check_number, check_optional
+from . import checkpoint
+from .counters import StepCounters
+from .guard import NonFiniteGuard, VerdictMailbox, local
+from .ops import check_and_clip, step_on_device, zero_grad
+from .options import (
+    check_compile,
+    check_optimizers,
+    check_schedulers,
+    compile_fn,
+    device_type_of,
+)
+from .policy import (
+    Capabilities,
+    check_autocast,
+    decide_precision,
+    log_choice,
+    parse_dtype,
+    probe_capabilities,
+)
+from .result import SteppedFunction, StepResult, Verdict, extract_loss, weight_tensor
+from .window import GradSync, Window
+
+__all__ = ["AutocastStep", "StepResult", "SteppedFunction", "autocast_step"]
+
+P = ParamSpec("P")
+
+#: Default ``max_skipped``: fp16's scaler may legitimately skip a run of early
+#: steps while it lowers an over-large initial scale (2**16 halves to 1 in 16 steps);
+#: bf16 and fp32 have no scale to adjust, so a streak of bad steps means trouble.
+_DEFAULT_MAX_SKIPPED_FP16 = 20
+_DEFAULT_MAX_SKIPPED = 10
+
+# (step, form) of the autocast_step call running in this thread/task, if any.
+_ACTIVE: ContextVar[tuple[AutocastStep, str] | None] = ContextVar(
+    "cudakit_autocast_step_active", default=None
+)
+
+
+class AutocastStep:
+    """A mixed-precision training step: build it with :func:`autocast_step`.
+
+    Use it as a decorator over the loss function (``@step``), or explicitly with
+    ``with step:`` around the forward pass followed by ``step.backward(loss)``.
+    Both forms share the accumulation window, the loss scaler and the counters.
+    Not thread-safe: one step object per training loop.
+
+    >>> import cudakit.amp as amp
+    >>> model = torch.nn.Linear(4, 1)
+    >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), dtype="bf16")
+    >>> step.dtype, step.device_type, step.enabled
+    (torch.bfloat16, 'cpu', True)
+    >>> with step:
+    ...     loss = model(torch.ones(2, 4)).float().pow(2).mean()
+    >>> step.backward(loss).stepped
+    True
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        model: torch.nn.Module | None = None,
+        dtype: torch.dtype | str = "auto",
+        enabled: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+        scheduler: Any = None,
+        skip_nonfinite: bool = True,
+        max_skipped: int | None = None,
+        compile: bool | Mapping[str, Any] = False,
+    ) -> None:
+        where = "autocast_step"
+        optimizers = check_optimizers(optimizer)
+        check_bool(where, "enabled", enabled)
+        check_bool(where, "skip_nonfinite", skip_nonfinite)
+        check_int(
+            where,
+            "accumulate",
+            accumulate,
+            minimum=1,
+            fix="It is the number of micro-batches whose gradients are summed before each "
+            "optimizer step (1 = step on every call).",
+        )
+        clip = check_optional(
+            check_number,
+            where,
+            "max_grad_norm",
+            max_grad_norm,
+            positive=True,
+            fix="For example max_grad_norm=1.0; None turns clipping off.",
+        )
+        check_optional(
+            check_int,
+            where,
+            "max_skipped",
+            max_skipped,
+            minimum=1,
+            fix="It is the number of consecutive skipped steps that raise "
+            "NonFiniteStepsError; None for the default; pass sys.maxsize to never raise.",
+        )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
+                f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
+            )
+        schedulers = check_schedulers(scheduler, optimizers)
+        compile_options = check_compile(compile)
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            raise TypeError(
+                "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
+                f"{type(scaler).__name__}."
+            )
+        requested = parse_dtype(dtype)
+        params = self._collect_params(optimizers)
+        device_type = device_type_of(params)
+        precision = decide_precision(
+            requested,
+            device_type,
+            enabled=enabled,
+            user_scaler=scaler is not None,
+            caps=probe_capabilities(device_type) if requested is None and enabled else _NO_CAPS,
+        )
+        if scaler is not None and precision.dtype != torch.float16:
+            raise ValueError(
+                f"autocast_step(scaler=...) was given with dtype={precision.dtype}; loss "
+                "scaling is only for float16 (bfloat16 has float32's range and needs none). "
+                "Drop scaler=..., or pass dtype=torch.float16."
+            )
+        check_autocast(device_type, precision.dtype, precision.autocast)
+        if precision.scaler and scaler is None:
+            scaler = torch.amp.GradScaler(device_type)
+        if scaler is not None:
+            scaler_device = getattr(scaler, "_device", device_type)
+            if torch.device(scaler_device).type != device_type:
+                raise ValueError(
+                    f"autocast_step(scaler=...) is a GradScaler for {scaler_device!r}, but the "
+                    f"optimizer's parameters are on {device_type!r}. Create it as "
+                    f"torch.amp.GradScaler({device_type!r})."
+                )
+        if requested is None:
+            log_choice(device_type, precision)
+
+        #: The optimizers this step steps, in order.
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
+        #: The (first) optimizer: the one optimizer of a single-optimizer step.
+        self.optimizer: torch.optim.Optimizer = optimizers[0]
+        self._single = optimizers[0] if len(optimizers) == 1 else None
+        #: The schedulers stepped after every real optimizer step, in order.
+        self.schedulers: tuple[Any, ...] = schedulers
+        #: The scheduler as given (one, a list, or None).
+        self.scheduler: Any = scheduler
+        self.model = model
+        #: The GradScaler in use (fp16 only), else None.
+        self.scaler: torch.amp.GradScaler | None = scaler
+        #: The resolved autocast dtype (``torch.float32`` when autocast is off).
+        self.dtype: torch.dtype = precision.dtype
+        #: The device type autocast runs on: that of the optimizers' parameters.
+        self.device_type: str = device_type
+        #: Whether autocast is on (False for ``enabled=False`` and for float32).
+        self.enabled: bool = precision.autocast
+        self.accumulate: int = accumulate
+        self.max_grad_norm: float | None = clip
+        self.skip_nonfinite = skip_nonfinite
+        default_max = (
+            _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
+        )
+        self._counts = StepCounters(max_skipped if max_skipped is not None else default_max)
+        self._scaling = scaler is not None and scaler.is_enabled()
+        self._guarded = skip_nonfinite or self._scaling
+        #: True when every optimizer skips on the device (fused Adam, AdamW, SGD...):
+        #: then a guarded step reads nothing back; its verdict is read lazily.
+        self.sync_free: bool = self._guarded and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
+        )
+        self._mailbox = VerdictMailbox()
+        #: ``torch.compile`` options when ``compile=`` is on, else None.
+        self.compile_options: dict[str, Any] | None = compile_options
+        self._compiled_check: Callable[..., torch.Tensor | None] | None = (
+            # Compiled only with clipping: inductor fuses the norm, the check and the
+            # scaling; the check alone is one fused kernel already.
+            compile_fn(check_and_clip, compile_options, fullgraph=True)
+            if compile_options is not None and self.sync_free and clip is not None
+            else None
+        )
+        self._window = Window(accumulate)
+        self._sync = GradSync(model, accumulate)
+        self._guard = NonFiniteGuard()
+        self._scale_snapshot: torch.Tensor | None = None
+        # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
+        self._block: (
+            tuple[
+                Token[tuple[AutocastStep, str] | None],
+                torch.autocast,
+                AbstractContextManager[Any] | None,
+            ]
+            | None
+        ) = None
+        self._as_decorated = (self, "decorated")
+        self._as_block = (self, "block")
+        # Buffers (BatchNorm running stats...) as they were when the window opened,
+        # restored when the window's step is skipped: a NaN batch must not poison them.
+        self._guard_buffers = model is not None and skip_nonfinite
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_copies: list[torch.Tensor] = []
+        self._buffers_saved = False
+
+    # ------------------------------------------------------------------ read-only state
+
+    @property
+    def position(self) -> int:
+        """Micro-steps accumulated in the current window (0 right after an optimizer step)."""
+        return self._window.position
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
+        self._settle()
+        return self._counts.steps
+
+    @property
+    def max_skipped(self) -> int:
+        """Skipped optimizer steps in a row that raise ``NonFiniteStepsError``."""
+        return self._counts.max_skipped
+
+    @max_skipped.setter
+    def max_skipped(self, value: int) -> None:
+        self._counts.max_skipped = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps dropped for an inf/NaN loss or gradient (reads pending verdicts)."""
+        self._settle()
+        return self._counts.skipped
+
+    def __repr__(self) -> str:
+        return (
+            f"AutocastStep(dtype={self.dtype}, device_type={self.device_type!r}, "
+            f"enabled={self.enabled}, scaler={'on' if self._scaling else 'off'}, "
+            f"optimizers={len(self.optimizers)}, accumulate={self.accumulate}, "
+            f"max_grad_norm={self.max_grad_norm}, skip_nonfinite={self.skip_nonfinite}, "
+            f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
+            f"position={self._window.position})"
+        )
+
+    @staticmethod
+    def _collect_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        if len(optimizers) > 1:
+            params = list({id(p): p for p in params}.values())
+        return params
+
+    def _params(self) -> list[torch.Tensor]:
+        if self._single is not None:
+            return [p for g in self._single.param_groups for p in g["params"]]
+        return self._collect_params(self.optimizers)
+
+    def _grads(self) -> list[torch.Tensor]:
+        if self._single is not None:
+            return [
+                p.grad for g in self._single.param_groups for p in g["params"] if p.grad is not None
+            ]
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    # ------------------------------------------------------------------ autocast
+
+    def autocast(self) -> torch.autocast:
+        """Return a fresh ``torch.autocast`` with this step's device type, dtype and enabled flag.
+
+        Use it for forward passes outside the step (evaluation, warm-up).
+
+        >>> import cudakit.amp as amp
+        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
+        ...                          dtype=torch.bfloat16)
+        >>> with step.autocast():
+        ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+        torch.bfloat16
+        """
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+    # ------------------------------------------------------------------ decorator form
+
+    def __call__(self, func: Callable[P, Any]) -> SteppedFunction[P]:
+        """Decorate a loss function: every call runs a full step and returns a StepResult."""
+        if isinstance(func, torch.Tensor):
+            raise TypeError(
+                "AutocastStep called with a tensor: the step object decorates a loss "
+                "function. To step on a loss you computed yourself, call step.backward(loss)."
+            )
+        if not callable(func):
+            raise TypeError(
+                f"AutocastStep used as a decorator expects a function, got "
+                f"{type(func).__name__}; write @autocast_step(optimizer, ...) above a `def`."
+            )
+        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"autocast_step cannot decorate the generator or coroutine function "
+                f"{getattr(func, '__qualname__', func)!r}; decorate a plain function that "
+                "returns the loss."
+            )
+
+        compiled = self._compiled_forward(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> StepResult:
+            return self._run(func, compiled, args, kwargs)
+
+        w = cast(Any, wrapper)
+        w.autocast_step = self
+        w.flush = self.flush
+        w.state_dict = self.state_dict
+        w.load_state_dict = self.load_state_dict
+        return cast(SteppedFunction[P], w)
+
+    def _compiled_forward(self, func: Callable[..., Any]) -> Callable[..., Any] | None:
+        """With ``compile=``: ``func`` under autocast, compiled (autocast inside the graph)."""
+        if self.compile_options is None:
+            return None
+        device_type, dtype, enabled = self.device_type, self.dtype, self.enabled
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                return func(*args, **kwargs)
+
+        return compile_fn(functools.wraps(func)(forward), self.compile_options)
+
+    def _forward(
+        self, func: Callable[..., Any], compiled: Callable[..., Any] | None, args: Any, kwargs: Any
+    ) -> Any:
+        if compiled is not None:
+            return compiled(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            return func(*args, **kwargs)
+
+    def _nested_error(self, outer: AutocastStep) -> RuntimeError:
+        where = "the same" if outer is self else "another"
+        return RuntimeError(
+            f"autocast_step called inside {where} autocast_step: the outer step would "
+            "backpropagate and step the optimizer around this one. Call the two steps one "
+            "after the other (e.g. the discriminator step, then the generator step), not "
+            "nested."
+        )
+
+    def _run(
+        self,
+        func: Callable[..., Any],
+        compiled: Callable[..., Any] | None,
+        args: Any,
+        kwargs: Any,
+    ) -> StepResult:
+        active = _ACTIVE.get()
+        if active is not None:
+            raise self._nested_error(active[0])
+        token = _ACTIVE.set(self._as_decorated)
+        try:
+            if self._guard_buffers and not self._buffers_saved:
+                self._save_buffers()
+            if self._sync.active and not self._window.closes_next():
+                with self._sync.paused():
+                    output = self._forward(func, compiled, args, kwargs)
+                    loss, weight = extract_loss(output)
+                    self._backward(loss, weight)
+                    self._window.unsynced = True
+            elif compiled is None:
+                with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+                    output = func(*args, **kwargs)
+                loss, weight = extract_loss(output)
+                self._backward(loss, weight)
+            else:
+                output = compiled(*args, **kwargs)
+                loss, weight = extract_loss(output)
+                self._backward(loss, weight)
+            return self._after_backward(loss.detach(), output)
+        finally:
+            _ACTIVE.reset(token)
+
+    # ------------------------------------------------------------------ explicit form
+
+    def __enter__(self) -> Self:
+        """Enter autocast (and pause gradient sync when this micro-step will not step)."""
+        active = _ACTIVE.get()
+        if active is not None:
+            raise self._nested_error(active[0])
+        token = _ACTIVE.set(self._as_block)
+        paused: AbstractContextManager[Any] | None = None
+        autocast: torch.autocast | None = None
+        try:
+            if self._sync.active and not self._window.closes_next():
+                paused = self._sync.paused()
+                paused.__enter__()
+            autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+            autocast.__enter__()
+            if self._guard_buffers and not self._buffers_saved:
+                self._save_buffers()
+        except BaseException:
+            self._unwind(token, autocast, paused, None, None, None)
+            raise
+        self._block = (token, autocast, paused)
+        return self
+
+    @staticmethod
+    def _unwind(
+        token: Token[tuple[AutocastStep, str] | None],
+        autocast: torch.autocast | None,
+        paused: AbstractContextManager[Any] | None,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leave what ``__enter__`` entered, innermost first, each even if another raised."""
+        try:
+            if autocast is not None:
+                autocast.__exit__(exc_type, exc, tb)
+        finally:
+            try:
+                if paused is not None:
+                    paused.__exit__(exc_type, exc, tb)
+            finally:
+                _ACTIVE.reset(token)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            self._unwind(*block, exc_type, exc, tb)
+
+    def backward(self, loss: object) -> StepResult:
+        """Backpropagate ``loss`` and, when the window is full, step the optimizers.
+
+        The explicit form for loops that cannot be wrapped in a function: compute the
+        loss inside ``with step:`` (autocast, plus paused gradient sync on micro-steps
+        that do not step), then call this after the block, as torch recommends for
+        backward.
+
+        >>> import cudakit.amp as amp
+        >>> model = torch.nn.Linear(3, 1)
+        >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        >>> for _ in range(2):
+        ...     with step:
+        ...         loss = model(torch.ones(4, 3)).float().mean()
+        ...     result = step.backward(loss)
+        ...     print(result.stepped)
+        False
+        True
+
+        Args:
+            loss: the scalar loss tensor, or anything a decorated function may return
+                (``(loss, ...)``, ``{"loss": loss, ...}``,
+                ``{"loss": summed_loss, "weight": count}``), kept as ``StepResult.output``.
+
+        Returns:
+            What this call did, as a ``StepResult``.
+
+        Raises:
+            TypeError: ``loss`` holds no loss tensor.
+            ValueError: the loss is not a scalar or does not require grad.
+            RuntimeError: called inside a decorated step function.
+            NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
+        """
+        active = _ACTIVE.get()
+        if active is not None and not (active[0] is self and active[1] == "block"):
+            raise self._nested_error(active[0])
+        tensor, weight = extract_loss(loss)
+        block = self._block
+        if block is None and self._sync.active and not self._window.closes_next():
+            # backward() after the block closed: pause the sync around backward itself.
+            with self._sync.paused():
+                self._backward(tensor, weight)
+                self._window.unsynced = True
+        else:
+            self._backward(tensor, weight)
+            if block is not None and block[2] is not None:
+                self._window.unsynced = True
+        return self._after_backward(tensor.detach(), loss)
+
+    # ------------------------------------------------------------------ shared machinery
+
+    def _save_buffers(self) -> None:
+        bufs = [b for b in cast(torch.nn.Module, self.model).buffers() if b is not None]
+        if len(bufs) != len(self._buffers) or any(
+            a is not b for a, b in zip(bufs, self._buffers, strict=True)
+        ):
+            self._buffers = bufs
+            self._buffer_copies = [torch.empty_like(b) for b in bufs]
+        if bufs:
+            torch._foreach_copy_(self._buffer_copies, bufs)
+        self._buffers_saved = True
+
+    def _restore_buffers(self) -> None:
+        if self._buffers_saved and self._buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._buffer_copies)
+
+    def _backward(self, loss: torch.Tensor, weight: object) -> None:
+        """Open the window if needed (clear the step's gradients), then backward."""
+        window = self._window
+        weight_t: torch.Tensor | None = None
+        if weight is not None:
+            if window.weighted is False:
+                raise self._mixed_weights_error()
+            weight_t = weight_tensor(weight, loss)
+        elif window.weighted:
+            raise self._mixed_weights_error()
+        if window.position == 0:
+            for opt in self.optimizers:
+                zero_grad(opt)
+        if weight_t is not None:
+            window.add_weight(weight_t)
+        elif self.accumulate != 1:
+            loss = loss / self.accumulate
+        if self._scaling:
+            scaler = cast(torch.amp.GradScaler, self.scaler)
+            loss = scaler.scale(loss)
+            if self._scale_snapshot is None:
+                self._scale_snapshot = cast(torch.Tensor, scaler._scale).clone()
+        window.weighted = weight_t is not None
+        loss.backward()
+
+    @staticmethod
+    def _mixed_weights_error() -> ValueError:
+        return ValueError(
+            "autocast_step: within one accumulation window every micro-step must return "
+            "{'loss': summed_loss, 'weight': count}, or none may; this one differs from "
+            "the window's first. Return the weight from every call of the step function."
+        )
+
+    def _after_backward(self, loss: torch.Tensor, output: object) -> StepResult:
+        window = self._window
+        if self.skip_nonfinite:
+            window.losses.append(loss)
+        window.position += 1
+        if window.position < self.accumulate:
+            return StepResult(loss, output, False, False, self._scale_snapshot, None)
+        return self._finish(loss, output, pending=None)
+
+    def _factor(self, pending: int | None) -> torch.Tensor | float | None:
+        """What the window's summed gradients are multiplied by before the step.
+
+        Token-weighted: ``world / total weight over all ranks`` (DDP and FSDP2 average
+        across ranks; the all-reduce of the total runs on the device, no host read).
+        A partial window (``flush``), unweighted: ``accumulate / pending``.
+        """
+        window = self._window
+        if window.weight is not None:
+            total = window.weight.clone()
+            world = self._guard.world
+            if world > 1:
+                torch.distributed.all_reduce(total)
+            return torch.reciprocal(total).mul_(world)
+        if pending is not None and pending != self.accumulate:
+            return self.accumulate / pending
+        return None
+
+    def _clip(self) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self._params(), cast(float, self.max_grad_norm))
+        return local(norm)
+
+    def _finish(self, loss: torch.Tensor, output: object, pending: int | None) -> StepResult:
+        """The one path that finishes a window: unscale, weight, check, clip, step or skip."""
+        if self.sync_free:
+            self._settle()  # the previous window's verdict: there by now
+            return self._finish_on_device(loss, output, pending)
+        scaler = self.scaler if self._scaling else None
+        scale = self._scale_snapshot
+        grad_norm: torch.Tensor | None = None
+        skipped = streak = False
+        try:
+            factor = (
+                self._prepare(pending)
+                if scaler is not None or pending is not None or self._window.weight is not None
+                else None
+            )
+            if self._guarded:
+                if scaler is None and self.max_grad_norm is not None:
+                    # Clipping reads every gradient for the total norm anyway: that norm is
+                    # the guard (non-finite iff a gradient is, or it overflowed), so no
+                    # second pass over the gradients on a good step.
+                    grad_norm = self._clip()
+                skipped = self._decide_skip(scaler, grad_norm, factor)
+            if skipped:
+                grad_norm = None
+                if scaler is not None:
+                    scaler.update()  # lowers the scale; no optimizer runs
+                self._restore_buffers()
+                streak = self._counts.record_skip()
+            else:
+                if self.max_grad_norm is not None and grad_norm is None:
+                    grad_norm = self._clip()
+                if scaler is not None:
+                    for opt in self.optimizers:
+                        scaler.step(opt)
+                    scaler.update()
+                else:
+                    for opt in self.optimizers:
+                        opt.step()
+                self._counts.record_step()
+                if self.schedulers:
+                    self._close_window()  # counters and window settled if one raises
+                    for s in self.schedulers:
+                        s.step()
+        finally:
+            self._close_window()
+        if streak:
+            raise self._counts.streak_error(self.dtype)
+        return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
+
+    def _prepare(self, pending: int | None) -> torch.Tensor | float | None:
+        """Unscale (fp16) and weight the window's gradients; the factor used, if any."""
+        if self._scaling:
+            scaler = cast(torch.amp.GradScaler, self.scaler)
+            for opt in self.optimizers:
+                scaler.unscale_(opt)
+        factor = (
+            self._factor(pending)
+            if pending is not None or self._window.weight is not None
+            else None
+        )
+        if factor is not None:
+            grads = [local(g) for g in self._grads()]
+            if grads:
+                torch._foreach_mul_(grads, factor)
+        return factor
+
+    def _finish_on_device(
+        self, loss: torch.Tensor, output: object, pending: int | None
+    ) -> StepResult:
+        """:meth:`_finish` for optimizers that skip on the device: nothing is read back.
+
+        The verdict stays a tensor: the optimizers get it as ``found_inf`` (as
+        ``GradScaler`` hands it to fused optimizers) and skip on the device; buffers are
+        restored with ``torch.where``; the counters and the schedulers catch up when the
+        verdict is read, one window later or when you read them.
+        """
+        scaler = self.scaler if self._scaling else None
+        scale = self._scale_snapshot
+        try:
+            factor = self._prepare(pending)
+            verdict, grad_norm = self._verdict_on_device(scaler, factor)
+            if scaler is not None:
+                for opt in self.optimizers:
+                    scaler.step(opt)  # fused: hands the flags to the optimizer, no read
+                scaler.update()
+            else:
+                for opt in self.optimizers:
+                    step_on_device(opt, verdict)
+            if self._buffers_saved and self._buffers:
+                skip = verdict.reshape(()) > 0
+                with torch.no_grad():
+                    for buf, saved in zip(self._buffers, self._buffer_copies, strict=True):
+                        buf.copy_(torch.where(skip, saved, buf))
+            self._mailbox.post(verdict)
+        finally:
+            self._close_window()
+        return StepResult(
+            loss,
+            output,
+            cast(bool, Verdict(verdict, skipped=False)),
+            cast(bool, Verdict(verdict, skipped=True)),
+            scale,
+            grad_norm,
+        )
+
+    def _verdict_on_device(
+        self, scaler: torch.amp.GradScaler | None, factor: torch.Tensor | float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm."""
+        guard = self._guard
+        checks = list(self._window.losses) if self.skip_nonfinite else []
+        scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
+        if scaler is None:
+            checks.extend(self._grads())
+        clip = self.max_grad_norm
+        compiled = self._compiled_check
+        try:
+            found: torch.Tensor | None
+            if compiled is not None and checks:
+                flag, one = guard.primary(checks[0].device)
+                grad_norm = compiled(checks, flag, one, self._params() if clip else None, clip)
+                found = flag
+            else:
+                found = guard.check(checks)
+                grad_norm = self._clip() if clip is not None else None
+            verdict = guard.combine(found, scaler_found)
+            if verdict is None:  # nothing to check: a step that cannot go wrong
+                verdict = torch.zeros(1, device=self._params()[0].device)
+            return verdict.clone(), grad_norm
+        finally:
+            guard.reset()  # the flags are zero again for the next window
+
+    def _scaler_flags(
+        self,
+        scaler: torch.amp.GradScaler,
+        checks: list[torch.Tensor],
+        factor: torch.Tensor | float | None,
+    ) -> list[dict[torch.device, torch.Tensor]] | None:
+        """The scaler's per-optimizer inf flags (set by ``unscale_``); None if it keeps none.
+
+        Without them the gradients are added to ``checks``; a token weight's factor
+        (applied after the scaler's check) is always added.
+        """
+        found: list[dict[torch.device, torch.Tensor]] = []
+        states = getattr(scaler, "_per_optimizer_states", {})
+        for opt in self.optimizers:
+            flags = states.get(id(opt), {}).get("found_inf_per_device")
+            if not flags:
+                checks.extend(local(g) for g in self._grads())
+                found = []
+                break
+            found.append(flags)
+        if isinstance(factor, torch.Tensor):
+            checks.append(factor)
+        return found or None
+
+    def _settle(self) -> None:
+        """Read the verdicts of sync-free windows: counters, schedulers, the streak error."""
+        if not self._mailbox:
+            return
+        streak = False
+        for found in self._mailbox.drain():
+            if found:
+                streak = self._counts.record_skip() or streak
+            else:
+                self._counts.record_step()
+                for s in self.schedulers:
+                    s.step()
+        if streak:
+            raise self._counts.streak_error(self.dtype)
+
+    def _close_window(self) -> None:
+        self._window.clear()
+        self._scale_snapshot = None
+        self._buffers_saved = False
+
+    def _decide_skip(
+        self,
+        scaler: torch.amp.GradScaler | None,
+        grad_norm: torch.Tensor | None,
+        factor: torch.Tensor | float | None,
+    ) -> bool:
+        """Did any rank see a non-finite loss or gradient? One host read per optimizer step.
+
+        The window's losses are checked together with either the scaler's own verdict
+        (fp16: ``unscale_`` already checked every gradient), the clipping norm (when
+        clipping computed it), or the gradients themselves, in one fused kernel. Only
+        when the clipping norm is non-finite does a second, exact check run: it tells
+        inf/NaN gradients from finite ones whose norm overflowed, which the hand-written
+        loop would clip to zero and step on.
+        """
+        guard = self._guard
+        scaler_found: list[dict[torch.device, torch.Tensor]] | None = None
+        if scaler is None and grad_norm is None:  # the usual guard: losses and gradients
+            checks = self._window.losses + self._grads()
+        else:
+            checks = list(self._window.losses) if self.skip_nonfinite else []
+        if scaler is not None:
+            scaler_found = self._scaler_flags(scaler, checks, factor)
+        elif grad_norm is not None:
+            checks.append(grad_norm)
+        clean = False
+        try:
+            verdict = guard.combine(guard.check(checks), scaler_found)
+            skipped = verdict is not None and bool(verdict.item())
+            if skipped and grad_norm is not None:
+                guard.reset()
+                exact = [*self._window.losses, *self._grads()]
+                verdict = guard.combine(guard.check(exact))
+                skipped = verdict is not None and bool(verdict.item())
+            clean = not skipped
+            return skipped
+        finally:
+            if not clean:
+                guard.reset()
+
+    # ------------------------------------------------------------------ epoch end, checkpoints
+
+    def flush(self) -> StepResult | None:
+        """Step on a partial accumulation window (at the end of an epoch).
+
+        The gradients of the ``k < accumulate`` pending micro-batches are rescaled by
+        ``accumulate / k``, so the step equals one on their mean loss (token-weighted
+        windows divide by their own total weight instead). Under DDP or FSDP2 the
+        pending micro-steps ran without gradient sync, so their gradients are reduced
+        across ranks here first. Returns None when nothing is pending.
+
+        >>> import cudakit.amp as amp
+        >>> model = torch.nn.Linear(3, 1)
+        >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+        >>> step.backward(model(torch.ones(2, 3)).float().mean()).stepped
+        False
+        >>> step.flush().stepped
+        True
+        >>> step.flush() is None
+        True
+
+        Returns:
+            The step's result as a ``StepResult`` (``output`` is None, ``loss`` is
+            the last micro-batch's), or None when nothing was pending.
+
+        Raises:
+            RuntimeError: called inside a step function or a ``with step:`` block.
+            NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
+        """
+        if _ACTIVE.get() is not None:
+            raise RuntimeError(
+                "AutocastStep.flush() called inside a step: call it after the loop over "
+                "the epoch's batches, outside the decorated function or `with step:` block."
+            )
+        self._settle()
+        window = self._window
+        if window.position == 0:
+            return None
+        pending = window.position
+        loss = window.losses[-1] if window.losses else torch.zeros(())
+        if window.unsynced:
+            self._sync.sync_partial(self._grads)
+        return self._finish(loss, None, pending=pending)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the step's checkpoint state: scaler, accumulation position, counters.
+
+        Mid-window, the gradients accumulated so far are included (cloned), so a run
+        resumed from this state, the model's and the optimizers' continues bit for bit.
+
+        >>> import cudakit.amp as amp
+        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> state = step.state_dict()
+        >>> state["position"], state["steps"], state["scaler"]
+        (0, 0, None)
+        """
+        self._settle()
+        window = self._window
+        grads: list[torch.Tensor | None] = []
+        if window.position:
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+        return {
+            "accumulate": self.accumulate,
+            "position": window.position,
+            "steps": self._counts.steps,
+            "skipped_steps": self._counts.skipped,
+            "consecutive_skipped": self._counts.consecutive,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "grads": grads,
+            "window_losses": [t.clone() for t in window.losses],
+            "window_weight": None if window.weight is None else window.weight.clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
+
+        >>> import cudakit.amp as amp
+        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> step.load_state_dict(step.state_dict())
+
+        Raises:
+            TypeError: the state, or a field of it, has the wrong kind.
+            ValueError: a field is out of range, or the state is from an incompatible
+                step (other accumulate mid-window, scaler on/off, other parameters).
+        """
+        params = self._params()
+        restored = checkpoint.validate(
+            state,
+            accumulate=self.accumulate,
+            has_scaler=self.scaler is not None,
+            dtype=self.dtype,
+            params=params,
+        )
+        self._mailbox.clear()  # verdicts of windows the checkpoint replaces
+        if self.scaler is not None and restored.scaler is not None:
+            self.scaler.load_state_dict(dict(restored.scaler))
+        if restored.position:
+            for p, g in zip(params, restored.grads, strict=False):
+                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
+        window = self._window
+        window.clear()
+        window.position = restored.position
+        window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
+        if restored.window_weight is not None:
+            window.weight = restored.window_weight.detach().to(torch.float32).clone()
+            window.weighted = True
+        elif restored.position:
+            window.weighted = False
+        self._counts.steps = restored.steps
+        self._counts.skipped = restored.skipped_steps
+        self._counts.consecutive = restored.consecutive_skipped
+        self._scale_snapshot = None  # taken again by the next backward
+
+
+_NO_CAPS = Capabilities()
+
+
+def autocast_step(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    *,
+    model: torch.nn.Module | None = None,
+    dtype: torch.dtype | str = "auto",
+    enabled: bool = True,
+    scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+    accumulate: int = 1,
+    scheduler: Any = None,
+    skip_nonfinite: bool = True,
+    max_skipped: int | None = None,
+    compile: bool | Mapping[str, Any] = False,
+) -> AutocastStep:
+    """Build a mixed-precision training step: autocast, scaling, clipping, accumulation, guard.
+
+    Decorate the function that computes the loss; each call then runs the forward
+    under ``torch.autocast`` and backpropagates the (scaled, ``/accumulate``) loss.
+    The first call of each window clears the gradients of the step's parameters
+    first (as ``opt.zero_grad()`` before backward does). On every ``accumulate``-th
+    call the step unscales, checks for inf/NaN, clips, steps every optimizer and
+    scheduler. A step with a non-finite loss or gradient is skipped by all of them:
+    the weights and the optimizer state are untouched.
+
+    >>> import cudakit.amp as amp
+    >>> model = torch.nn.Linear(8, 1)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> @amp.autocast_step(opt, max_grad_norm=1.0)
+    ... def train_step(x, y):
+    ...     return torch.nn.functional.mse_loss(model(x).float(), y)
+    >>> result = train_step(torch.randn(16, 8), torch.randn(16, 1))
+    >>> result.stepped, result.skipped, result.grad_norm is not None
+    (True, False, True)
+
+    Args:
+        optimizer: the optimizer to step, or a list of them (e.g. Muon for matrices and
+            AdamW for the rest). One backward, one clipping norm over all their
+            parameters, one verdict: all step or all skip together; one GradScaler.
+        model: the model being trained (optional). With DDP (``no_sync``) or FSDP2
+            (``set_requires_gradient_sync``), micro-steps that do not step skip gradient
+            communication, so gradients are reduced once per step; its buffers
+            (BatchNorm statistics) are restored when a step is skipped.
+        dtype: ``"auto"`` (CUDA: bf16 where native, else fp16; CPU: bf16 only where the
+            CPU runs it natively, else float32), ``torch.bfloat16``, ``torch.float16``
+            or ``torch.float32`` (autocast off). An explicit dtype is always honoured.
+        enabled: False turns autocast and scaling off (a plain fp32 step).
+        scaler: a ``torch.amp.GradScaler`` to use instead of a fresh one (fp16 only;
+            with ``dtype="auto"`` it selects fp16).
+        max_grad_norm: clip the total gradient norm to this, after unscaling, once per
+            optimizer step; None turns clipping off.
+        accumulate: number of calls whose gradients are summed per optimizer step;
+            each loss is divided by it, unless the function returns
+            ``{"loss": summed_loss, "weight": count}``: then the step uses the gradient
+            of (all the window's summed losses over all ranks) / (all their weights).
+        scheduler: an LR scheduler, or a list of them, stepped after every real (not
+            skipped) optimizer step.
+        skip_nonfinite: check the loss and gradients for inf/NaN (one fused kernel and
+            one host read per optimizer step, none on micro-steps; with ``max_grad_norm``
+            the clipping norm is what gets checked) and skip bad steps. fp16's scaler
+            always skips non-finite gradients; False only drops the loss check there.
+        max_skipped: raise :class:`~cudakit.exceptions.NonFiniteStepsError` after this
+            many skipped optimizer steps in a row. Default 20 for fp16 (the scaler may
+            skip a run of early steps while it finds its scale), 10 otherwise.
+
+    Returns:
+        The step object, usable as ``@decorator`` or as ``with step:`` plus
+        ``step.backward(loss)``, exposing ``dtype``, ``device_type``, ``enabled`` and
+        ``autocast()``.
+
+    Raises:
+        TypeError: ``optimizer`` is not an optimizer, or an option has the wrong type.
+        ValueError: an option is out of range, the optimizer has no parameters, or the
+            device cannot run the requested dtype.
+
+    .. versionadded:: 0.1
+    .. versionchanged:: 0.2
+       Several optimizers and schedulers, FSDP2, token-weighted accumulation, gradients
+       cleared when a window opens, native-only ``"auto"`` precision.
+    """
+    return AutocastStep(
+        optimizer,
+        model=model,
+        dtype=dtype,
+        enabled=enabled,
+        scaler=scaler,
+        max_grad_norm=max_grad_norm,
+        accumulate=accumulate,
+        scheduler=scheduler,
+        skip_nonfinite=skip_nonfinite,
+        max_skipped=max_skipped,
+        compile=compile,
+    )

@@ -1,0 +1,38 @@
+"""Memory statistics around any block: :func:`memory_report` and :func:`memory_snapshot`.
+
+:func:`memory_report` measures a block (``with``) or every call of a function
+(``@``): allocated and reserved memory before and after, the peaks *inside* the
+block, free and total device memory, and the wall time. On CUDA it reads the
+caching allocator; on the CPU it reads the process's resident set size (RSS), so
+the same code runs on a laptop. :func:`memory_snapshot` gives the numbers now.
+
+Design notes:
+
+* **Never starts CUDA.** Before CUDA is initialised nothing can be allocated on a
+  GPU, so a report says "CUDA not started" instead of creating a context.
+* **Nesting is safe.** Peak resets are global per device, so every open report
+  keeps the peak it saw before each later reset (``_frames``).
+* **Threads.** Reports on different threads that overlap on one device are marked
+  ``shared=True``.
+
+Modules: ``results`` (the report types and their one renderer), ``reporter``
+(:func:`memory_report`), ``snapshot`` (:func:`memory_snapshot`).
+"""
+
+# Private modules: _probes (every read of torch.cuda or /proc; tests replace its
+# objects with fakes), _frames (open reports), _targets (device=), _throttle
+# (aggregate output), _notes (out-of-memory notes).
+
+from .reporter import MemoryReported, MemoryReporter, memory_report
+from .results import DeviceMemory, MemoryReport, MemorySnapshot
+from .snapshot import memory_snapshot
+
+__all__ = [
+    "DeviceMemory",
+    "MemoryReport",
+    "MemoryReported",
+    "MemoryReporter",
+    "MemorySnapshot",
+    "memory_report",
+    "memory_snapshot",
+]

@@ -1,0 +1,420 @@
+"""How to parallelise: every decision of :func:`~cudakit.parallel.parallelize`, made purely.
+
+:func:`gather_facts` is the one function here that looks at the process (the
+launcher's variables, a running group, the GPUs, the requested device); it reads
+each fact once. :func:`plan_parallel` turns those facts into a :class:`ParallelPlan`
+(strategy, device, backend, DataParallel's devices, the options the wrapper gets
+and the ones it ignores) without touching anything, so every combination is
+tested on a CPU. :func:`choose_strategy` is its public core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, cast, get_args
+
+import torch
+
+from .._accel import current_cuda_index
+from .._check import describe
+from .._dist import (
+    LAUNCHER_VARS,
+    DistributedEnv,
+    check_env,
+    group_world_size,
+    is_group_running,
+    launch_hint,
+    read_launcher_env,
+)
+from ..device import DeviceLike, resolve_device
+from ..exceptions import DeviceError, DistributedSetupError
+
+__all__ = [
+    "REQUESTS",
+    "ParallelFacts",
+    "ParallelPlan",
+    "Strategy",
+    "StrategyRequest",
+    "check_strategy",
+    "choose_strategy",
+    "decide_strategy",
+    "default_backend",
+    "gather_facts",
+    "plan_parallel",
+    "rank_device",
+    "requested_device",
+]
+
+#: What :func:`choose_strategy` decides.
+Strategy = Literal["none", "dp", "ddp", "fsdp"]
+#: What a user may ask :func:`parallelize` for.
+StrategyRequest = Literal["auto", "none", "dp", "ddp", "fsdp"]
+
+REQUESTS: tuple[str, ...] = get_args(StrategyRequest)
+
+_ALIASES = {
+    "dataparallel": "dp",
+    "distributeddataparallel": "ddp",
+    "distributed": "ddp",
+    "fsdp2": "fsdp",
+    "fullyshard": "fsdp",
+    "fullyshardeddataparallel": "fsdp",
+    "single": "none",
+    "off": "none",
+}
+
+
+def check_strategy(strategy: object, *, func: str = "parallelize") -> str:
+    """``strategy`` if it is one of :data:`REQUESTS`; else an error with a suggestion."""
+    if not isinstance(strategy, str):
+        raise TypeError(
+            f"{func}(): strategy must be one of {', '.join(map(repr, REQUESTS))}, got "
+            f"{type(strategy).__name__} {strategy!r}. Pass strategy='auto' to let cudakit choose."
+        )
+    if strategy not in REQUESTS:
+        low = strategy.strip().lower().replace("_", "").replace("-", "")
+        guess = low if low in REQUESTS else _ALIASES.get(low)
+        if guess is None:
+            close = difflib.get_close_matches(low, REQUESTS, n=1)
+            guess = close[0] if close else "auto"
+        raise ValueError(
+            f"{func}(): unknown strategy {strategy!r}; did you mean {guess!r}? Valid strategies: "
+            f"{', '.join(map(repr, REQUESTS))}."
+        )
+    return strategy
+
+
+def decide_strategy(
+    request: str, *, world: int | None, device_count: int, device_type: str
+) -> Strategy:
+    """The rules of :func:`choose_strategy`, given the processes (``None``: no launcher)."""
+    if world is not None and world > 1:
+        if request == "dp":
+            raise DistributedSetupError(
+                f"strategy='dp' (DataParallel) inside a launch of {world} processes would make "
+                "every process replicate the model over every GPU. Use strategy='ddp' (or 'auto') "
+                "under torchrun, or run DataParallel in a single `python script.py` process."
+            )
+        return "ddp" if request == "auto" else cast(Strategy, request)
+    if request == "auto":
+        return "dp" if device_type == "cuda" and device_count > 1 else "none"
+    if request == "dp":
+        if device_type != "cuda" or device_count == 0:
+            where = (
+                "this machine has no visible CUDA device"
+                if device_count == 0
+                else f"the model's device is {device_type!r}"
+            )
+            raise DeviceError(
+                f"strategy='dp' (DataParallel) needs CUDA devices, but {where}. Use "
+                "strategy='auto' to fall back to a single device, or device='cuda'."
+            )
+        return "dp"
+    if request in ("ddp", "fsdp") and world is None:
+        raise DistributedSetupError(
+            f"strategy={request!r} needs one process per GPU started by a launcher, but this "
+            f"process was not (no {', '.join(LAUNCHER_VARS)} in the environment and no initialised "
+            f"process group). {launch_hint()}; or use strategy='auto', which falls back to "
+            "DataParallel or a single device."
+        )
+    return cast(Strategy, request)
+
+
+def choose_strategy(
+    strategy: str = "auto",
+    *,
+    env: Mapping[str, str],
+    device_count: int,
+    device_type: str,
+    group_world_size: int | None = None,
+) -> Strategy:
+    """Decide how to parallelise, from the launcher environment and the hardware. Pure.
+
+    >>> torchrun = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+    ...             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    >>> choose_strategy("auto", env=torchrun, device_count=2, device_type="cuda")
+    'ddp'
+    >>> choose_strategy("auto", env={}, device_count=4, device_type="cuda")
+    'dp'
+    >>> choose_strategy("auto", env={}, device_count=0, device_type="cpu")
+    'none'
+    >>> choose_strategy("ddp", env={}, device_count=1, device_type="cuda")
+    Traceback (most recent call last):
+    ...
+    cudakit.exceptions.DistributedSetupError: strategy='ddp' needs one process per GPU ...
+
+    The rules, in order:
+
+    * several processes (a launcher with ``WORLD_SIZE`` > 1, or an initialised
+      group of that size): ``"auto"`` and ``"ddp"`` give ``"ddp"``; ``"fsdp"`` and
+      ``"none"`` are honoured; ``"dp"`` is an error (each process would replicate
+      over every GPU).
+    * one process: ``"auto"`` gives ``"dp"`` when the device is CUDA and more than
+      one GPU is visible, else ``"none"``. ``"dp"`` needs a CUDA device;
+      ``"ddp"``/``"fsdp"`` need a launcher (``torchrun``, or an initialised group).
+
+    ``"auto"`` never errors because of the hardware; it raises only for a launcher
+    environment that claims several processes but is incomplete or inconsistent
+    (guessing there would silently train N unrelated copies).
+
+    Args:
+        strategy: ``"auto"``, ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+        env: the environment variables to read (pass ``os.environ`` for the live one).
+        device_count: the number of visible CUDA devices.
+        device_type: the type of the device the model will train on (``"cuda"``, ``"cpu"``...).
+        group_world_size: the size of an already initialised default process group,
+            ``None`` if there is none; it takes precedence over ``env``.
+
+    Returns:
+        ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an unknown strategy (with a suggestion) or a negative count.
+        DeviceError: ``"dp"`` without a CUDA device.
+        DistributedSetupError: ``"ddp"``/``"fsdp"`` without a launcher, ``"dp"`` under
+            one, or an incomplete launcher environment.
+
+    .. versionadded:: 0.1
+    """
+    request = check_strategy(strategy, func="choose_strategy")
+    check_env("choose_strategy", env)
+    if isinstance(device_count, bool) or not isinstance(device_count, int):
+        raise TypeError(
+            f"choose_strategy(): device_count must be an int, got {describe(device_count)}. "
+            "Pass torch.cuda.device_count()."
+        )
+    if device_count < 0:
+        raise ValueError(
+            f"choose_strategy(): device_count must be >= 0, got {device_count}. "
+            "Pass torch.cuda.device_count()."
+        )
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"choose_strategy(): device_type must be a string such as 'cuda' or 'cpu', got "
+            f"{describe(device_type)}; pass torch.device(...).type."
+        )
+    if group_world_size is not None:
+        if isinstance(group_world_size, bool) or not isinstance(group_world_size, int):
+            raise TypeError(
+                f"choose_strategy(): group_world_size must be an int or None, got "
+                f"{describe(group_world_size)}. Pass torch.distributed.get_world_size(), or "
+                "None without a process group."
+            )
+        if group_world_size < 1:
+            raise ValueError(
+                f"choose_strategy(): group_world_size must be >= 1, got {group_world_size}. "
+                "Pass torch.distributed.get_world_size(), or None without a process group."
+            )
+        world: int | None = group_world_size
+    else:
+        launcher = read_launcher_env(env, strict=request in ("ddp", "fsdp"))
+        world = None if launcher is None else launcher.world_size
+    return decide_strategy(request, world=world, device_count=device_count, device_type=device_type)
+
+
+# --------------------------------------------------------------------------- facts
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelFacts:
+    """What :func:`plan_parallel` needs to know about this process, read once.
+
+    .. versionadded:: 0.1
+    """
+
+    env: DistributedEnv | None  # the launcher's variables; None outside a launcher
+    group_world_size: int | None  # the running default group's size; None without one
+    cuda_available: bool
+    device_count: int  # visible CUDA devices (0 without CUDA)
+    current_cuda_index: int  # the current CUDA device (0 before CUDA starts)
+    requested_device: torch.device | None  # an explicit device, checked; None: the rank's own
+    best_device: torch.device  # what device="auto" gives outside a launcher
+
+
+def requested_device(func: str, device: DeviceLike, *, cuda_available: bool) -> torch.device | None:
+    """``device`` resolved and checked; ``None`` when it asks for this rank's own device.
+
+    ``None``, ``"auto"`` and a bare ``"cuda"`` (with CUDA) mean the rank's own device,
+    ``cuda:LOCAL_RANK``. Anything else must exist here: ``TypeError`` for a wrong
+    kind, :class:`~cudakit.exceptions.DeviceError` for a device this machine lacks,
+    each message starting with ``func(device=...)``.
+    """
+    if device is None or (isinstance(device, str) and device == "auto"):
+        return None
+    bare_cuda = (isinstance(device, str) and device == "cuda") or (
+        isinstance(device, torch.device) and device.type == "cuda" and device.index is None
+    )
+    if bare_cuda and cuda_available:
+        return None
+    try:
+        return resolve_device(device)  # without CUDA, "cuda" is the clear DeviceError
+    except (TypeError, DeviceError) as err:
+        raise type(err)(f"{func}(device=...): {err}") from None
+
+
+def gather_facts(device: DeviceLike, *, strict_env: bool, func: str) -> ParallelFacts:
+    """Read the launcher environment, the running group, the GPUs and ``device``, once.
+
+    Never starts CUDA. ``strict_env=True`` makes any partial launcher environment
+    an error (the callers that need a launcher); ``func`` names the caller in errors.
+
+    Raises:
+        DistributedSetupError: an incomplete or inconsistent launcher environment.
+        DeviceError, TypeError: ``device`` cannot be used here (from ``resolve_device``).
+    """
+    env = read_launcher_env(os.environ, strict=strict_env)
+    cuda = torch.cuda.is_available()
+    requested = requested_device(func, device, cuda_available=cuda)
+    return ParallelFacts(
+        env=env,
+        group_world_size=group_world_size() if is_group_running() else None,
+        cuda_available=cuda,
+        device_count=torch.cuda.device_count() if cuda else 0,
+        current_cuda_index=current_cuda_index(),
+        requested_device=requested,
+        best_device=resolve_device(None),
+    )
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def _cuda_index_for(local: int, device_count: int) -> int:
+    if local < device_count:
+        return local
+    if device_count == 1:  # one GPU per process via CUDA_VISIBLE_DEVICES
+        return 0
+    raise DistributedSetupError(
+        f"LOCAL_RANK={local} but only {device_count} CUDA device(s) are visible to this process; "
+        f"each rank needs its own GPU. Launch with `torchrun --nproc-per-node {device_count} "
+        "script.py` (or fewer), or check CUDA_VISIBLE_DEVICES."
+    )
+
+
+def rank_device(facts: ParallelFacts) -> torch.device:
+    """This rank's device: the explicit one, else ``cuda:LOCAL_RANK``, else the best device.
+
+    A group the user built without a launcher keeps the CUDA device they selected.
+    """
+    if facts.requested_device is not None:
+        return facts.requested_device
+    if not facts.cuda_available:
+        return facts.best_device
+    local = facts.env.local_rank if facts.env is not None else facts.current_cuda_index
+    return torch.device("cuda", _cuda_index_for(local, facts.device_count))
+
+
+def default_backend(backend: str | None, device: torch.device) -> str:
+    """``backend``, else ``"nccl"`` for a CUDA device and ``"gloo"`` otherwise."""
+    if backend is not None:
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """Every decision :func:`~cudakit.parallel.parallelize` carries out.
+
+    .. versionadded:: 0.1
+    """
+
+    request: str  # what the user asked for
+    strategy: Strategy
+    device: torch.device  # where the model goes (DataParallel: its first GPU)
+    create_group: bool  # DDP/FSDP without a running group: initialise one
+    backend: str | None  # the backend of the group to create; None when none is created
+    device_ids: tuple[Any, ...] | None  # DataParallel's devices; None for the other strategies
+    wrapper_kwargs: Mapping[str, Any]  # what the wrapper (DDP, DataParallel, fully_shard) gets
+    ignored: Mapping[str, Any]  # options the chosen strategy does not use (logged)
+
+
+def plan_parallel(
+    request: str,
+    facts: ParallelFacts,
+    *,
+    backend: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> ParallelPlan:
+    """Decide everything :func:`~cudakit.parallel.parallelize` does, from ``facts``. Pure.
+
+    >>> facts = ParallelFacts(env=None, group_world_size=None, cuda_available=False,
+    ...     device_count=0, current_cuda_index=0, requested_device=None,
+    ...     best_device=torch.device("cpu"))
+    >>> plan = plan_parallel("auto", facts, options={"find_unused_parameters": True})
+    >>> plan.strategy, plan.device, plan.ignored
+    ('none', device(type='cpu'), {'find_unused_parameters': True})
+
+    Args:
+        request: a checked strategy request (``"auto"``, ``"none"``, ...).
+        facts: from :func:`gather_facts`.
+        backend: the backend asked for, ``None`` to pick from the device.
+        options: the wrapper options (``parallelize``'s ``**ddp_kwargs``).
+
+    Raises:
+        DeviceError, DistributedSetupError: as :func:`choose_strategy`.
+        TypeError: wrapper options for ``strategy="none"``.
+
+    .. versionadded:: 0.1
+    """
+    opts = dict(options or {})
+    device = rank_device(facts)
+    world = (
+        facts.group_world_size
+        if facts.group_world_size is not None
+        else (None if facts.env is None else facts.env.world_size)
+    )
+    chosen = decide_strategy(
+        request, world=world, device_count=facts.device_count, device_type=device.type
+    )
+    if chosen in ("ddp", "fsdp"):
+        if chosen == "ddp" and device.type == "cuda":
+            opts.setdefault("device_ids", [device.index])
+            opts.setdefault("output_device", device.index)
+        create = facts.group_world_size is None
+        return ParallelPlan(
+            request,
+            chosen,
+            device,
+            create_group=create,
+            backend=default_backend(backend, device) if create else None,
+            device_ids=None,
+            wrapper_kwargs=opts,
+            ignored={},
+        )
+    if chosen == "dp":
+        ignored: dict[str, Any] = opts if request == "auto" else {}
+        kwargs = {} if request == "auto" else opts
+        ids = kwargs.pop("device_ids", None)
+        if ids is None:
+            n = facts.device_count
+            ids = [device.index, *(i for i in range(n) if i != device.index)]
+        first = ids[0] if isinstance(ids[0], int) else device.index
+        return ParallelPlan(
+            request,
+            "dp",
+            torch.device("cuda", first),
+            create_group=False,
+            backend=None,
+            device_ids=tuple(ids),
+            wrapper_kwargs=kwargs,
+            ignored=ignored,
+        )
+    if opts and request != "auto":
+        raise TypeError(
+            f"parallelize(strategy='none') takes no wrapper options, got {sorted(opts)}. "
+            "Drop them, or use strategy='ddp' under torchrun."
+        )
+    return ParallelPlan(
+        request,
+        "none",
+        device,
+        create_group=False,
+        backend=None,
+        device_ids=None,
+        wrapper_kwargs={},
+        ignored=opts,
+    )

@@ -1,0 +1,434 @@
+"""Wrapping: :func:`parallelize` carries out the plan; :func:`unwrap` and state dicts undo it.
+
+:func:`parallelize` checks its arguments, gathers the facts once
+(:func:`~cudakit.parallel.strategy.gather_facts`), lets the pure
+:func:`~cudakit.parallel.strategy.plan_parallel` decide, then acts: creates the
+group if the plan says so, moves the model, wraps it and logs the decision once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import logging
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch import nn
+
+from .._accel import current_cuda_index
+from .._check import check_bool
+from .._dist import group_rank, group_world_size
+from ..device import DeviceLike
+from ..exceptions import DistributedSetupError
+from .group import ProcessGroupInfo, check_backend, check_timeout, ensure_group
+from .ranks import is_main_process
+from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, plan_parallel
+
+__all__ = ["is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
+
+logger = logging.getLogger("cudakit")
+
+
+# --------------------------------------------------------------------------- unwrap / state
+
+
+def _compiled_type() -> type[nn.Module] | None:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # pragma: no cover - torch without dynamo
+        return None
+    return cast(type[nn.Module], OptimizedModule)
+
+
+def _check_module(func: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{func}() expects an nn.Module, got {type(model).__name__}. Pass the model "
+            "(the object parallelize() or torch.compile() returned)."
+        )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Return the user's own module from inside DataParallel, DDP and ``torch.compile`` wrappers.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> net = torch.nn.Linear(2, 2)
+    >>> cp.unwrap(torch.nn.DataParallel(net)) is net
+    True
+
+    Nested wrappers (``torch.compile(DDP(model))``, ``DDP(torch.compile(model))``)
+    are peeled all the way. FSDP2 (``fully_shard``) changes the module in place and
+    has no wrapper, so the module is returned as it is.
+
+    Args:
+        model: any ``nn.Module``.
+
+    Returns:
+        The innermost module.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    .. versionadded:: 0.1
+    """
+    _check_module("unwrap", model)
+    compiled = _compiled_type()
+    wrappers: tuple[type[nn.Module], ...] = (
+        nn.DataParallel,
+        nn.parallel.DistributedDataParallel,
+    )
+    for _ in range(64):  # wrappers nest a few levels at most; never loop forever
+        if isinstance(model, wrappers):
+            model = cast(nn.Module, model.module)
+        elif compiled is not None and isinstance(model, compiled):
+            model = cast(nn.Module, model._orig_mod)
+        else:
+            break
+    return model
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded with FSDP2 (``fully_shard``)."""
+    # A model can only be sharded once torch.distributed.fsdp was imported, so never pay
+    # for that import (over a second) just to answer no.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_type = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return module_type is not None and isinstance(model, module_type)
+
+
+def state_dict(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict with bare keys: no ``module.`` or ``_orig_mod.`` prefix.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
+    >>> list(cp.state_dict(wrapped))
+    ['weight', 'bias']
+
+    Loads into the bare model, the wrapped one, or a ``torch.compile``-d one with
+    :func:`load_state_dict`. For an FSDP2 model this is a collective (every rank
+    must call it): rank 0 receives the full, unsharded state dict on the CPU, the
+    other ranks an empty dict.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    .. versionadded:: 0.1
+    """
+    _check_module("state_dict", model)
+    inner = unwrap(model)
+    if is_fsdp2(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return inner.state_dict()
+
+
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _strip(sd: Mapping[str, Any], own_keys: set[str]) -> Mapping[str, Any]:
+    """Drop leading wrapper prefixes until the keys match the model's own (or none is left)."""
+    keys = list(sd)
+    prefix = ""
+    while keys:
+        if own_keys and {k[len(prefix) :] for k in keys} & own_keys:
+            break  # already matches: a submodule really called `module` keeps its name
+        step = next((p for p in _PREFIXES if all(k.startswith(prefix + p) for k in keys)), None)
+        if step is None:
+            break
+        prefix += step
+    if not prefix:
+        return sd
+    out: OrderedDict[str, Any] = OrderedDict((k[len(prefix) :], v) for k, v in sd.items())
+    meta = getattr(sd, "_metadata", None)
+    if isinstance(meta, Mapping):
+        bare = prefix[:-1]
+        new_meta: OrderedDict[str, Any] = OrderedDict()
+        for k, v in meta.items():
+            if k == bare:
+                new_meta[""] = v
+            elif k.startswith(prefix):
+                new_meta[k[len(prefix) :]] = v
+            elif k == "" or prefix.startswith(k + "."):
+                continue  # the wrappers' own entries
+            else:
+                new_meta[k] = v
+        out._metadata = new_meta  # type: ignore[attr-defined]
+    return out
+
+
+class _LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_state_dict(
+    model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
+) -> _LoadResult:
+    """Load a state dict saved with or without ``module.`` / ``_orig_mod.`` prefixes.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
+    >>> bare = torch.nn.Linear(2, 2)
+    >>> cp.load_state_dict(bare, wrapped.state_dict())     # keys 'module.weight', ...
+    _LoadResult(missing_keys=[], unexpected_keys=[])
+    >>> torch.equal(bare.weight, wrapped.module.weight)
+    True
+
+    The state dict is not modified. For an FSDP2 model this is a collective: pass
+    the full state dict on rank 0 (as :func:`state_dict` returns it) and anything
+    (e.g. ``{}``) on the other ranks; rank 0 broadcasts it.
+
+    Args:
+        model: the target, bare or wrapped.
+        state: a state dict from :func:`state_dict`, ``model.state_dict()`` or a checkpoint.
+        strict: as in ``nn.Module.load_state_dict``.
+
+    Returns:
+        The missing and unexpected keys, as ``nn.Module.load_state_dict`` reports them.
+
+    Raises:
+        TypeError: ``state`` is not a mapping, ``model`` is not an ``nn.Module``, or
+            ``strict`` is not a bool.
+        RuntimeError: with ``strict=True``, keys that do not match (torch's message).
+
+    .. versionadded:: 0.1
+    """
+    _check_module("load_state_dict", model)
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"load_state_dict() expects a mapping of parameter names to tensors, got "
+            f"{type(state).__name__}. If you saved a whole checkpoint, pass "
+            "checkpoint['model'] (or whichever key holds the model's state)."
+        )
+    check_bool("load_state_dict", "strict", strict)
+    inner = unwrap(model)
+    if is_fsdp2(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        bare = dict(_strip(state, set())) if state else {}
+        res = set_model_state_dict(inner, bare, options=opts)
+        return _LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+    own = set(inner.state_dict().keys())
+    res = inner.load_state_dict(_strip(state, own), strict=strict)
+    return _LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+
+
+# --------------------------------------------------------------------------- parallelize
+
+
+def _check_kwargs(target: Callable[..., Any], kwargs: Mapping[str, Any], what: str) -> None:
+    params = inspect.signature(target).parameters
+    unknown = [k for k in kwargs if k not in params or k in ("self", "module")]
+    if unknown:
+        valid = ", ".join(p for p in params if p not in ("self", "module"))
+        raise TypeError(
+            f"parallelize() got keyword argument(s) {', '.join(map(repr, unknown))} that "
+            f"{what} does not accept. Valid: {valid}."
+        )
+
+
+def _fully_shard() -> Callable[..., Any]:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover - torch < 2.6
+        raise DistributedSetupError(
+            "strategy='fsdp' needs torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6); "
+            f"this is torch {torch.__version__}. Upgrade torch or use strategy='ddp'."
+        ) from None
+    return cast("Callable[..., Any]", fully_shard)
+
+
+def _check_not_meta(model: nn.Module, device: torch.device) -> None:
+    if device.type == "meta":
+        return
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"parallelize() cannot move the {type(model).__name__} to {device}: its "
+                    f"{kind} {name!r} is on the meta device and holds no data to copy. Allocate "
+                    f"it first with `model.to_empty(device={str(device)!r})`, then initialise or "
+                    "load its weights (e.g. `model.load_state_dict(state_dict, assign=True)`), "
+                    "and pass that model to parallelize()."
+                )
+
+
+def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
+    """Everything that can refuse the plan for this model, before anything happens."""
+    _check_not_meta(model, plan.device)
+    if plan.strategy == "ddp":
+        ddp = nn.parallel.DistributedDataParallel
+        _check_kwargs(ddp.__init__, plan.wrapper_kwargs, "DistributedDataParallel")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "parallelize() with DDP needs a model with trainable parameters, but "
+                f"{type(model).__name__} has none requiring grad. Unfreeze some, or use "
+                "strategy='none' for inference."
+            )
+    elif plan.strategy == "fsdp":
+        _check_kwargs(_fully_shard(), plan.wrapper_kwargs, "fully_shard()")
+    elif plan.strategy == "dp" and plan.wrapper_kwargs:
+        _check_kwargs(nn.DataParallel.__init__, plan.wrapper_kwargs, "DataParallel")
+
+
+def _shard(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
+    fully_shard = _fully_shard()
+    # Shard every block of every ModuleList (a transformer's layers) as its own unit,
+    # so parameters are gathered one block at a time, then the root for the rest.
+    for sub in list(model.modules()):
+        if isinstance(sub, nn.ModuleList):
+            for block in sub:
+                if any(p.requires_grad for p in block.parameters()) and not is_fsdp2(block):
+                    fully_shard(block, **kwargs)
+    return cast(nn.Module, fully_shard(model, **kwargs))
+
+
+def _announce(message: str, *args: object) -> None:
+    """Log a decision at INFO on the main process, at DEBUG on the others."""
+    (logger.info if is_main_process() else logger.debug)(message, *args)
+
+
+def _distribute(
+    model: nn.Module, plan: ParallelPlan, facts: ParallelFacts, timeout: datetime.timedelta
+) -> nn.Module:
+    info: ProcessGroupInfo = ensure_group(
+        plan.backend, timeout, facts, plan.device, announce=False
+    )  # logged once, below
+    dev = plan.device
+    if dev.type == "cuda" and current_cuda_index() != dev.index:
+        torch.cuda.set_device(dev)
+    model = model.to(dev)
+    if plan.strategy == "fsdp":
+        wrapped = _shard(model, plan.wrapper_kwargs)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
+    _announce(
+        "cudakit: parallelize(strategy=%r) -> %s on %s (rank %d of %d, backend %s, %s)",
+        plan.request,
+        plan.strategy.upper(),
+        dev,
+        group_rank(),
+        group_world_size(),
+        info.backend,
+        f"process group created, timeout {int(info.timeout.total_seconds())}s"
+        if info.created
+        else "existing process group",
+    )
+    return wrapped
+
+
+def _replicate(model: nn.Module, plan: ParallelPlan) -> nn.Module:
+    if plan.ignored:
+        _announce("cudakit: parallelize(): DDP options %s ignored (DataParallel)", plan.ignored)
+    ids = list(plan.device_ids or ())
+    model = model.to(plan.device)
+    _announce(
+        "cudakit: parallelize(strategy=%r) -> DataParallel over cuda:%s. Hint: DDP is "
+        "faster and DataParallel is in maintenance mode upstream; launch with "
+        "`torchrun --nproc-per-node %d script.py` and parallelize() picks DDP.",
+        plan.request,
+        ",".join(map(str, ids)),
+        len(ids),
+    )
+    return nn.DataParallel(model, device_ids=ids, **plan.wrapper_kwargs)
+
+
+def _move(model: nn.Module, plan: ParallelPlan, facts: ParallelFacts) -> nn.Module:
+    if plan.ignored:
+        _announce("cudakit: parallelize(): DDP options %s ignored (single device)", plan.ignored)
+    dev = plan.device
+    model = model.to(dev)
+    reason = "" if facts.device_count < 2 or dev.type != "cuda" else " (as requested)"
+    _announce("cudakit: parallelize(strategy=%r) -> single device %s%s", plan.request, dev, reason)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    strategy: str = "auto",
+    device: DeviceLike = None,
+    *,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    **ddp_kwargs: Any,
+) -> nn.Module:
+    """Move ``model`` to this process's device and wrap it for data parallelism; log the choice.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> net = cp.parallelize(torch.nn.Linear(4, 2), device="cpu")   # one CPU process
+    >>> type(net).__name__                                          # nothing to wrap
+    'Linear'
+
+    The strategy comes from :func:`choose_strategy`: under ``torchrun`` DDP
+    (initialising the process group from the environment if needed: ``nccl`` on
+    CUDA, ``gloo`` on the CPU, a finite timeout, ``set_device(LOCAL_RANK)`` first);
+    one process with several GPUs DataParallel (with a logged hint that DDP is
+    faster); otherwise the model is just moved. ``strategy="dp"`` on a CPU is an
+    error; under ``"auto"`` a CPU-only process gets the plain model back (the
+    documented pass-through). A model that is already wrapped is returned as it is.
+
+    ``strategy="fsdp"`` shards with FSDP2 (``fully_shard``): each block of every
+    ``nn.ModuleList`` (a transformer's layers) becomes its own unit, then the root.
+
+    Args:
+        model: the module to train.
+        strategy: ``"auto"``, ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+        device: ``None`` picks ``cuda:LOCAL_RANK`` (or the best device outside a
+            launcher); anything :func:`~cudakit.device.resolve_device` accepts.
+        backend: process-group backend when one must be created (default from the device).
+        timeout: collective timeout in seconds or a ``timedelta`` (default 600 s).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (or to ``fully_shard``
+            for ``"fsdp"``, to ``DataParallel`` for an explicit ``"dp"``). Under
+            ``"auto"`` they are ignored, with a log line, when no DDP is chosen.
+
+    Returns:
+        The model, moved and possibly wrapped; use ``unwrap`` to get yours back.
+
+    Every argument is checked before anything happens: a refused call leaves the
+    model where it was and starts no process group.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``strategy``, ``device``,
+            ``backend`` or ``timeout`` of the wrong kind; unknown keyword arguments.
+        ValueError: an unknown strategy or backend, a timeout that is not a finite
+            positive duration, a model on the meta device (allocate it with
+            ``to_empty`` first), or a model with no trainable parameters for DDP.
+        DeviceError: ``"dp"`` without CUDA, or a device that does not exist.
+        DistributedSetupError: ``"ddp"``/``"fsdp"`` without a launcher, or an
+            incomplete launcher environment.
+
+    .. versionadded:: 0.1
+    """
+    obj: object = model
+    if not isinstance(obj, nn.Module):
+        opt = isinstance(obj, torch.optim.Optimizer)
+        hint = " Pass the model, not the optimizer." if opt else ""
+        raise TypeError(
+            f"parallelize() expects an nn.Module, got {type(model).__name__}.{hint} "
+            "For example: model = parallelize(MyNet())."
+        )
+    request = check_strategy(strategy)
+    td = check_timeout("parallelize", timeout)
+    backend = check_backend("parallelize", backend)
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_fsdp2(model):
+        logger.info(
+            "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
+        )
+        return model
+
+    facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
+    plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
+    _check_plan(model, plan)
+    if plan.strategy in ("ddp", "fsdp"):
+        return _distribute(model, plan, facts, td)
+    if plan.strategy == "dp":
+        return _replicate(model, plan)
+    return _move(model, plan, facts)

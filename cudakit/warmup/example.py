@@ -1,0 +1,91 @@
+"""Take one batch from a loader without a trace: :func:`example_batch`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+
+from .._check import fail_type, fail_value
+from .preserve import RngState
+
+__all__ = ["example_batch"]
+
+T = TypeVar("T")
+
+
+def _generators(loader: object) -> tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects a loader's sampling draws from (its own, its sampler's)."""
+    found: list[torch.Generator] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(batch_sampler, "sampler", None),
+    ):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in found):
+            found.append(g)
+    return tuple(found)
+
+
+def example_batch(loader: Iterable[T], /) -> T:
+    """Return the first batch of ``loader`` and leave every random number generator as it was.
+
+    ``next(iter(loader))`` on a shuffling ``DataLoader`` draws from the global torch RNG
+    (the shuffle order, the workers' seeds), so a run that takes a warm-up batch that
+    way trains differently from the same run without it. This draws the batch with the
+    CPU, CUDA, ``random`` and NumPy generators saved and restored, and the loader's own
+    ``generator=`` (and its sampler's) too, so the first real epoch sees the same order
+    as it would have without the warm-up.
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from cudakit.warmup import example_batch
+    >>> loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, shuffle=True)
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> before = torch.get_rng_state()
+    >>> (x,) = example_batch(loader)
+    >>> x.shape, torch.equal(torch.get_rng_state(), before)
+    (torch.Size([4]), True)
+
+    Args:
+        loader: A re-iterable source of batches: a ``DataLoader``, a list, any object
+            whose ``iter()`` starts afresh. Not an iterator or generator, whose first
+            item would be gone from the real run.
+
+    Returns:
+        The first batch, as the loader yields it (move it with ``on_device``).
+
+    Raises:
+        TypeError: ``loader`` is an iterator or generator, or not iterable.
+        ValueError: ``loader`` yields nothing.
+
+    .. versionadded:: 0.2
+    """
+    if isinstance(loader, Iterator):
+        fail_type(
+            "example_batch",
+            "loader",
+            "a re-iterable loader (a DataLoader, a list)",
+            loader,
+            "Taking a batch from an iterator removes it from the training run; pass the "
+            "DataLoader (or list) itself.",
+        )
+    if not isinstance(loader, Iterable):
+        fail_type("example_batch", "loader", "a DataLoader or another iterable of batches", loader)
+    rng = RngState(_generators(loader))
+    try:
+        for batch in loader:
+            return batch
+    finally:
+        rng.restore()
+    fail_value(
+        "example_batch",
+        "loader",
+        "a loader that yields at least one batch",
+        loader,
+        "Check the dataset's length and drop_last= against batch_size=.",
+    )

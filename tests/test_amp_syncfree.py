@@ -1,0 +1,237 @@
+"""The sync-free guarded step (fused optimizers skip on the device) and compile=True."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from cudakit.amp import autocast_step
+from cudakit.exceptions import NonFiniteStepsError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            *[m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.GELU())],
+            torch.nn.LayerNorm(32),
+        )
+        self.head = torch.nn.Linear(32, 1)
+        self.bn = torch.nn.BatchNorm1d(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.body(x)))  # type: ignore[no-any-return]
+
+
+def _make(seed: int = 0) -> tuple[MLP, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))
+    return model, opt, sched
+
+
+def _data(n: int, nan_at: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        out.append((x, y))
+    return out
+
+
+def _loss(model: MLP, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x).float(), y)
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for st in opt.state.values():
+        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values on the host: item, bool, tolist."""
+
+    NAMES = ("item", "__bool__", "tolist")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_optimizer_makes_the_step_sync_free() -> None:
+    _, opt, _ = _make()
+    assert autocast_step(opt).sync_free
+    plain = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    assert not autocast_step(plain).sync_free
+    assert not autocast_step(opt, skip_nonfinite=False, dtype=torch.float32).sync_free
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sync_free_step_bit_identical_to_hand_written(dtype: torch.dtype) -> None:
+    data = _data(6)
+    model, opt, sched = _make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=dtype == torch.float16)
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = _loss(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    expected = _state(model, opt)
+
+    model2, opt2, sched2 = _make()
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
+    step = autocast_step(
+        opt2, model=model2, dtype=dtype, scaler=scaler2, max_grad_norm=1.0, scheduler=sched2
+    )
+    fn = step(lambda x, y: _loss(model2, x, y))
+    for x, y in data:
+        fn(x, y)
+    assert step.steps == 6  # reading settles the last verdict and steps the scheduler
+    got = _state(model2, opt2)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert sched2.last_epoch == sched.last_epoch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_host_reads_in_twenty_guarded_steps(dtype: torch.dtype) -> None:
+    model, opt, sched = _make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
+    step = autocast_step(
+        opt,
+        model=model,
+        dtype=dtype,
+        scaler=scaler,
+        accumulate=2,
+        max_grad_norm=1.0,
+        scheduler=sched,
+    )
+    fn = step(lambda x, y: _loss(model, x, y))
+    data = _data(20, nan_at=7)
+    with HostReads() as reads:
+        results = [fn(x, y) for x, y in data]
+        weighted = step(lambda x, y: {"loss": _loss(model, x, y) * 16, "weight": 16})
+        results += [weighted(x, y) for x, y in data[:4]]
+    assert reads.calls == []
+    # Read lazily afterwards: the window holding the NaN batch (calls 6-7) was skipped.
+    assert step.skipped_steps == 1
+    assert step.steps == 11
+    assert sched.last_epoch == 11  # the scheduler stepped on real steps only
+    assert [bool(r.skipped) for r in results if r.grad_norm is not None].count(True) == 1
+
+
+def test_nan_step_leaves_weights_state_and_buffers_untouched() -> None:
+    model, opt, _ = _make()
+    step = autocast_step(opt, model=model, dtype=torch.float32)
+    fn = step(lambda x, y: _loss(model, x, y))
+    good, bad = _data(2, nan_at=1)
+    fn(*good)
+    before = _state(model, opt)
+    r = fn(*bad)
+    assert r.skipped == True  # noqa: E712  (a lazily read verdict compares as a bool)
+    assert not r.stepped
+    for a, b in zip(_state(model, opt), before, strict=True):
+        assert torch.equal(a, b)
+    assert step.skipped_steps == 1
+
+
+def test_streak_error_is_raised_lazily() -> None:
+    model, opt, _ = _make()
+    step = autocast_step(opt, dtype=torch.float32, max_skipped=2)
+    fn = step(lambda x, y: _loss(model, x, y) * float("nan"))
+    x, y = _data(1)[0]
+    fn(x, y)
+    fn(x, y)  # the second skip: raised when its verdict is read
+    with pytest.raises(NonFiniteStepsError, match="2 optimizer steps in a row"):
+        fn(x, y)
+
+
+def test_compile_errors() -> None:
+    _, opt, _ = _make()
+    with pytest.raises(TypeError, match="compile=...\\) expects True, False or a dict"):
+        autocast_step(opt, compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="options torch.compile does not take: \\['bogus'\\]"):
+        autocast_step(opt, compile={"bogus": 1})
+
+
+# Inductor's own import of torch.jit trips this in torch 2.13; not cudakit's.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_true_fullgraph_no_recompiles_and_matches_eager() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    data = _data(20, nan_at=9)
+    results = {}
+    for compiled in (False, True):
+        model, opt, sched = _make()
+        # Adam moves each weight by about lr per step whatever the gradient's size, so a
+        # bf16 rounding that flips a tiny gradient's sign costs up to 2 * lr per step.
+        sched.base_lrs = [1e-3]
+        opt.param_groups[0]["lr"] = 1e-3
+        step = autocast_step(
+            opt,
+            model=model,
+            dtype=torch.bfloat16,
+            accumulate=2,
+            max_grad_norm=1.0,
+            scheduler=sched,
+            compile={"fullgraph": True} if compiled else False,
+        )
+        fn = step(lambda x, y, m=model: _loss(m, x, y))
+        out = [fn(x, y) for x, y in data]
+        assert step.skipped_steps == 1
+        assert [bool(r.skipped) for r in out].count(True) == 1
+        results[compiled] = [p.detach().clone() for p in model.parameters()]
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 2  # window positions: one graph each at most
+    for a, b in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2)  # 10 steps of at most 2 * lr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_guarded_steps_never_synchronize(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))
+    step = autocast_step(
+        opt, model=model, dtype=dtype, max_grad_norm=1.0, accumulate=2, scheduler=sched
+    )
+    assert step.sync_free
+    fn = step(lambda x, y: _loss(model, x, y))
+    data = [(x.cuda(), y.cuda()) for x, y in _data(21, nan_at=9)]
+    fn(*data[0])  # persistent buffers are made on the first call
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in data[1:]:
+            fn(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.skipped_steps >= 1  # the NaN window (fp16 may also skip while scaling)
