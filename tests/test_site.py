@@ -110,11 +110,6 @@ def _returns_first_cells(site: Site) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="Returns sections in cudakit/ that start 'A :class:`X`' parse as 'name: description'; "
-    "fixed in the docstrings after the code moves (issue 16)",
-)
 def test_no_returns_table_names_an_article(site: Site) -> None:
     garbled = [
         (owner, cell) for owner, cell in _returns_first_cells(site) if cell in {"A", "An", "The"}
@@ -211,3 +206,22 @@ def test_make_figures_regenerates_every_figure(tmp_path: Path) -> None:
             f"{path.name}: the committed figure differs in size from what the data draws; "
             "run python scripts/make_figures.py"
         )
+
+
+def test_no_returns_section_starts_with_a_role() -> None:
+    """Google-style Returns read "A :class:`X` ..." as "name: description"; keep roles out."""
+    import ast
+
+    bad = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "cudakit").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            doc = (
+                ast.get_docstring(node, clean=True)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                else None
+            )
+            lines = (doc or "").splitlines()
+            for i, line in enumerate(lines[:-1]):
+                if line.strip() == "Returns:" and ":" in lines[i + 1].split("``")[0]:
+                    bad.append(f"{path.name}:{node.name}: {lines[i + 1].strip()}")  # type: ignore[attr-defined]
+    assert not bad, bad

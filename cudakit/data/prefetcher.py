@@ -2,7 +2,7 @@
 
 On CUDA, :func:`prefetch` copies the next ``depth`` batches on a side stream from
 pinned host memory while the current batch is being computed on, so the copy of
-batch ``i + 1`` overlaps the compute of batch ``i``::
+batch ``i + 1`` overlaps the compute of batch ``i`` (the data page draws it to scale):
 
     copy stream     | copy 1 | copy 2 | copy 3 | copy 4 |
     compute stream           | step 1 | step 2 | step 3 | step 4 |
@@ -401,7 +401,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
             device memory. Ignored on other devices.
 
     Returns:
-        A :class:`Prefetcher` (a :class:`SizedPrefetcher` with ``len()`` when the
+        A ``Prefetcher`` (a ``SizedPrefetcher`` with ``len()`` when the
         source has one) with ``set_epoch`` passed through to the source's sampler.
 
     Raises:
