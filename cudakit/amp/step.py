@@ -379,15 +379,22 @@ class AutocastStep:
         if active is not None:
             raise self._nested_error(active[0])
         token = _ACTIVE.set(self._as_decorated)
+        window = self._window
         try:
+            if not window.cleared:
+                # Before the forward, where a hand-written loop calls zero_grad(): the
+                # forward's activations can then reuse the gradients' memory.
+                for opt in self.optimizers:
+                    zero_grad(opt)
+                window.cleared = True
             if self._guard_buffers and not self._buffers_saved:
                 self._save_buffers()
-            if self._sync.active and not self._window.closes_next():
+            if self._sync.active and not window.closes_next():
                 with self._sync.paused():
                     output = self._forward(func, compiled, args, kwargs)
                     loss, weight = extract_loss(output)
                     self._backward(loss, weight)
-                    self._window.unsynced = True
+                    window.unsynced = True
             elif compiled is None:
                 with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
                     output = func(*args, **kwargs)
@@ -532,9 +539,8 @@ class AutocastStep:
             weight_t = weight_tensor(weight, loss)
         elif window.weighted:
             raise self._mixed_weights_error()
-        if window.position == 0:
-            for opt in self.optimizers:
-                zero_grad(opt)
+        if not window.cleared:
+            self._clear_grads()
         if weight_t is not None:
             window.add_weight(weight_t)
         elif self.accumulate != 1:
@@ -546,6 +552,12 @@ class AutocastStep:
                 self._scale_snapshot = cast(torch.Tensor, scaler._scale).clone()
         window.weighted = weight_t is not None
         loss.backward()
+
+    def _clear_grads(self) -> None:
+        """Open the window: clear the gradients of the step's parameters (once per window)."""
+        for opt in self.optimizers:
+            zero_grad(opt)
+        self._window.cleared = True
 
     @staticmethod
     def _mixed_weights_error() -> ValueError:
@@ -904,6 +916,7 @@ class AutocastStep:
         window = self._window
         window.clear()
         window.position = restored.position
+        window.cleared = restored.position > 0  # mid-window: the restored gradients count
         window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
         if restored.window_weight is not None:
             window.weight = restored.window_weight.detach().to(torch.float32).clone()

@@ -27,7 +27,7 @@ __all__ = ["GradSync", "Window"]
 class Window:
     """Position and contents of the current accumulation window."""
 
-    __slots__ = ("accumulate", "losses", "position", "unsynced", "weight", "weighted")
+    __slots__ = ("accumulate", "cleared", "losses", "position", "unsynced", "weight", "weighted")
 
     def __init__(self, accumulate: int) -> None:
         self.accumulate = accumulate
@@ -36,6 +36,7 @@ class Window:
         self.weight: torch.Tensor | None = None  # running sum of token weights (device)
         self.weighted: bool | None = None  # whether this window's losses carry weights
         self.unsynced = False  # a micro-step of this window ran without gradient sync
+        self.cleared = False  # the step's gradients were cleared for this window
 
     @property
     def opening(self) -> bool:
@@ -57,6 +58,7 @@ class Window:
         self.weight = None
         self.weighted = None
         self.unsynced = False
+        self.cleared = False
 
 
 class GradSync:
@@ -66,6 +68,9 @@ class GradSync:
         self.model = model
         self.kind: str | None = None
         self._pause: Callable[[], AbstractContextManager[Any]] | None = None
+        #: True when micro-steps can skip gradient communication (a plain attribute:
+        #: read on every call).
+        self.active = False
         if model is None or accumulate == 1:
             return
         set_sync = getattr(model, "set_requires_gradient_sync", None)
@@ -73,14 +78,11 @@ class GradSync:
         if callable(set_sync):
             self.kind = "fsdp"
             self._pause = self._fsdp_paused
+            self.active = True
         elif callable(no_sync):
             self.kind = "ddp"
             self._pause = no_sync
-
-    @property
-    def active(self) -> bool:
-        """True when micro-steps can skip gradient communication."""
-        return self._pause is not None
+            self.active = True
 
     def paused(self) -> AbstractContextManager[Any]:
         """A context in which backward does not communicate gradients."""
