@@ -30,6 +30,7 @@ __all__ = [
     "describe",
     "fail_type",
     "fail_value",
+    "name_error",
 ]
 
 T = TypeVar("T")
@@ -179,8 +180,20 @@ def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]
     try:
         return resolve(value)
     except (TypeError, ValueError) as exc:
-        try:
-            named = type(exc)(f"{func}({arg}={value!r}): {exc}")
-        except Exception:
-            raise exc from None
-        raise named from exc
+        raise name_error(func, arg, value, exc) from None
+
+
+def name_error(func: str, arg: str, value: object, exc: Exception) -> Exception:
+    """``exc`` again, its text prefixed with the public function (and the argument).
+
+    ``func(): ...`` when the text already shows ``arg=value``, else
+    ``func(arg=value): ...``;
+    the type is kept (a ``DeviceError`` stays one).
+    """
+    text = str(exc)
+    shown = f"{arg}={value!r}"
+    prefix = f"{func}(): " if shown in text else f"{func}({shown}): "
+    try:
+        return type(exc)(prefix + text)
+    except Exception:  # an exception type that takes other arguments
+        return exc

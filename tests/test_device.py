@@ -208,8 +208,9 @@ def test_a_wrong_kind_of_device_names_the_function(func: str) -> None:
     name = "on_device" if func == "decorator" else func
     with pytest.raises(
         TypeError,
-        match=rf"^{name}\(\): device must be a torch.device, a string such as 'cuda:0', an int "
-        r"CUDA index or None, got float 1.5\. Pass device='auto' to let cudakit choose\.",
+        match=rf"^{name}\(device=1\.5\): device must be a torch.device, a string such as "
+        r"'cuda:0', an int CUDA index or None, got float 1.5\. Pass device='auto' to let "
+        r"cudakit choose\.",
     ):
         calls[func]()
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 from typing import TypedDict
 
-from .._check import check_int, check_optional, check_type
+from .._check import check_device, check_int, check_optional, check_type
 from ..device import DeviceLike, resolve_device
-from ..device.resolve import named
-from ..exceptions import DeviceError
 
 __all__ = ["MAX_AUTO_WORKERS", "LoaderKwargs", "loader_kwargs"]
 
@@ -129,10 +127,7 @@ def loader_kwargs(
             f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
             "batches in the main process."
         )
-    try:
-        dev = resolve_device(device)
-    except (DeviceError, TypeError) as err:
-        raise named("loader_kwargs", err) from None
+    dev = check_device("loader_kwargs", "device", device, resolve_device)
     chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
     if num_workers is not None:
         chosen["num_workers"] = num_workers

@@ -20,10 +20,9 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
+from .._check import check_device
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
-from ..device.resolve import named
-from ..exceptions import DeviceError
 
 __all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
 
@@ -424,10 +423,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
             f"depth={depth}. Use depth=1 for the least device memory, or plain "
             "on_device(batch) inside the loop for no look-ahead at all."
         )
-    try:
-        dev = resolve_device(device)
-    except (DeviceError, TypeError) as err:
-        raise named("prefetch", err) from None
+    dev = check_device("prefetch", "device", device, resolve_device)
     if hasattr(loader, "__len__"):
         return SizedPrefetcher(loader, dev, depth)
     return Prefetcher(loader, dev, depth)

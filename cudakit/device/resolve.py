@@ -8,9 +8,10 @@ import re
 import torch
 
 from .._accel import current_cuda_index
+from .._check import check_device
 from ..exceptions import DeviceError
 
-__all__ = ["DeviceLike", "named", "resolve_cached", "resolve_device", "resolve_for"]
+__all__ = ["DeviceLike", "resolve_cached", "resolve_device", "resolve_for"]
 
 #: Everything cudakit accepts wherever it takes ``device=``.
 DeviceLike = torch.device | str | int | None
@@ -157,17 +158,9 @@ def _backend_available(device_type: str) -> bool:
         return False
 
 
-def named(func: str, err: Exception) -> Exception:
-    """``err``, raised by :func:`resolve_device`, again with the public function named."""
-    return type(err)(f"{func}(): {err}")
-
-
 def resolve_for(func: str, spec: DeviceLike) -> torch.device:
     """:func:`resolve_device` for the public function ``func``, which its errors name."""
-    try:
-        return resolve_device(spec)
-    except (DeviceError, TypeError) as err:
-        raise named(func, err) from None
+    return check_device(func, "device", spec, resolve_device)
 
 
 _RESOLVED: dict[tuple[type, object], torch.device] = {}
