@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ._accel import synchronize
+from ._dist import launched_local_world_size
 from ._units import format_bytes
 from .amp import AutocastStep, autocast_step
 from .data import loader_kwargs, prefetch
@@ -501,7 +502,7 @@ def _launched(args: argparse.Namespace) -> DemoSummary:
     """One rank of ``--nprocs N`` (module level so that spawn can pickle it)."""
     # N processes share the cores: give each its share instead of all of them.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    torch.set_num_threads(max(1, (cores or 1) // launched_local_world_size()))
     return _train(args)
 
 

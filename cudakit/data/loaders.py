@@ -6,6 +6,7 @@ import os
 from typing import TypedDict
 
 from .._check import check_device, check_int, check_optional, check_type
+from .._dist import launched_local_world_size
 from ..device import DeviceLike, resolve_device
 
 __all__ = ["MAX_AUTO_WORKERS", "LoaderKwargs", "loader_kwargs"]
@@ -34,14 +35,6 @@ def _available_cpus() -> int:
         return len(os.sched_getaffinity(0))  # honours taskset / container CPU sets
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _local_world_size() -> int:
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def _choose_loader_kwargs(device_type: str, cpus: int, local_world_size: int) -> LoaderKwargs:
@@ -128,7 +121,7 @@ def loader_kwargs(
             "batches in the main process."
         )
     dev = check_device("loader_kwargs", "device", device, resolve_device)
-    chosen = _choose_loader_kwargs(dev.type, _available_cpus(), _local_world_size())
+    chosen = _choose_loader_kwargs(dev.type, _available_cpus(), launched_local_world_size())
     if num_workers is not None:
         chosen["num_workers"] = num_workers
         chosen["persistent_workers"] = num_workers > 0
