@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,20 @@ def _worker(rank: int, port: int, out: str) -> None:
             # A partial window then flush(): the pending gradients are reduced first.
             train(x[:2], y[:2])
             results[f"{name}_flush"] = step.flush().stepped  # type: ignore[union-attr]
+        # FSDP2 with a fused optimizer: the sync-free path, DTensor gradients through
+        # their local shards (no DTensor warning), a NaN on rank 1 skips both ranks.
+        model = cp.parallelize(_net(), "fsdp")
+        fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sf = autocast_step(fused, model=model, dtype=torch.bfloat16, accumulate=2,
+                           max_grad_norm=0.5)  # fmt: skip
+        x, y = xs[0][mine], ys[0][mine]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            for i in range(6):
+                poison = rank == 1 and i == 3
+                sf(lambda p=poison, net=model: F.mse_loss(net(x).float(), y) * (
+                    float("nan") if p else 1.0))()  # fmt: skip
+        results["fused"] = (sf.sync_free, sf.steps, sf.skipped_steps)
         # The reduce-scatters of one plain micro-step (accumulate=1), for comparison.
         model = cp.parallelize(_net(), "fsdp")
         one = autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
@@ -221,6 +236,13 @@ def test_fsdp2_accumulation_reduce_scatters_once_per_window(
     assert one > 0
     for r in ranks:
         assert r[f"{name}_rs_per_window"] == [one] * 3
+
+
+def test_fsdp2_fused_optimizer_is_sync_free_and_skips_together(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in ranks:
+        assert r["fused"] == (True, 2, 1)
 
 
 def test_ddp_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]]) -> None:

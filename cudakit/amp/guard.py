@@ -67,11 +67,15 @@ class NonFiniteGuard:
         if not tensors:
             return None
         primary = self._primary or self.primary(local(tensors[0]).device)
-        try:  # fast path: one device, dense plain tensors (mixed dtypes are fine)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, *primary)
-            return primary[0]
-        except (RuntimeError, AttributeError, TypeError):
-            pass  # several devices, sparse gradients, or DTensors: group local tensors
+        # Gradients come last: under FSDP2 they are DTensors, which must not reach the
+        # fused kernel (DTensor dispatch warns, then fails).
+        if type(tensors[-1]) is torch.Tensor:
+            try:  # fast path: one device, dense plain tensors (mixed dtypes are fine)
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, *primary)
+                return primary[0]
+            except (RuntimeError, AttributeError, TypeError):
+                pass  # several devices, sparse gradients, a DTensor among them: group
+        # DTensors are checked through their local shards.
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             t = local(t)
