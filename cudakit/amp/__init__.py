@@ -7,9 +7,12 @@ that keeps bad steps away from the weights and the optimizer state, the schedule
 and clearing the gradients.
 
 The package is built from small parts, each owning its state: ``policy`` (the pure
-precision decision), ``guard`` (the non-finite check and its verdict across ranks),
-``window`` (the accumulation window and gradient sync), ``checkpoint`` (validated
-state dicts) and ``step`` (the thin :class:`AutocastStep` that composes them).
+precision decision), ``guard`` (the non-finite check, its verdict across ranks and
+the mailbox that reads it back lazily), ``window`` (the accumulation window and
+gradient sync), ``buffers`` (buffer snapshots for skipped steps), ``counters``,
+``stepper`` (the one path that finishes a window), ``checkpoint`` (validated state
+dicts), ``options`` and ``ops``, and ``step``: the :class:`AutocastStep` that
+composes them into the decorator and the explicit form.
 """
 
 from .result import Verdict

@@ -1,12 +1,13 @@
-"""The thin :class:`AutocastStep` that composes the parts of a mixed-precision step.
+"""The :class:`AutocastStep` that composes the parts of a mixed-precision step.
 
 The parts each own their state: the precision ``policy`` (decided once), the
-accumulation ``window`` and its gradient sync, the non-finite ``guard``, and the
-``checkpoint`` validation. This module orders them: open the window (clear the
-gradients of the step's parameters, as ``opt.zero_grad()`` before backward in a
-hand-written loop), forward under autocast, backward, and when the window is full
-one path that finishes it: unscale, weight, check, clip, step every optimizer (or
-none), update the scaler, step the schedulers.
+accumulation ``window`` and its gradient sync, the ``buffers`` snapshot, the
+``stepper`` that finishes a window, and the ``checkpoint`` validation. This module
+runs a call: open the window (clear the gradients of the step's parameters, where a
+hand-written loop calls ``opt.zero_grad()``), forward under autocast, backward (divided
+by ``accumulate``, or summed for token-weighted losses; scaled for fp16), and hand a
+full window to the stepper. It also holds the two forms (decorator, ``with`` +
+``backward``), ``flush`` and the checkpoints.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing_extensions import ParamSpec, Self
 
 from .._check import check_bool, check_int, check_number, check_optional
 from . import checkpoint
+from .buffers import BufferSnapshot
 from .counters import StepCounters
-from .guard import NonFiniteGuard, VerdictMailbox, local
-from .ops import check_and_clip, step_on_device, zero_grad
+from .ops import zero_grad
 from .options import (
     check_compile,
     check_optimizers,
@@ -42,7 +43,8 @@ from .policy import (
     parse_dtype,
     probe_capabilities,
 )
-from .result import SteppedFunction, StepResult, Verdict, extract_loss, weight_tensor
+from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
+from .stepper import OptimizerStep
 from .window import GradSync, Window
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction", "autocast_step"]
@@ -139,8 +141,9 @@ class AutocastStep:
                 f"{type(scaler).__name__}."
             )
         requested = parse_dtype(dtype)
-        params = self._collect_params(optimizers)
-        device_type = device_type_of(params)
+        device_type = device_type_of(
+            [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        )
         precision = decide_precision(
             requested,
             device_type,
@@ -172,7 +175,6 @@ class AutocastStep:
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
         #: The (first) optimizer: the one optimizer of a single-optimizer step.
         self.optimizer: torch.optim.Optimizer = optimizers[0]
-        self._single = optimizers[0] if len(optimizers) == 1 else None
         #: The schedulers stepped after every real optimizer step, in order.
         self.schedulers: tuple[Any, ...] = schedulers
         #: The scheduler as given (one, a list, or None).
@@ -187,33 +189,29 @@ class AutocastStep:
         #: Whether autocast is on (False for ``enabled=False`` and for float32).
         self.enabled: bool = precision.autocast
         self.accumulate: int = accumulate
-        self.max_grad_norm: float | None = clip
-        self.skip_nonfinite = skip_nonfinite
+        #: ``torch.compile`` options when ``compile=`` is on, else None.
+        self.compile_options: dict[str, Any] | None = compile_options
         default_max = (
             _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
         )
         self._counts = StepCounters(max_skipped if max_skipped is not None else default_max)
-        self._scaling = scaler is not None and scaler.is_enabled()
-        self._guarded = skip_nonfinite or self._scaling
-        #: True when every optimizer skips on the device (fused Adam, AdamW, SGD...):
-        #: then a guarded step reads nothing back; its verdict is read lazily.
-        self.sync_free: bool = self._guarded and all(
-            getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
+        # Buffers (BatchNorm running stats...) as they were when the window opened,
+        # restored when the window's step is skipped: a NaN batch must not poison them.
+        self._buffers = BufferSnapshot(model) if model is not None and skip_nonfinite else None
+        self._stepper = OptimizerStep(
+            optimizers,
+            schedulers,
+            scaler,
+            max_grad_norm=clip,
+            skip_nonfinite=skip_nonfinite,
+            counters=self._counts,
+            dtype=precision.dtype,
+            buffers=self._buffers,
+            compile_options=compile_options,
         )
-        self._mailbox = VerdictMailbox()
-        #: ``torch.compile`` options when ``compile=`` is on, else None.
-        self.compile_options: dict[str, Any] | None = compile_options
-        self._compiled_check: Callable[..., torch.Tensor | None] | None = (
-            # Compiled only with clipping: inductor fuses the norm, the check and the
-            # scaling; the check alone is one fused kernel already.
-            compile_fn(check_and_clip, compile_options, fullgraph=True)
-            if compile_options is not None and self.sync_free and clip is not None
-            else None
-        )
+        self._scaling = self._stepper.scaling
         self._window = Window(accumulate)
         self._sync = GradSync(model, accumulate)
-        self._guard = NonFiniteGuard()
-        self._scale_snapshot: torch.Tensor | None = None
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
         self._block: (
             tuple[
@@ -225,12 +223,6 @@ class AutocastStep:
         ) = None
         self._as_decorated = (self, "decorated")
         self._as_block = (self, "block")
-        # Buffers (BatchNorm running stats...) as they were when the window opened,
-        # restored when the window's step is skipped: a NaN batch must not poison them.
-        self._guard_buffers = model is not None and skip_nonfinite
-        self._buffers: list[torch.Tensor] = []
-        self._buffer_copies: list[torch.Tensor] = []
-        self._buffers_saved = False
 
     # ------------------------------------------------------------------ read-only state
 
@@ -242,7 +234,7 @@ class AutocastStep:
     @property
     def steps(self) -> int:
         """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
-        self._settle()
+        self._stepper.settle()
         return self._counts.steps
 
     @property
@@ -257,8 +249,27 @@ class AutocastStep:
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps dropped for an inf/NaN loss or gradient (reads pending verdicts)."""
-        self._settle()
+        self._stepper.settle()
         return self._counts.skipped
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping threshold (None: no clipping)."""
+        return self._stepper.max_grad_norm
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether inf/NaN losses and gradients skip the step."""
+        return self._stepper.skip_nonfinite
+
+    @property
+    def sync_free(self) -> bool:
+        """True when every optimizer skips on the device (fused Adam, AdamW, SGD...).
+
+        A guarded step then reads nothing back from the device; its verdict is read
+        lazily: one window later, or when you read a counter.
+        """
+        return self._stepper.sync_free
 
     def __repr__(self) -> str:
         return (
@@ -269,25 +280,6 @@ class AutocastStep:
             f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
             f"position={self._window.position})"
         )
-
-    @staticmethod
-    def _collect_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
-        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        if len(optimizers) > 1:
-            params = list({id(p): p for p in params}.values())
-        return params
-
-    def _params(self) -> list[torch.Tensor]:
-        if self._single is not None:
-            return [p for g in self._single.param_groups for p in g["params"]]
-        return self._collect_params(self.optimizers)
-
-    def _grads(self) -> list[torch.Tensor]:
-        if self._single is not None:
-            return [
-                p.grad for g in self._single.param_groups for p in g["params"] if p.grad is not None
-            ]
-        return [p.grad for p in self._params() if p.grad is not None]
 
     # ------------------------------------------------------------------ autocast
 
@@ -387,8 +379,8 @@ class AutocastStep:
                 for opt in self.optimizers:
                     zero_grad(opt)
                 window.cleared = True
-            if self._guard_buffers and not self._buffers_saved:
-                self._save_buffers()
+            if self._buffers is not None and not self._buffers.saved:
+                self._buffers.save()
             if self._sync.active and not window.closes_next():
                 with self._sync.paused():
                     output = self._forward(func, compiled, args, kwargs)
@@ -424,8 +416,8 @@ class AutocastStep:
                 paused.__enter__()
             autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
             autocast.__enter__()
-            if self._guard_buffers and not self._buffers_saved:
-                self._save_buffers()
+            if self._buffers is not None and not self._buffers.saved:
+                self._buffers.save()
         except BaseException:
             self._unwind(token, autocast, paused, None, None, None)
             raise
@@ -513,22 +505,6 @@ class AutocastStep:
 
     # ------------------------------------------------------------------ shared machinery
 
-    def _save_buffers(self) -> None:
-        bufs = [b for b in cast(torch.nn.Module, self.model).buffers() if b is not None]
-        if len(bufs) != len(self._buffers) or any(
-            a is not b for a, b in zip(bufs, self._buffers, strict=True)
-        ):
-            self._buffers = bufs
-            self._buffer_copies = [torch.empty_like(b) for b in bufs]
-        if bufs:
-            torch._foreach_copy_(self._buffer_copies, bufs)
-        self._buffers_saved = True
-
-    def _restore_buffers(self) -> None:
-        if self._buffers_saved and self._buffers:
-            with torch.no_grad():
-                torch._foreach_copy_(self._buffers, self._buffer_copies)
-
     def _backward(self, loss: torch.Tensor, weight: object) -> None:
         """Open the window if needed (clear the step's gradients), then backward."""
         window = self._window
@@ -548,8 +524,8 @@ class AutocastStep:
         if self._scaling:
             scaler = cast(torch.amp.GradScaler, self.scaler)
             loss = scaler.scale(loss)
-            if self._scale_snapshot is None:
-                self._scale_snapshot = cast(torch.Tensor, scaler._scale).clone()
+            if window.scale is None:
+                window.scale = cast(torch.Tensor, scaler._scale).clone()
         window.weighted = weight_t is not None
         loss.backward()
 
@@ -573,246 +549,8 @@ class AutocastStep:
             window.losses.append(loss)
         window.position += 1
         if window.position < self.accumulate:
-            return StepResult(loss, output, False, False, self._scale_snapshot, None)
-        return self._finish(loss, output, pending=None)
-
-    def _factor(self, pending: int | None) -> torch.Tensor | float | None:
-        """What the window's summed gradients are multiplied by before the step.
-
-        Token-weighted: ``world / total weight over all ranks`` (DDP and FSDP2 average
-        across ranks; the all-reduce of the total runs on the device, no host read).
-        A partial window (``flush``), unweighted: ``accumulate / pending``.
-        """
-        window = self._window
-        if window.weight is not None:
-            total = window.weight.clone()
-            world = self._guard.world
-            if world > 1:
-                torch.distributed.all_reduce(total)
-            return torch.reciprocal(total).mul_(world)
-        if pending is not None and pending != self.accumulate:
-            return self.accumulate / pending
-        return None
-
-    def _clip(self) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(self._params(), cast(float, self.max_grad_norm))
-        return local(norm)
-
-    def _finish(self, loss: torch.Tensor, output: object, pending: int | None) -> StepResult:
-        """The one path that finishes a window: unscale, weight, check, clip, step or skip."""
-        if self.sync_free:
-            self._settle()  # the previous window's verdict: there by now
-            return self._finish_on_device(loss, output, pending)
-        scaler = self.scaler if self._scaling else None
-        scale = self._scale_snapshot
-        grad_norm: torch.Tensor | None = None
-        skipped = streak = False
-        try:
-            factor = (
-                self._prepare(pending)
-                if scaler is not None or pending is not None or self._window.weight is not None
-                else None
-            )
-            if self._guarded:
-                if scaler is None and self.max_grad_norm is not None:
-                    # Clipping reads every gradient for the total norm anyway: that norm is
-                    # the guard (non-finite iff a gradient is, or it overflowed), so no
-                    # second pass over the gradients on a good step.
-                    grad_norm = self._clip()
-                skipped = self._decide_skip(scaler, grad_norm, factor)
-            if skipped:
-                grad_norm = None
-                if scaler is not None:
-                    scaler.update()  # lowers the scale; no optimizer runs
-                self._restore_buffers()
-                streak = self._counts.record_skip()
-            else:
-                if self.max_grad_norm is not None and grad_norm is None:
-                    grad_norm = self._clip()
-                if scaler is not None:
-                    for opt in self.optimizers:
-                        scaler.step(opt)
-                    scaler.update()
-                else:
-                    for opt in self.optimizers:
-                        opt.step()
-                self._counts.record_step()
-                if self.schedulers:
-                    self._close_window()  # counters and window settled if one raises
-                    for s in self.schedulers:
-                        s.step()
-        finally:
-            self._close_window()
-        if streak:
-            raise self._counts.streak_error(self.dtype)
-        return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
-
-    def _prepare(self, pending: int | None) -> torch.Tensor | float | None:
-        """Unscale (fp16) and weight the window's gradients; the factor used, if any."""
-        if self._scaling:
-            scaler = cast(torch.amp.GradScaler, self.scaler)
-            for opt in self.optimizers:
-                scaler.unscale_(opt)
-        factor = (
-            self._factor(pending)
-            if pending is not None or self._window.weight is not None
-            else None
-        )
-        if factor is not None:
-            grads = [local(g) for g in self._grads()]
-            if grads:
-                torch._foreach_mul_(grads, factor)
-        return factor
-
-    def _finish_on_device(
-        self, loss: torch.Tensor, output: object, pending: int | None
-    ) -> StepResult:
-        """:meth:`_finish` for optimizers that skip on the device: nothing is read back.
-
-        The verdict stays a tensor: the optimizers get it as ``found_inf`` (as
-        ``GradScaler`` hands it to fused optimizers) and skip on the device; buffers are
-        restored with ``torch.where``; the counters and the schedulers catch up when the
-        verdict is read, one window later or when you read them.
-        """
-        scaler = self.scaler if self._scaling else None
-        scale = self._scale_snapshot
-        try:
-            factor = self._prepare(pending)
-            verdict, grad_norm = self._verdict_on_device(scaler, factor)
-            if scaler is not None:
-                for opt in self.optimizers:
-                    scaler.step(opt)  # fused: hands the flags to the optimizer, no read
-                scaler.update()
-            else:
-                for opt in self.optimizers:
-                    step_on_device(opt, verdict)
-            if self._buffers_saved and self._buffers:
-                skip = verdict.reshape(()) > 0
-                with torch.no_grad():
-                    for buf, saved in zip(self._buffers, self._buffer_copies, strict=True):
-                        buf.copy_(torch.where(skip, saved, buf))
-            self._mailbox.post(verdict)
-        finally:
-            self._close_window()
-        return StepResult(
-            loss,
-            output,
-            cast(bool, Verdict(verdict, skipped=False)),
-            cast(bool, Verdict(verdict, skipped=True)),
-            scale,
-            grad_norm,
-        )
-
-    def _verdict_on_device(
-        self, scaler: torch.amp.GradScaler | None, factor: torch.Tensor | float | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm."""
-        guard = self._guard
-        checks = list(self._window.losses) if self.skip_nonfinite else []
-        scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
-        if scaler is None:
-            checks.extend(self._grads())
-        clip = self.max_grad_norm
-        compiled = self._compiled_check
-        try:
-            found: torch.Tensor | None
-            if compiled is not None and checks:
-                flag, one = guard.primary(checks[0].device)
-                grad_norm = compiled(checks, flag, one, self._params() if clip else None, clip)
-                found = flag
-            else:
-                found = guard.check(checks)
-                grad_norm = self._clip() if clip is not None else None
-            verdict = guard.combine(found, scaler_found)
-            if verdict is None:  # nothing to check: a step that cannot go wrong
-                verdict = torch.zeros(1, device=self._params()[0].device)
-            return verdict.clone(), grad_norm
-        finally:
-            guard.reset()  # the flags are zero again for the next window
-
-    def _scaler_flags(
-        self,
-        scaler: torch.amp.GradScaler,
-        checks: list[torch.Tensor],
-        factor: torch.Tensor | float | None,
-    ) -> list[dict[torch.device, torch.Tensor]] | None:
-        """The scaler's per-optimizer inf flags (set by ``unscale_``); None if it keeps none.
-
-        Without them the gradients are added to ``checks``; a token weight's factor
-        (applied after the scaler's check) is always added.
-        """
-        found: list[dict[torch.device, torch.Tensor]] = []
-        states = getattr(scaler, "_per_optimizer_states", {})
-        for opt in self.optimizers:
-            flags = states.get(id(opt), {}).get("found_inf_per_device")
-            if not flags:
-                checks.extend(local(g) for g in self._grads())
-                found = []
-                break
-            found.append(flags)
-        if isinstance(factor, torch.Tensor):
-            checks.append(factor)
-        return found or None
-
-    def _settle(self) -> None:
-        """Read the verdicts of sync-free windows: counters, schedulers, the streak error."""
-        if not self._mailbox:
-            return
-        streak = False
-        for found in self._mailbox.drain():
-            if found:
-                streak = self._counts.record_skip() or streak
-            else:
-                self._counts.record_step()
-                for s in self.schedulers:
-                    s.step()
-        if streak:
-            raise self._counts.streak_error(self.dtype)
-
-    def _close_window(self) -> None:
-        self._window.clear()
-        self._scale_snapshot = None
-        self._buffers_saved = False
-
-    def _decide_skip(
-        self,
-        scaler: torch.amp.GradScaler | None,
-        grad_norm: torch.Tensor | None,
-        factor: torch.Tensor | float | None,
-    ) -> bool:
-        """Did any rank see a non-finite loss or gradient? One host read per optimizer step.
-
-        The window's losses are checked together with either the scaler's own verdict
-        (fp16: ``unscale_`` already checked every gradient), the clipping norm (when
-        clipping computed it), or the gradients themselves, in one fused kernel. Only
-        when the clipping norm is non-finite does a second, exact check run: it tells
-        inf/NaN gradients from finite ones whose norm overflowed, which the hand-written
-        loop would clip to zero and step on.
-        """
-        guard = self._guard
-        scaler_found: list[dict[torch.device, torch.Tensor]] | None = None
-        if scaler is None and grad_norm is None:  # the usual guard: losses and gradients
-            checks = self._window.losses + self._grads()
-        else:
-            checks = list(self._window.losses) if self.skip_nonfinite else []
-        if scaler is not None:
-            scaler_found = self._scaler_flags(scaler, checks, factor)
-        elif grad_norm is not None:
-            checks.append(grad_norm)
-        clean = False
-        try:
-            verdict = guard.combine(guard.check(checks), scaler_found)
-            skipped = verdict is not None and bool(verdict.item())
-            if skipped and grad_norm is not None:
-                guard.reset()
-                exact = [*self._window.losses, *self._grads()]
-                verdict = guard.combine(guard.check(exact))
-                skipped = verdict is not None and bool(verdict.item())
-            clean = not skipped
-            return skipped
-        finally:
-            if not clean:
-                guard.reset()
+            return StepResult(loss, output, False, False, window.scale, None)
+        return self._stepper.finish(window, loss, output, pending=None)
 
     # ------------------------------------------------------------------ epoch end, checkpoints
 
@@ -848,15 +586,15 @@ class AutocastStep:
                 "AutocastStep.flush() called inside a step: call it after the loop over "
                 "the epoch's batches, outside the decorated function or `with step:` block."
             )
-        self._settle()
+        self._stepper.settle()
         window = self._window
         if window.position == 0:
             return None
         pending = window.position
         loss = window.losses[-1] if window.losses else torch.zeros(())
         if window.unsynced:
-            self._sync.sync_partial(self._grads)
-        return self._finish(loss, None, pending=pending)
+            self._sync.sync_partial(self._stepper.grads)
+        return self._stepper.finish(window, loss, None, pending=pending)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the step's checkpoint state: scaler, accumulation position, counters.
@@ -870,11 +608,13 @@ class AutocastStep:
         >>> state["position"], state["steps"], state["scaler"]
         (0, 0, None)
         """
-        self._settle()
+        self._stepper.settle()
         window = self._window
         grads: list[torch.Tensor | None] = []
         if window.position:
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params()]
+            grads = [
+                None if p.grad is None else p.grad.detach().clone() for p in self._stepper.params()
+            ]
         return {
             "accumulate": self.accumulate,
             "position": window.position,
@@ -899,7 +639,7 @@ class AutocastStep:
             ValueError: a field is out of range, or the state is from an incompatible
                 step (other accumulate mid-window, scaler on/off, other parameters).
         """
-        params = self._params()
+        params = self._stepper.params()
         restored = checkpoint.validate(
             state,
             accumulate=self.accumulate,
@@ -907,7 +647,7 @@ class AutocastStep:
             dtype=self.dtype,
             params=params,
         )
-        self._mailbox.clear()  # verdicts of windows the checkpoint replaces
+        self._stepper.forget_pending()  # verdicts of windows the checkpoint replaces
         if self.scaler is not None and restored.scaler is not None:
             self.scaler.load_state_dict(dict(restored.scaler))
         if restored.position:
@@ -926,7 +666,6 @@ class AutocastStep:
         self._counts.steps = restored.steps
         self._counts.skipped = restored.skipped_steps
         self._counts.consecutive = restored.consecutive_skipped
-        self._scale_snapshot = None  # taken again by the next backward
 
 
 _NO_CAPS = Capabilities()

@@ -27,7 +27,16 @@ __all__ = ["GradSync", "Window"]
 class Window:
     """Position and contents of the current accumulation window."""
 
-    __slots__ = ("accumulate", "cleared", "losses", "position", "unsynced", "weight", "weighted")
+    __slots__ = (
+        "accumulate",
+        "cleared",
+        "losses",
+        "position",
+        "scale",
+        "unsynced",
+        "weight",
+        "weighted",
+    )
 
     def __init__(self, accumulate: int) -> None:
         self.accumulate = accumulate
@@ -37,6 +46,7 @@ class Window:
         self.weighted: bool | None = None  # whether this window's losses carry weights
         self.unsynced = False  # a micro-step of this window ran without gradient sync
         self.cleared = False  # the step's gradients were cleared for this window
+        self.scale: torch.Tensor | None = None  # the loss scale this window's losses used
 
     @property
     def opening(self) -> bool:
@@ -59,6 +69,7 @@ class Window:
         self.weighted = None
         self.unsynced = False
         self.cleared = False
+        self.scale = None
 
 
 class GradSync:

@@ -1,0 +1,333 @@
+"""What happens when a window closes: one path from gradients to an optimizer step.
+
+:class:`OptimizerStep` owns the optimizers, the schedulers, the loss scaler, the
+non-finite guard and the counters. :meth:`OptimizerStep.finish` unscales (fp16),
+weights (token-weighted windows, partial windows), checks, clips, and then steps
+every optimizer or none, and the schedulers after a real step. With optimizers that
+skip on the device (fused Adam, AdamW, SGD) the same path never reads the verdict
+back: it goes to the optimizers as ``found_inf`` and is read lazily
+(:meth:`OptimizerStep.settle`), one window later or when the counters are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from .buffers import BufferSnapshot
+from .counters import StepCounters
+from .guard import NonFiniteGuard, VerdictMailbox, local
+from .ops import check_and_clip, step_on_device
+from .options import compile_fn
+from .result import StepResult, Verdict
+from .window import Window
+
+__all__ = ["OptimizerStep"]
+
+
+class OptimizerStep:
+    """The end of a window: the verdict, the optimizers, the scaler and the schedulers."""
+
+    def __init__(
+        self,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        schedulers: tuple[Any, ...],
+        scaler: torch.amp.GradScaler | None,
+        *,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+        counters: StepCounters,
+        dtype: torch.dtype,
+        buffers: BufferSnapshot | None,
+        compile_options: dict[str, Any] | None,
+    ) -> None:
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.scaler = scaler
+        self.scaling = scaler is not None and scaler.is_enabled()
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.counters = counters
+        self.buffers = buffers
+        self._dtype = dtype
+        self._single = optimizers[0] if len(optimizers) == 1 else None
+        self._guarded = skip_nonfinite or self.scaling
+        #: Every optimizer skips on the device: a guarded step then reads nothing back.
+        self.sync_free: bool = self._guarded and all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
+        )
+        self._guard = NonFiniteGuard()
+        self._mailbox = VerdictMailbox()
+        # Compiled only with clipping: inductor fuses the norm, the check and the
+        # scaling; the check alone is one fused kernel already.
+        self._compiled_check: Callable[..., torch.Tensor | None] | None = (
+            compile_fn(check_and_clip, compile_options, fullgraph=True)
+            if compile_options is not None and self.sync_free and max_grad_norm is not None
+            else None
+        )
+
+    # ------------------------------------------------------------------ parameters
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters of every optimizer, each once, in the optimizers' order."""
+        if self._single is not None:
+            return [p for g in self._single.param_groups for p in g["params"]]
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        return list({id(p): p for p in params}.values())
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients of :meth:`params` that exist."""
+        if self._single is not None:
+            return [
+                p.grad for g in self._single.param_groups for p in g["params"] if p.grad is not None
+            ]
+        return [p.grad for p in self.params() if p.grad is not None]
+
+    # ------------------------------------------------------------------ the one path
+
+    def finish(
+        self, window: Window, loss: torch.Tensor, output: object, pending: int | None
+    ) -> StepResult:
+        """Finish ``window``: weight, check, clip, step or skip; the window closes."""
+        if self.sync_free:
+            self.settle()  # the previous window's verdict: there by now
+            return self._finish_on_device(window, loss, output, pending)
+        scaler = self.scaler if self.scaling else None
+        scale = window.scale
+        grad_norm: torch.Tensor | None = None
+        skipped = streak = False
+        try:
+            factor = (
+                self._prepare(window, pending)
+                if scaler is not None or pending is not None or window.weight is not None
+                else None
+            )
+            if self._guarded:
+                if scaler is None and self.max_grad_norm is not None:
+                    # Clipping reads every gradient for the total norm anyway: that norm is
+                    # the guard (non-finite iff a gradient is, or it overflowed), so no
+                    # second pass over the gradients on a good step.
+                    grad_norm = self.clip()
+                skipped = self._decide_skip(window, scaler, grad_norm, factor)
+            if skipped:
+                grad_norm = None
+                if scaler is not None:
+                    scaler.update()  # lowers the scale; no optimizer runs
+                if self.buffers is not None:
+                    self.buffers.restore()
+                streak = self.counters.record_skip()
+            else:
+                if self.max_grad_norm is not None and grad_norm is None:
+                    grad_norm = self.clip()
+                if scaler is not None:
+                    for opt in self.optimizers:
+                        scaler.step(opt)
+                    scaler.update()
+                else:
+                    for opt in self.optimizers:
+                        opt.step()
+                self.counters.record_step()
+                if self.schedulers:
+                    self._close(window)  # counters and window settled if one raises
+                    for s in self.schedulers:
+                        s.step()
+        finally:
+            self._close(window)
+        if streak:
+            raise self.counters.streak_error(self._dtype)
+        return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
+
+    def settle(self) -> None:
+        """Read the verdicts of sync-free windows: counters, schedulers, the streak error."""
+        if not self._mailbox:
+            return
+        streak = False
+        for found in self._mailbox.drain():
+            if found:
+                streak = self.counters.record_skip() or streak
+            else:
+                self.counters.record_step()
+                for s in self.schedulers:
+                    s.step()
+        if streak:
+            raise self.counters.streak_error(self._dtype)
+
+    def forget_pending(self) -> None:
+        """Drop unread verdicts (a checkpoint replaces the windows they belong to)."""
+        self._mailbox.clear()
+
+    def clip(self) -> torch.Tensor:
+        """Clip the total gradient norm of :meth:`params`; the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params(), cast(float, self.max_grad_norm))
+        return local(norm)
+
+    # ------------------------------------------------------------------ parts
+
+    def _close(self, window: Window) -> None:
+        window.clear()
+        if self.buffers is not None:
+            self.buffers.forget()
+
+    def _factor(self, window: Window, pending: int | None) -> torch.Tensor | float | None:
+        """What the window's summed gradients are multiplied by before the step.
+
+        Token-weighted: ``world / total weight over all ranks`` (DDP and FSDP2 average
+        across ranks; the all-reduce of the total runs on the device, no host read).
+        A partial window (``flush``), unweighted: ``accumulate / pending``.
+        """
+        if window.weight is not None:
+            total = window.weight.clone()
+            world = self._guard.world
+            if world > 1:
+                torch.distributed.all_reduce(total)
+            return torch.reciprocal(total).mul_(world)
+        if pending is not None and pending != window.accumulate:
+            return window.accumulate / pending
+        return None
+
+    def _prepare(self, window: Window, pending: int | None) -> torch.Tensor | float | None:
+        """Unscale (fp16) and weight the window's gradients; the factor used, if any."""
+        if self.scaling:
+            scaler = cast(torch.amp.GradScaler, self.scaler)
+            for opt in self.optimizers:
+                scaler.unscale_(opt)
+        weighted = window.weight is not None
+        factor = self._factor(window, pending) if pending is not None or weighted else None
+        if factor is not None:
+            grads = [local(g) for g in self.grads()]
+            if grads:
+                torch._foreach_mul_(grads, factor)
+        return factor
+
+    def _scaler_flags(
+        self,
+        scaler: torch.amp.GradScaler,
+        checks: list[torch.Tensor],
+        factor: torch.Tensor | float | None,
+    ) -> list[dict[torch.device, torch.Tensor]] | None:
+        """The scaler's per-optimizer inf flags (set by ``unscale_``); None if it keeps none.
+
+        Without them the gradients are added to ``checks``; a token weight's factor
+        (applied after the scaler's check) is always added.
+        """
+        found: list[dict[torch.device, torch.Tensor]] = []
+        states = getattr(scaler, "_per_optimizer_states", {})
+        for opt in self.optimizers:
+            flags = states.get(id(opt), {}).get("found_inf_per_device")
+            if not flags:
+                checks.extend(local(g) for g in self.grads())
+                found = []
+                break
+            found.append(flags)
+        if isinstance(factor, torch.Tensor):
+            checks.append(factor)
+        return found or None
+
+    def _decide_skip(
+        self,
+        window: Window,
+        scaler: torch.amp.GradScaler | None,
+        grad_norm: torch.Tensor | None,
+        factor: torch.Tensor | float | None,
+    ) -> bool:
+        """Did any rank see a non-finite loss or gradient? One host read per optimizer step.
+
+        The window's losses are checked together with either the scaler's own verdict
+        (fp16: ``unscale_`` already checked every gradient), the clipping norm (when
+        clipping computed it), or the gradients themselves, in one fused kernel. Only
+        when the clipping norm is non-finite does a second, exact check run: it tells
+        inf/NaN gradients from finite ones whose norm overflowed, which the hand-written
+        loop would clip to zero and step on.
+        """
+        guard = self._guard
+        scaler_found: list[dict[torch.device, torch.Tensor]] | None = None
+        if scaler is None and grad_norm is None:  # the usual guard: losses and gradients
+            checks = window.losses + self.grads()
+        else:
+            checks = list(window.losses) if self.skip_nonfinite else []
+        if scaler is not None:
+            scaler_found = self._scaler_flags(scaler, checks, factor)
+        elif grad_norm is not None:
+            checks.append(grad_norm)
+        clean = False
+        try:
+            verdict = guard.combine(guard.check(checks), scaler_found)
+            skipped = verdict is not None and bool(verdict.item())
+            if skipped and grad_norm is not None:
+                guard.reset()
+                exact = [*window.losses, *self.grads()]
+                verdict = guard.combine(guard.check(exact))
+                skipped = verdict is not None and bool(verdict.item())
+            clean = not skipped
+            return skipped
+        finally:
+            if not clean:
+                guard.reset()
+
+    def _finish_on_device(
+        self, window: Window, loss: torch.Tensor, output: object, pending: int | None
+    ) -> StepResult:
+        """:meth:`finish` for optimizers that skip on the device: nothing is read back.
+
+        The verdict stays a tensor: the optimizers get it as ``found_inf`` (as
+        ``GradScaler`` hands it to fused optimizers) and skip on the device; buffers are
+        restored with ``torch.where``; the counters and the schedulers catch up when the
+        verdict is read, one window later or when they are read.
+        """
+        scaler = self.scaler if self.scaling else None
+        scale = window.scale
+        try:
+            factor = self._prepare(window, pending)
+            verdict, grad_norm = self._verdict_on_device(window, scaler, factor)
+            if scaler is not None:
+                for opt in self.optimizers:
+                    scaler.step(opt)  # fused: hands the flags to the optimizer, no read
+                scaler.update()
+            else:
+                for opt in self.optimizers:
+                    step_on_device(opt, verdict)
+            if self.buffers is not None:
+                self.buffers.restore_where(verdict.reshape(()) > 0)
+            self._mailbox.post(verdict)
+        finally:
+            self._close(window)
+        return StepResult(
+            loss,
+            output,
+            cast(bool, Verdict(verdict, skipped=False)),
+            cast(bool, Verdict(verdict, skipped=True)),
+            scale,
+            grad_norm,
+        )
+
+    def _verdict_on_device(
+        self,
+        window: Window,
+        scaler: torch.amp.GradScaler | None,
+        factor: torch.Tensor | float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm."""
+        guard = self._guard
+        checks = list(window.losses) if self.skip_nonfinite else []
+        scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
+        if scaler is None:
+            checks.extend(self.grads())
+        clip = self.max_grad_norm
+        compiled = self._compiled_check
+        try:
+            found: torch.Tensor | None
+            if compiled is not None and checks:
+                flag, one = guard.primary(checks[0].device)
+                grad_norm = compiled(checks, flag, one, self.params() if clip else None, clip)
+                found = flag
+            else:
+                found = guard.check(checks)
+                grad_norm = self.clip() if clip is not None else None
+            verdict = guard.combine(found, scaler_found)
+            if verdict is None:  # nothing to check: a step that cannot go wrong
+                verdict = torch.zeros(1, device=self.params()[0].device)
+            return verdict.clone(), grad_norm
+        finally:
+            guard.reset()  # the flags are zero again for the next window
