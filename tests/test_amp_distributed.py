@@ -168,6 +168,28 @@ def _worker(rank: int, port: int, out: str) -> None:
         results["ddp_weighted"] = {
             k: v.detach().clone() for k, v in ddp.module.state_dict().items()
         }
+
+        # DDP: a checkpoint taken mid-window (gradients accumulated under no_sync),
+        # resumed into a fresh step, then flush(): the replicas stay identical.
+        def fresh_ddp() -> tuple[Any, Any]:
+            net = torch.nn.parallel.DistributedDataParallel(_net())
+            st = autocast_step(torch.optim.SGD(net.parameters(), lr=0.1), model=net,
+                               dtype=torch.float32, accumulate=4)  # fmt: skip
+            return net, st
+
+        xr = xs[1][mine]
+        net, st = fresh_ddp()
+        for _ in range(2):
+            st(lambda n=net: n(xr).pow(2).mean())()
+        ckpt = {"step": st.state_dict(), "model": net.state_dict()}
+        net2, st2 = fresh_ddp()
+        net2.load_state_dict(ckpt["model"])
+        st2.load_state_dict(ckpt["step"])
+        st2.flush()
+        w = torch.cat([p.detach().reshape(-1) for p in net2.parameters()])
+        gathered = [torch.empty_like(w) for _ in range(WORLD)]
+        torch.distributed.all_gather(gathered, w)
+        results["resume_flush_replicas_equal"] = torch.equal(gathered[0], gathered[1])
         torch.save(results, f"{out}/{rank}.pt")
         torch.distributed.barrier()
     finally:
@@ -243,6 +265,12 @@ def test_fsdp2_fused_optimizer_is_sync_free_and_skips_together(
 ) -> None:
     for r in ranks:
         assert r["fused"] == (True, 2, 1)
+
+
+def test_ddp_flush_after_a_mid_window_resume_keeps_replicas_equal(
+    ranks: list[dict[str, Any]],
+) -> None:
+    assert all(r["resume_flush_replicas_equal"] for r in ranks)
 
 
 def test_ddp_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]]) -> None:

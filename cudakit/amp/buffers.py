@@ -49,6 +49,37 @@ class BufferSnapshot:
                 for buf, saved in zip(self._buffers, self._copies, strict=True):
                     buf.copy_(torch.where(skip, saved, buf))
 
+    def copies(self) -> list[torch.Tensor] | None:
+        """The saved copies (cloned), for a checkpoint taken mid-window; None if unsaved."""
+        return [c.clone() for c in self._copies] if self.saved else None
+
+    def check(self, copies: object) -> list[torch.Tensor]:
+        """``copies`` from a checkpoint, checked against this module's buffers."""
+        bufs = [b for b in self._module.buffers() if b is not None]
+        if not isinstance(copies, (list, tuple)) or len(copies) != len(bufs):
+            raise ValueError(
+                "AutocastStep.load_state_dict(): state['window_buffers'] must hold one "
+                f"tensor per buffer of the model ({len(bufs)}), got {type(copies).__name__}. "
+                "Pass the dict returned by AutocastStep.state_dict() for the same model."
+            )
+        for c, b in zip(copies, bufs, strict=True):
+            if not isinstance(c, torch.Tensor) or c.shape != b.shape:
+                raise ValueError(
+                    "AutocastStep.load_state_dict(): a tensor of state['window_buffers'] "
+                    f"does not match its buffer of shape {tuple(b.shape)}; resume with the "
+                    "same model."
+                )
+        return list(copies)
+
+    def load(self, copies: list[torch.Tensor]) -> None:
+        """Take checked ``copies`` as the snapshot of the open window."""
+        self._buffers = [b for b in self._module.buffers() if b is not None]
+        self._copies = [
+            c.detach().to(device=b.device, dtype=b.dtype, copy=True)
+            for c, b in zip(copies, self._buffers, strict=True)
+        ]
+        self.saved = True
+
     def forget(self) -> None:
         """The window closed: the next window saves again."""
         self.saved = False

@@ -517,17 +517,18 @@ class AutocastStep:
             raise self._mixed_weights_error()
         if not window.cleared:
             self._clear_grads()
-        if weight_t is not None:
-            window.add_weight(weight_t)
-        elif self.accumulate != 1:
+        if weight_t is None and self.accumulate != 1:
             loss = loss / self.accumulate
         if self._scaling:
             scaler = cast(torch.amp.GradScaler, self.scaler)
             loss = scaler.scale(loss)
             if window.scale is None:
                 window.scale = cast(torch.Tensor, scaler._scale).clone()
-        window.weighted = weight_t is not None
         loss.backward()
+        # Counted only once its backward has run: a failed call adds no phantom weight.
+        if weight_t is not None:
+            window.add_weight(weight_t)
+        window.weighted = weight_t is not None
 
     def _clear_grads(self) -> None:
         """Open the window: clear the gradients of the step's parameters (once per window)."""
@@ -547,6 +548,7 @@ class AutocastStep:
         window = self._window
         if self.skip_nonfinite:
             window.losses.append(loss)
+        window.last_loss = loss
         window.position += 1
         if window.position < self.accumulate:
             return StepResult(loss, output, False, False, window.scale, None)
@@ -591,7 +593,7 @@ class AutocastStep:
         if window.position == 0:
             return None
         pending = window.position
-        loss = window.losses[-1] if window.losses else torch.zeros(())
+        loss = window.last_loss if window.last_loss is not None else torch.zeros(())
         if window.unsynced:
             self._sync.sync_partial(self._stepper.grads)
         return self._stepper.finish(window, loss, None, pending=pending)
@@ -625,6 +627,10 @@ class AutocastStep:
             "grads": grads,
             "window_losses": [t.clone() for t in window.losses],
             "window_weight": None if window.weight is None else window.weight.clone(),
+            # The buffers as the window opened, for a skip after resuming mid-window.
+            "window_buffers": (
+                self._buffers.copies() if self._buffers is not None and window.position else None
+            ),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -647,6 +653,12 @@ class AutocastStep:
             dtype=self.dtype,
             params=params,
         )
+        saved_buffers = state.get("window_buffers")
+        buffers = (
+            self._buffers.check(saved_buffers)
+            if self._buffers is not None and saved_buffers is not None and restored.position
+            else None
+        )
         self._stepper.forget_pending()  # verdicts of windows the checkpoint replaces
         if self.scaler is not None and restored.scaler is not None:
             self.scaler.load_state_dict(dict(restored.scaler))
@@ -657,12 +669,19 @@ class AutocastStep:
         window.clear()
         window.position = restored.position
         window.cleared = restored.position > 0  # mid-window: the restored gradients count
+        # Mid-window gradients were accumulated without gradient sync: flush() syncs them.
+        window.unsynced = restored.position > 0 and self._sync.active
         window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
+        window.last_loss = window.losses[-1] if window.losses else None
         if restored.window_weight is not None:
             window.weight = restored.window_weight.detach().to(torch.float32).clone()
             window.weighted = True
         elif restored.position:
             window.weighted = False
+        if self._buffers is not None:
+            self._buffers.forget()
+            if buffers is not None:
+                self._buffers.load(buffers)
         self._counts.steps = restored.steps
         self._counts.skipped = restored.skipped_steps
         self._counts.consecutive = restored.consecutive_skipped

@@ -11,6 +11,7 @@ back: it goes to the optimizers as ``found_inf`` and is read lazily
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -60,6 +61,10 @@ class OptimizerStep:
         )
         self._guard = NonFiniteGuard()
         self._mailbox = VerdictMailbox()
+        self._undo: list[SchedulerUndo] = []  # one per posted verdict
+        #: Optimizers whose state, created by a skipped fused step, would not equal a fresh
+        #: state (see :meth:`_states_ready`): all but Adam/AdamW and momentum-free SGD.
+        self._unsafe_first_step = tuple(o for o in optimizers if not _skip_creates_fresh_state(o))
         # Compiled only with clipping: inductor fuses the norm, the check and the
         # scaling; the check alone is one fused kernel already.
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
@@ -92,8 +97,15 @@ class OptimizerStep:
     ) -> StepResult:
         """Finish ``window``: weight, check, clip, step or skip; the window closes."""
         if self.sync_free:
-            self.settle()  # the previous window's verdict: there by now
-            return self._finish_on_device(window, loss, output, pending)
+            try:
+                self.settle()  # the previous window's verdict: there by now
+            except BaseException:
+                self._close(window)  # a streak error or a raising scheduler: no stale window
+                raise
+            if self._states_ready():
+                return self._finish_on_device(window, loss, output, pending)
+            # An optimizer would create its state in this step: read the verdict once, so
+            # a skipped step never leaves fresh, uninitialised state behind (below).
         scaler = self.scaler if self.scaling else None
         scale = window.scale
         grad_norm: torch.Tensor | None = None
@@ -139,24 +151,42 @@ class OptimizerStep:
             raise self.counters.streak_error(self._dtype)
         return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
 
+    def _states_ready(self) -> bool:
+        """True when no optimizer creates state in this step, or when it does so safely.
+
+        A fused optimizer told to skip through ``found_inf`` still creates its state on
+        its first step: Adam and AdamW fill it with zeros and undo the step count (the
+        same as no step), but SGD's momentum buffer comes from ``torch.empty_like`` and
+        stays uninitialised. Such a first step, and the first step of parameters added
+        later, take the path that reads the verdict, so a skip never runs ``step()``.
+        """
+        for opt in self._unsafe_first_step:
+            state = opt.state
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p not in state:
+                        return False
+        return True
+
     def settle(self) -> None:
         """Read the verdicts of sync-free windows: counters, schedulers, the streak error."""
         if not self._mailbox:
             return
         streak = False
-        for found in self._mailbox.drain():
+        undos, self._undo = self._undo, []
+        for found, undo in zip(self._mailbox.drain(), undos, strict=True):
             if found:
+                undo.apply()  # the schedulers stepped ahead of a step that did not happen
                 streak = self.counters.record_skip() or streak
             else:
                 self.counters.record_step()
-                for s in self.schedulers:
-                    s.step()
         if streak:
             raise self.counters.streak_error(self._dtype)
 
     def forget_pending(self) -> None:
         """Drop unread verdicts (a checkpoint replaces the windows they belong to)."""
         self._mailbox.clear()
+        self._undo = []
 
     def clip(self) -> torch.Tensor:
         """Clip the total gradient norm of :meth:`params`; the norm before clipping."""
@@ -291,6 +321,12 @@ class OptimizerStep:
             if self.buffers is not None:
                 self.buffers.restore_where(verdict.reshape(()) > 0)
             self._mailbox.post(verdict)
+            # The schedulers step now, as if the step was real (it almost always is), so
+            # the learning rate and the schedulers' state are current for logging and
+            # checkpoints; a skip found when the verdict is read puts them back.
+            self._undo.append(SchedulerUndo(self.schedulers, self.optimizers))
+            for s in self.schedulers:
+                s.step()
         finally:
             self._close(window)
         return StepResult(
@@ -331,3 +367,38 @@ class OptimizerStep:
             return verdict.clone(), grad_norm
         finally:
             guard.reset()  # the flags are zero again for the next window
+
+
+def _skip_creates_fresh_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether a fused step skipped through ``found_inf`` leaves state equal to a fresh one."""
+    if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        return True  # zeros, and the step count is undone on the device
+    if isinstance(opt, torch.optim.SGD):
+        return all(not g.get("momentum") for g in opt.param_groups)  # no state at all
+    return False
+
+
+class SchedulerUndo:
+    """The schedulers' state and the learning rates before an optimistic scheduler step."""
+
+    __slots__ = ("_lrs", "_optimizers", "_states")
+
+    def __init__(self, schedulers: tuple[Any, ...], optimizers: tuple[Any, ...]) -> None:
+        self._states = [(s, copy.deepcopy(s.state_dict())) for s in schedulers]
+        self._optimizers = optimizers if schedulers else ()
+        self._lrs = [[_snapshot(g.get("lr")) for g in opt.param_groups] for opt in self._optimizers]
+
+    def apply(self) -> None:
+        """Put the schedulers and the learning rates back."""
+        for sched, state in self._states:
+            sched.load_state_dict(state)
+        for opt, lrs in zip(self._optimizers, self._lrs, strict=True):
+            for group, lr in zip(opt.param_groups, lrs, strict=False):
+                if isinstance(group.get("lr"), torch.Tensor) and isinstance(lr, torch.Tensor):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+
+
+def _snapshot(value: object) -> object:
+    return value.clone() if isinstance(value, torch.Tensor) else value

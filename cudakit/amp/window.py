@@ -30,6 +30,7 @@ class Window:
     __slots__ = (
         "accumulate",
         "cleared",
+        "last_loss",
         "losses",
         "position",
         "scale",
@@ -47,6 +48,7 @@ class Window:
         self.unsynced = False  # a micro-step of this window ran without gradient sync
         self.cleared = False  # the step's gradients were cleared for this window
         self.scale: torch.Tensor | None = None  # the loss scale this window's losses used
+        self.last_loss: torch.Tensor | None = None  # the last micro-batch's loss, detached
 
     @property
     def opening(self) -> bool:
@@ -70,6 +72,7 @@ class Window:
         self.unsynced = False
         self.cleared = False
         self.scale = None
+        self.last_loss = None
 
 
 class GradSync:

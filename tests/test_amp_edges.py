@@ -1,0 +1,151 @@
+"""Edge cases found in review: fresh optimizer state on a skipped fused step, errors
+raised while settling, checkpoints taken in any order, buffers after a mid-window
+resume, a failed backward in a weighted window, flush's loss without the guard."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from cudakit.amp import autocast_step
+from cudakit.exceptions import NonFiniteStepsError
+
+
+def _linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skipped_first_fused_sgd_step_leaves_no_state(fused: bool) -> None:
+    m = _linear()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    step = autocast_step(opt, dtype=torch.float32)
+    fn = step(lambda x: m(x).pow(2).mean())
+    x = torch.randn(4, 8)
+    assert fn(x * float("nan")).skipped == True  # noqa: E712 (a Verdict compares as a bool)
+    assert opt.state_dict()["state"] == {}  # no momentum buffer of uninitialised memory
+    before = m.weight.detach().clone()
+    fn(x)
+    assert torch.isfinite(m.weight).all()
+    ref = _linear()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref.weight.grad = None
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    torch.testing.assert_close(m.weight, ref.weight)
+    assert not torch.equal(m.weight, before)
+
+
+def test_sync_free_streak_error_closes_the_window() -> None:
+    m = _linear()
+    step = autocast_step(
+        torch.optim.AdamW(m.parameters(), lr=0.1, fused=True), dtype=torch.float32, max_skipped=2
+    )
+    fn = step(lambda x: m(x).pow(2).mean())
+    x = torch.randn(4, 8)
+    fn(x * float("nan"))
+    fn(x * float("nan"))  # the second skip in a row: raised when its verdict is read
+    with pytest.raises(NonFiniteStepsError):
+        fn(x * float("nan"))
+    assert step.position == 0
+    before = m.weight.detach().clone()
+    assert fn(x).stepped == True  # noqa: E712
+    assert not torch.equal(m.weight, before)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("order", ["step first", "step last"])
+def test_checkpoint_in_any_order_resumes_bit_for_bit(fused: bool, order: str) -> None:
+    def make() -> tuple[Any, ...]:
+        m = _linear()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=fused)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        step = autocast_step(opt, dtype=torch.float32, scheduler=sched)
+        return m, opt, sched, step, step(lambda x: m(x).pow(2).mean())
+
+    xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    m, opt, sched, step, fn = make()
+    for x in xs[:3]:
+        fn(x)
+    parts = [("model", m), ("opt", opt), ("sched", sched)]
+    parts = [("step", step), *parts] if order == "step first" else [*parts, ("step", step)]
+    ckpt = copy.deepcopy({k: v.state_dict() for k, v in parts})
+    for x in xs[3:]:
+        fn(x)
+    m2, opt2, sched2, step2, fn2 = make()
+    m2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    sched2.load_state_dict(ckpt["sched"])
+    step2.load_state_dict(ckpt["step"])
+    for x in xs[3:]:
+        fn2(x)
+    assert torch.equal(m.weight, m2.weight)
+    assert step.steps == step2.steps == sched.last_epoch == sched2.last_epoch == 6
+
+
+def test_sync_free_skip_puts_the_schedulers_back() -> None:
+    m = _linear()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    fn = autocast_step(opt, dtype=torch.float32, scheduler=sched)(lambda x: m(x).pow(2).mean())
+    x = torch.randn(2, 8)
+    fn(x)
+    fn(x)  # two real steps
+    lr = opt.param_groups[0]["lr"]
+    fn(x * float("nan"))  # skipped: the optimistic scheduler step is undone once read
+    fn(x)
+    assert fn.autocast_step.steps == 3
+    assert sched.last_epoch == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr * 0.5)
+
+
+def test_buffers_after_a_mid_window_resume_and_a_skip() -> None:
+    def make() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        step = autocast_step(
+            torch.optim.SGD(m.parameters(), lr=0.1), model=m, dtype=torch.float32, accumulate=2
+        )
+        return m, step, step(lambda x: m(x).pow(2).mean())
+
+    x = torch.randn(8, 4)
+    m, step, fn = make()
+    fn(x)
+    ckpt = copy.deepcopy({"model": m.state_dict(), "step": step.state_dict()})
+    assert fn(x * float("nan")).skipped
+    m2, step2, fn2 = make()
+    m2.load_state_dict(ckpt["model"])
+    step2.load_state_dict(ckpt["step"])
+    assert fn2(x * float("nan")).skipped
+    torch.testing.assert_close(m2[1].running_mean, m[1].running_mean, rtol=0, atol=0)
+    assert torch.equal(m[1].running_mean, torch.zeros(4))  # as the window opened
+
+
+def test_a_failed_backward_adds_no_weight() -> None:
+    results = []
+    for fail_first in (False, True):
+        m = _linear()
+        step = autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), accumulate=2)
+        x = torch.randn(3, 8)
+        if fail_first:
+            used = m(x).pow(2).sum()
+            used.backward(retain_graph=False)
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                step.backward({"loss": used, "weight": 100})
+        for _ in range(2):
+            step.backward({"loss": m(x).pow(2).sum(), "weight": 3})
+        results.append(m.weight.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_flush_reports_the_last_loss_without_the_guard() -> None:
+    m = _linear()
+    step = autocast_step(
+        torch.optim.SGD(m.parameters(), lr=0.1), accumulate=4, skip_nonfinite=False
+    )
+    r = step(lambda x: m(x).pow(2).mean())(torch.ones(2, 8))
+    assert float(step.flush().loss) == float(r.loss) != 0.0  # type: ignore[union-attr]
