@@ -235,3 +235,14 @@ def test_cuda_guarded_steps_never_synchronize(dtype: torch.dtype) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert step.skipped_steps >= 1  # the NaN window (fp16 may also skip while scaling)
+
+
+def test_lazy_verdicts_behave_as_bools() -> None:
+    model, opt, _ = _make()
+    fn = autocast_step(opt, dtype=torch.float32)(lambda x, y: _loss(model, x, y))
+    results = [fn(x, y) for x, y in _data(4, nan_at=2)]
+    assert sum(r.skipped for r in results) == 1
+    assert [int(r.stepped) for r in results] == [1, 1, 0, 1]
+    assert [r.skipped for r in results] == [False, False, True, False]
+    assert f"{results[2].skipped}" == "True"
+    assert not results[0].skipped

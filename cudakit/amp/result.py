@@ -151,8 +151,8 @@ class Verdict:
     reads it never waits.
 
     >>> v = Verdict(torch.zeros(1), skipped=True)
-    >>> bool(v), v == False, v
-    (False, True, False)
+    >>> bool(v), v == False, v, int(v), sum([v, v])
+    (False, True, False, 0, 0)
 
     .. versionadded:: 0.2
     """
@@ -172,6 +172,17 @@ class Verdict:
 
     def __eq__(self, other: object) -> bool:
         return bool(self) == other
+
+    def __int__(self) -> int:
+        return int(bool(self))
+
+    __index__ = __int__
+
+    def __add__(self, other: object) -> Any:
+        return int(self) + other  # type: ignore[operator]
+
+    def __radd__(self, other: object) -> Any:
+        return other + int(self)  # type: ignore[operator]
 
     def __hash__(self) -> int:
         return hash(bool(self))
