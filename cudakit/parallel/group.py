@@ -79,6 +79,10 @@ class ProcessGroupInfo:
     created: bool
 
 
+#: The longest process-group timeout accepted (torch's store overflows far beyond it).
+MAX_TIMEOUT = datetime.timedelta(days=365)
+
+
 def check_timeout(func: str, timeout: object) -> datetime.timedelta:
     """``timeout`` (seconds or a ``timedelta``; ``None``: 10 minutes) as a finite ``timedelta``."""
     if timeout is None:
@@ -86,14 +90,22 @@ def check_timeout(func: str, timeout: object) -> datetime.timedelta:
     if isinstance(timeout, datetime.timedelta):
         td = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        if not math.isfinite(timeout):
+        if not math.isfinite(timeout) or timeout <= 0:
             td = datetime.timedelta(0)  # rejected below with the finite-timeout message
+        elif timeout > MAX_TIMEOUT.total_seconds():
+            td = datetime.timedelta.max  # rejected below (timedelta itself would overflow)
         else:
             td = datetime.timedelta(seconds=float(timeout))
     else:
         raise TypeError(
             f"{func}(): timeout must be seconds (an int or float) or a datetime.timedelta, got "
             f"{describe(timeout)}. Pass e.g. timeout=600, or None for the default 600 s."
+        )
+    if td > MAX_TIMEOUT:
+        raise ValueError(
+            f"{func}(): timeout must be at most {MAX_TIMEOUT.days} days, got {timeout!r}: "
+            "torch's store counts it in milliseconds and overflows beyond that. A hung rank "
+            "should fail, not wait forever; pass e.g. timeout=600, or None for the default."
         )
     if not td.total_seconds() > 0:
         raise ValueError(

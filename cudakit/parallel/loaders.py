@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -164,7 +165,22 @@ def distributed_loader(
     check_bool("distributed_loader", "shuffle", shuffle)
     check_int("distributed_loader", "seed", seed, minimum=-(2**63), maximum=2**63 - 1)
     check_bool("distributed_loader", "drop_last", drop_last)
+    if batch_size is None and drop_last:
+        raise ValueError(
+            "distributed_loader(): drop_last=True needs a batch_size; batch_size=None yields "
+            "single samples, so there is no last batch to drop. Pass batch_size=... or "
+            "drop_last=False."
+        )
     _check_loader_kwargs(loader_kwargs)
+    workers = loader_kwargs.get("num_workers", 0)
+    check_int("distributed_loader", "num_workers", workers, minimum=0,
+              fix="Pass 0 to load in the main process.")  # fmt: skip
+    generator = loader_kwargs.get("generator")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"distributed_loader(generator=...) expects a torch.Generator or None, got "
+            f"{describe(generator)}. The shuffle is seeded by seed=...; leave generator= out."
+        )
     sampler: DistributedSampler[T_co] = DistributedSampler(
         dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, seed=seed
     )

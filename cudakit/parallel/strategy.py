@@ -123,6 +123,12 @@ def decide_strategy(
     return cast(Strategy, request)
 
 
+#: Device types torch knows (``torch.device(...).type``).
+_DEVICE_TYPES = frozenset(
+    {"cpu", "cuda", "mps", "meta", "xpu", "hpu", "xla", "mtia", "privateuseone", "ipu"}
+)
+
+
 def choose_strategy(
     strategy: str = "auto",
     *,
@@ -196,6 +202,11 @@ def choose_strategy(
         raise TypeError(
             f"choose_strategy(): device_type must be a string such as 'cuda' or 'cpu', got "
             f"{describe(device_type)}; pass torch.device(...).type."
+        )
+    if device_type not in _DEVICE_TYPES:
+        raise ValueError(
+            f"choose_strategy(): device_type must be a torch device type such as 'cuda' or "
+            f"'cpu', got {device_type!r}; pass torch.device(...).type (lower case)."
         )
     if group_world_size is not None:
         if isinstance(group_world_size, bool) or not isinstance(group_world_size, int):

@@ -418,14 +418,14 @@ def parallelize(
     request = check_strategy(strategy)
     td = check_timeout("parallelize", timeout)
     backend = check_backend("parallelize", backend)
+    facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
+    plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_fsdp2(model):
+        # Every argument was checked above: a wrapped model is no reason to accept typos.
         logger.info(
             "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
         )
         return model
-
-    facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
-    plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
     _check_plan(model, plan)
     if plan.strategy in ("ddp", "fsdp"):
         return _distribute(model, plan, facts, td)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -77,11 +77,14 @@ def example_batch(loader: Iterable[T], /) -> T:
     if not isinstance(loader, Iterable):
         fail_type("example_batch", "loader", "a DataLoader or another iterable of batches", loader)
     rng = RngState(_generators(loader))
+    epochs = _epoch_counters(loader)
     try:
         for batch in loader:
             return batch
     finally:
         rng.restore()
+        for owner, epoch in epochs:  # a DistributedLoader counts iter() calls as epochs
+            owner.epoch = epoch
     fail_value(
         "example_batch",
         "loader",
@@ -89,3 +92,17 @@ def example_batch(loader: Iterable[T], /) -> T:
         loader,
         "Check the dataset's length and drop_last= against batch_size=.",
     )
+
+
+def _epoch_counters(loader: object) -> list[tuple[Any, int]]:
+    """``(object, epoch)`` for the loader and its samplers that keep an ``epoch`` count."""
+    found: list[tuple[Any, int]] = []
+    for owner in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ):
+        epoch = getattr(owner, "epoch", None)
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            found.append((owner, epoch))
+    return found

@@ -54,10 +54,10 @@ def _resolve_amp(amp: object, device: torch.device) -> tuple[Callable[[], Any], 
     amp = getattr(amp, "autocast_step", amp)
     factory = getattr(amp, "autocast", None)
     if callable(factory):
-        stateful = callable(getattr(amp, "state_dict", None)) and callable(
-            getattr(amp, "load_state_dict", None)
-        )
-        return factory, (amp,) if stateful else ()
+        # The step, and what it steps: its schedulers and optimizers (a loss_fn that runs
+        # the whole step moves them too).
+        owned = (amp, *getattr(amp, "schedulers", ()), *getattr(amp, "optimizers", ()))
+        return factory, tuple(obj for obj in owned if _stateful(obj))
     if isinstance(amp, torch.dtype):
         if amp == torch.float32:
             return contextlib.nullcontext, ()
@@ -86,6 +86,12 @@ def _resolve_amp(amp: object, device: torch.device) -> tuple[Callable[[], Any], 
     raise TypeError(
         f"warmup(amp=...) expects an autocast_step(...) object (anything with .autocast()), a "
         f"torch.dtype such as torch.bfloat16, or None; got {type(amp).__name__} {amp!r}."
+    )
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
     )
 
 
@@ -219,6 +225,12 @@ def _plan(
         if device is not None
         else _infer_device(module, batch)
     )
+    if dev.type == "meta":
+        raise DeviceError(
+            f"warmup(device={device!r}): the meta device holds no data, so nothing can run "
+            "or be measured there. Pass the device the model trains on (or leave device= "
+            "out to use the model's)."
+        )
     autocast, amp_state = _resolve_amp(amp, dev)
     extra_items = check_extra(extra, "warmup")
     return _Plan(

@@ -1,0 +1,84 @@
+"""Defects found in review of parallel and warm-up, each reproduced as a test."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit.amp import autocast_step
+from cudakit.exceptions import DeviceError
+from cudakit.warmup import example_batch, warmup
+
+
+def test_example_batch_keeps_a_distributed_loaders_epoch() -> None:
+    ds = torch.utils.data.TensorDataset(torch.arange(16.0))
+    ref = [b[0].tolist() for b in cp.distributed_loader(ds, batch_size=4, seed=0)]
+    loader = cp.distributed_loader(ds, batch_size=4, seed=0)
+    example_batch(loader)
+    assert loader.epoch == 0
+    assert [b[0].tolist() for b in loader] == ref
+
+
+def test_warmup_with_a_step_leaves_its_schedulers_and_optimizers_alone() -> None:
+    def make() -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 1)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1 / (1 + e))
+        step = autocast_step(opt, dtype=torch.float32, scheduler=sched)
+        return m, opt, sched, step, step(lambda mm, x: mm(x).pow(2).mean())
+
+    x = torch.randn(8, 4)
+    m, opt, sched, step, fn = make()
+    warmup(m, x, loss_fn=fn, amp=step, steps=3)
+    assert sched.last_epoch == 0
+    assert opt.state_dict()["state"] == {}
+    twin_m, _, twin_sched, _, twin_fn = make()
+    for _ in range(4):
+        fn(m, x)
+        twin_fn(twin_m, x)
+    assert torch.equal(m.weight, twin_m.weight)
+    assert sched.get_last_lr() == twin_sched.get_last_lr()
+
+
+@pytest.mark.parametrize("timeout", [1e300, 1e12, datetime.timedelta.max])
+def test_timeouts_past_a_year_are_refused(timeout: Any) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"parallelize\(\): timeout must be at most 365 days"):
+        cp.parallelize(model, device="cpu", timeout=timeout)
+
+
+def test_an_already_wrapped_model_still_gets_its_arguments_checked() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(DeviceError, match="did you mean 'cuda'"):
+        cp.parallelize(wrapped, device="gpu")
+    assert cp.parallelize(wrapped, device="cpu") is wrapped
+
+
+def test_warmup_on_the_meta_device_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(DeviceError, match=r"warmup\(device='meta'\): the meta device"):
+        warmup(model, torch.randn(3, 2), device="meta")
+    assert torch.equal(model.weight, before)
+
+
+@pytest.mark.parametrize("device_type", ["gpu", "CUDA", ""])
+def test_choose_strategy_refuses_unknown_device_types(device_type: str) -> None:
+    with pytest.raises(ValueError, match="device_type must be a torch device type"):
+        cp.choose_strategy("auto", env={}, device_count=2, device_type=device_type)
+
+
+def test_distributed_loader_checks_option_values() -> None:
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    with pytest.raises(ValueError, match=r"distributed_loader\(\): drop_last=True needs"):
+        cp.distributed_loader(ds, None, drop_last=True)
+    with pytest.raises(ValueError, match=r"distributed_loader\(num_workers=\.\.\.\)"):
+        cp.distributed_loader(ds, 2, num_workers=-1)
+    with pytest.raises(TypeError, match=r"distributed_loader\(generator=\.\.\.\) expects"):
+        cp.distributed_loader(ds, 2, generator="x")
