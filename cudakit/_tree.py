@@ -29,6 +29,7 @@ import functools
 import io
 import itertools
 import operator
+import os
 import sys
 import types
 import warnings
@@ -265,14 +266,24 @@ def _param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
         c.sync.add(p.device)
     # Tensor.to on a Parameter returns a plain non-leaf tensor; rebuild the Parameter
     # (as Module.to does), keeping requires_grad and moving an accumulated .grad along.
+    if type(p).to is not torch.nn.Parameter.to:  # a subclass that moves itself
+        moved = p.to(c.device, non_blocking=True) if c.nb else p.to(c.device)
+        c.memo[id(p)] = moved
+        return moved
     new = torch.nn.Parameter(p.detach().to(c.device, non_blocking=c.nb), p.requires_grad)
-    if p.grad is not None:
-        new.grad = p.grad.to(c.device, non_blocking=c.nb)
+    if type(p) is not torch.nn.Parameter:
+        new.__class__ = type(p)  # a Parameter subclass stays one
+    state = getattr(p, "__dict__", None)
+    if state:
+        new.__dict__.update(state)  # attributes set on the parameter (tp_rank=...)
     if st is not None:
         st.created.append(new)
-        if new.grad is not None:
-            st.created.append(new.grad)
     c.memo[id(p)] = new
+    if p.grad is not None:
+        # Through the memo: a .grad that also appears elsewhere stays one tensor.
+        grad = p.grad
+        hit = c.memo.get(id(grad))
+        new.grad = cast(torch.Tensor, hit) if hit is not None else _copy(grad, c)
     return new
 
 
@@ -462,7 +473,13 @@ def _tuple_subclass(x: tuple[Any, ...], c: Ctx) -> Any:
     tp = type(x)
     if hasattr(tp, "_fields"):
         return _rebuilt(x, c, f"{tp.__name__}(*fields)", lambda: tp(*out))
-    return _rebuilt(x, c, f"{tp.__name__}(items)", lambda: tp(out))
+
+    def build() -> Any:
+        res = tp(out)  # its own constructor (a refusal is reported), then its attributes
+        _copy_attributes(x, res)
+        return res
+
+    return _rebuilt(x, c, f"{tp.__name__}(items)", build)
 
 
 def _cached_properties(tp: type) -> tuple[str, ...]:
@@ -478,6 +495,15 @@ def _cached_properties(tp: type) -> tuple[str, ...]:
 
 
 _CACHED_PROPERTIES: dict[type, tuple[str, ...]] = {}
+
+
+def _copy_attributes(src: Any, dst: Any) -> None:
+    """The instance attributes of ``src`` onto ``dst``, less stale cached properties."""
+    state = getattr(src, "__dict__", None)
+    if state:
+        dst.__dict__.update(state)
+        for name in _cached_properties(type(src)):
+            dst.__dict__.pop(name, None)
 
 
 def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
@@ -609,11 +635,14 @@ def _deque(x: collections.deque[Any], c: Ctx) -> Any:
     if type(x) is collections.deque:
         return _rebuilt(x, c, "deque(items, maxlen)", lambda: collections.deque(out, x.maxlen))
 
-    def assign(res: collections.deque[Any]) -> None:
-        res.clear()
-        res.extend(out)
+    def build() -> Any:
+        tp = type(x)
+        res = tp.__new__(tp)
+        collections.deque.__init__(res, out, x.maxlen)
+        _copy_attributes(x, res)
+        return res
 
-    return _rebuilt(x, c, "copy.copy(obj).extend(items)", lambda: _shallow_copy(x, assign))
+    return _rebuilt(x, c, f"{type(x).__name__}.__new__ and deque.__init__", build)
 
 
 def _duck(x: Any, c: Ctx) -> Any:
@@ -696,6 +725,10 @@ class _Registered:
         try:
             children = self.flatten(x)
             items = list(children.items())
+            # flatten may build new objects (a list, a .detach()); keep them alive until
+            # the walk ends, or their ids could be reused by the next object's and the
+            # memo would hand back the wrong moved value.
+            c.keep.append(children)
         except Exception as err:
             raise Bad(
                 TypeError,
@@ -732,6 +765,9 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
     _forget_cached_handlers()
 
 
+_PROBE_DEPTH = 6
+
+
 def _holds_tensor(x: object, depth: int) -> bool:
     """Whether a tensor is reachable from ``x`` within ``depth`` levels.
 
@@ -751,7 +787,7 @@ def _holds_tensor(x: object, depth: int) -> bool:
     return any(_holds_tensor(v, depth - 1) for v in itertools.islice(values, _PROBE_WIDTH))
 
 
-_PROBE_WIDTH = 16
+_PROBE_WIDTH = 64
 
 
 _WARNED: set[type] = set()
@@ -767,7 +803,7 @@ def _unknown(x: Any, c: Ctx) -> Any:
     """An object of a type the walker does not know: left alone, with a warning if it
     holds tensors (once per type)."""
     tp = type(x)
-    if tp not in _WARNED and _holds_tensor(x, 3):
+    if tp not in _WARNED and _holds_tensor(x, _PROBE_DEPTH):
         _WARNED.add(tp)
         _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
         name = tp.__name__
@@ -780,9 +816,22 @@ def _unknown(x: Any, c: Ctx) -> Any:
                 "it a `.to(device)` method, or keep the tensors in a dict or dataclass. "
                 "This warning is shown once per type."
             ),
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
     return x
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside cudakit."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 _PREFETCH_HINT = (
@@ -948,6 +997,12 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
     except (Bad, NotImplementedError) as e:
         bad = e if isinstance(e, Bad) else _meta_copy_error(e, c)
         raise bad.exc_type(bad.render(root)) from bad.cause
+    except RecursionError:
+        raise ValueError(
+            f"on_device() cannot walk {root}: it is nested deeper than Python's recursion "
+            f"limit ({sys.getrecursionlimit()}) allows. Flatten the structure, or raise the "
+            "limit with sys.setrecursionlimit(...)."
+        ) from None
 
 
 def all_on_cpu(x: Any) -> bool:

@@ -143,6 +143,9 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
             f"(torch {torch.__version__}) or machine has none available.{extra} "
             'Use device="auto" to pick the best available device, or "cpu".'
         )
+    if dev.type in ("cpu", "meta") and dev.index is not None:
+        # Tensors on them carry no index: "cpu:0" is "cpu", so `t.device == dev` holds.
+        return torch.device(dev.type)
     return dev
 
 
