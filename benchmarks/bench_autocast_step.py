@@ -183,16 +183,19 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
     def fused(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-    def hand_step(compiled: bool) -> Step:
+    def model_and_forward(compiled: bool) -> tuple[torch.nn.Module, Step]:
         model = mlp_ln(device)
-        opt = fused(model)
-        scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
 
         def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             with torch.autocast(dev_type, dtype=dtype, enabled=on):
                 return F.cross_entropy(model(x), y)
 
-        fwd = torch.compile(forward) if compiled else forward
+        return model, torch.compile(forward) if compiled else forward
+
+    def hand_step(compiled: bool) -> Step:
+        model, fwd = model_and_forward(compiled)
+        opt = fused(model)
+        scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
 
         def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             loss = fwd(x, y)
@@ -219,15 +222,9 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
 
     def guarded_hand_step(compiled: bool) -> Step:
         """The hand-written loop plus the same guard, skipping on the device (found_inf)."""
-        model = mlp_ln(device)
+        model, fwd = model_and_forward(compiled)
         opt: Any = fused(model)
         flag, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-
-        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            with torch.autocast(dev_type, dtype=dtype, enabled=on):
-                return F.cross_entropy(model(x), y)
-
-        fwd = torch.compile(forward) if compiled else forward
 
         def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             opt.zero_grad()

@@ -502,8 +502,16 @@ def _copy_attributes(src: Any, dst: Any) -> None:
     state = getattr(src, "__dict__", None)
     if state:
         dst.__dict__.update(state)
-        for name in _cached_properties(type(src)):
-            dst.__dict__.pop(name, None)
+        _drop_stale(dst)
+
+
+def _drop_stale(res: Any) -> None:
+    """Drop values a ``functools.cached_property`` computed from the old items."""
+    stale = _cached_properties(type(res))
+    state = getattr(res, "__dict__", None) if stale else None
+    if isinstance(state, dict):
+        for name in stale:
+            state.pop(name, None)
 
 
 def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
@@ -513,12 +521,7 @@ def _shallow_copy(x: Any, assign: Callable[[Any], None]) -> Any:
     # so they are computed again, from the moved items, when first read.
     res = copy.copy(x)
     assign(res)
-    stale = _cached_properties(type(x))
-    if stale:
-        state = getattr(res, "__dict__", None)
-        if isinstance(state, dict):
-            for name in stale:
-                state.pop(name, None)
+    _drop_stale(res)
     return res
 
 

@@ -387,13 +387,8 @@ class AutocastStep:
                     loss, weight = extract_loss(output)
                     self._backward(loss, weight)
                     window.unsynced = True
-            elif compiled is None:
-                with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-                    output = func(*args, **kwargs)
-                loss, weight = extract_loss(output)
-                self._backward(loss, weight)
             else:
-                output = compiled(*args, **kwargs)
+                output = self._forward(func, compiled, args, kwargs)
                 loss, weight = extract_loss(output)
                 self._backward(loss, weight)
             return self._after_backward(loss.detach(), output)

@@ -65,6 +65,7 @@ class OptimizerStep:
         #: Optimizers whose state, created by a skipped fused step, would not equal a fresh
         #: state (see :meth:`_states_ready`): all but Adam/AdamW and momentum-free SGD.
         self._unsafe_first_step = tuple(o for o in optimizers if not _skip_creates_fresh_state(o))
+        self._ready_count = -1  # parameter count at which every parameter had state
         # Compiled only with clipping: inductor fuses the norm, the check and the
         # scaling; the check alone is one fused kernel already.
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
@@ -160,12 +161,24 @@ class OptimizerStep:
         stays uninitialised. Such a first step, and the first step of parameters added
         later, take the path that reads the verdict, so a skip never runs ``step()``.
         """
+        if not self._unsafe_first_step:
+            return True
+        # Once every parameter has state, only an added parameter can lack it: scan again
+        # only when the parameter count changes.
+        count = sum(len(g["params"]) for o in self._unsafe_first_step for g in o.param_groups)
+        if count == self._ready_count:
+            return True
+        complete = True  # every parameter has state, with a gradient now or not
         for opt in self._unsafe_first_step:
             state = opt.state
             for group in opt.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None and p not in state:
-                        return False
+                    if p not in state:
+                        if p.grad is not None:
+                            return False
+                        complete = False
+        if complete:
+            self._ready_count = count
         return True
 
     def settle(self) -> None:
