@@ -39,6 +39,11 @@ from typing import Any, NoReturn, cast
 
 import torch
 
+from ._walk import BUSY as _BUSY
+from ._walk import Bad, Ctx, Handler, Staging, located
+from ._walk import Cycle as _Cycle
+from ._walk import busy_or_done as _busy_or_done
+from ._walk import meta_copy_error as _meta_copy_error
 from .exceptions import TensorsLeftBehindWarning
 
 __all__ = [
@@ -61,152 +66,8 @@ __all__ = [
     "traverse",
 ]
 
-Handler = Callable[[Any, "Ctx"], Any]
 _Tensor = torch.Tensor
-_BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
 _MAX_CACHED_TYPES = 1024
-_SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
-
-
-class Ctx:
-    """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
-
-    __slots__ = ("device", "hot", "keep", "memo", "nb", "pending", "staging", "sync", "track")
-
-    def __init__(
-        self, device: torch.device, non_blocking: bool | None, staging: Staging | None = None
-    ) -> None:
-        self.device = device
-        # prefetch's extras (pinning, the tensors created); None for on_device, whose
-        # plain tensors then take the inline fast path of _dict and _seq.
-        self.staging = staging
-        kind = _KINDS.get(device)
-        if kind is None:
-            kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
-        nb = not kind[0] if non_blocking is None else non_blocking
-        self.nb = nb
-        # id(obj) -> result. Ids stay unique because the input keeps its objects alive;
-        # values a custom mapping makes on the fly are kept alive in `keep`.
-        self.memo: dict[int, Any] = {}
-        self.keep: list[Any] = []
-        # In-place moves (modules, optimizer state) run only after the whole traversal
-        # succeeded, so an error anywhere leaves everything the user owns untouched.
-        self.pending: list[Callable[[], None]] = []
-        # A forced non_blocking copy to the CPU must be waited for before we return.
-        self.track = nb and kind[1]
-        self.sync: set[torch.device] = set()
-        # What _dict and _seq read once per container, in one attribute load. While
-        # staging (prefetch) no type matches the inline tensor path: every tensor goes
-        # through _tensor, which pins and lists it.
-        self.hot = (self.memo, device, nb, self.track, _Tensor if staging is None else _NoType)
-
-
-class Staging:
-    """What prefetch needs from the same walk that moves a batch.
-
-    * ``pin``: copy CPU tensors through page-locked memory (plain dense tensors only);
-    * ``created``: every tensor the walk made on the device, to be ``record_stream``-ed;
-    * ``opaque``: objects moved by their own ``.to()``, whose new tensors the walk
-      could not see (see :func:`device_tensors_in`);
-    * ``on_device_tensor``: called once, before the first tensor that is not on the CPU
-      is used (its producer must be ordered before the copy stream).
-    """
-
-    __slots__ = ("created", "on_device_tensor", "opaque", "pin", "saw_device_tensor")
-
-    def __init__(self, *, pin: bool, on_device_tensor: Callable[[], None] | None = None) -> None:
-        self.pin = pin
-        self.on_device_tensor = on_device_tensor
-        self.saw_device_tensor = False
-        self.created: list[torch.Tensor] = []
-        self.opaque: list[Any] = []
-
-    def device_tensor_seen(self) -> None:
-        if not self.saw_device_tensor:
-            self.saw_device_tensor = True
-            if self.on_device_tensor is not None:
-                self.on_device_tensor()
-
-
-# device -> (copies there are synchronous by default, device is the CPU)
-_KINDS: dict[torch.device, tuple[bool, bool]] = {}
-
-
-class Bad(Exception):
-    """Internal: bad input found during traversal; collects the path while unwinding."""
-
-    def __init__(self, exc_type: type[Exception], message: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
-        self.path: list[str] = []  # innermost first
-        self.cause: BaseException | None = None  # chained to the user-facing error
-
-    def add(self, step: str, container_id: int) -> None:
-        self.path.append(step)
-
-    def where(self, root: str) -> str:
-        return root + "".join(reversed(self.path))
-
-    def render(self, root: str) -> str:
-        return self.message.replace("{where}", self.where(root))
-
-
-def _meta_copy_error(err: Exception, c: Ctx) -> Bad:
-    """The user-facing error for copying a meta tensor; any other error is re-raised."""
-    if not isinstance(err, NotImplementedError) or "meta tensor" not in str(err):
-        raise err
-    bad = Bad(
-        ValueError,
-        f"on_device() cannot copy the tensor at {{where}} from the meta device to {c.device}: "
-        "meta tensors have a shape but no data. Create it on the target device instead "
-        "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
-        "`module.to_empty(device=...)` and then initialise or load its weights.",
-    )
-    bad.cause = err
-    return bad
-
-
-def located(err: Exception, step: str, container_id: int, c: Ctx) -> Bad:
-    """``err``, raised inside a container, as a :class:`Bad` with ``step`` added to its path."""
-    bad = err if isinstance(err, Bad) else _meta_copy_error(err, c)
-    bad.add(step, container_id)
-    return bad
-
-
-class _Cycle(Bad):
-    """Internal: a container was reached again while it was still being traversed."""
-
-    def __init__(self, container: object) -> None:
-        super().__init__(ValueError, "")
-        self.container_id = id(container)
-        self.kind = type(container).__name__
-        self.depth: int | None = None  # len(path) once the repeated container added its step
-
-    def add(self, step: str, container_id: int) -> None:
-        self.path.append(step)
-        if self.depth is None and container_id == self.container_id:
-            self.depth = len(self.path)
-
-    def render(self, root: str) -> str:
-        steps = list(reversed(self.path))
-        head = root + "".join(steps[: len(steps) - (self.depth or 0)])
-        return (
-            f"on_device() found a reference cycle: {self.where(root)} refers back to {head} "
-            f"(a {self.kind} that contains itself), which cannot be copied. Break the cycle "
-            "(e.g. store an index or key instead of the container), or move the tensors "
-            "inside it yourself."
-        )
-
-
-def _busy_or_done(x: object, c: Ctx) -> Any:
-    hit = c.memo.get(id(x))
-    if hit is None:
-        c.memo[id(x)] = _BUSY
-        return _BUSY
-    if hit is _BUSY:
-        raise _Cycle(x)
-    return hit
 
 
 def move(x: Any, c: Ctx) -> Any:
@@ -305,10 +166,6 @@ def _sole_references() -> tuple[int, int]:
 
 
 _SOLE_IN_SEQ, _SOLE_IN_DICT = _sole_references()
-
-
-class _NoType:
-    """A type no value has: turns the inline tensor path of _dict and _seq off."""
 
 
 def _dict(x: dict[Any, Any], c: Ctx) -> Any:
