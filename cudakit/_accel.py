@@ -12,6 +12,7 @@ __all__ = [
     "cpu_native_fp16",
     "current_cuda_index",
     "follows_current_device",
+    "host_read_waits",
     "synchronize",
 ]
 
@@ -40,6 +41,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op for devices that run synchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_read_waits(device_type: str) -> bool:
+    """Whether reading a value of a ``device_type`` tensor on the host waits for queued work.
+
+    True for accelerators (CUDA, XPU, MPS...), whose kernels run asynchronously to the
+    host; False for the CPU, where every op has finished when it returns.
+    """
+    return device_type != "cpu"
 
 
 def cpu_native_bf16() -> bool:

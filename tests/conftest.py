@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from cudakit import _accel
+
 # Derandomized in CI so a red build is reproducible; no deadline anywhere because
 # torch's first calls (kernel loading, allocator growth) are slow and uneven.
 settings.register_profile(
@@ -35,3 +37,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_multi)
         elif "cuda" in item.keywords and n_gpu < 1:
             item.add_marker(skip_cuda)
+
+
+def force_skip_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make steps built from now on take the GPU's sync-free path on the CPU.
+
+    On a GPU a sync-free step hands its verdict to the optimizer as ``found_inf`` and
+    reads it lazily; on the CPU (where nothing waits) it reads the verdict at once. This
+    forces the GPU's path, so it is tested here too.
+    """
+    monkeypatch.setattr(_accel, "host_read_waits", lambda device_type: True)
+
+
+@pytest.fixture
+def skip_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's sync-free path (found_inf, lazily read verdicts), forced on the CPU."""
+    force_skip_on_device(monkeypatch)
+
+
+@pytest.fixture(params=["host", "device"])
+def skip_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a sync-free step skips a bad step: "host" (the CPU's: the verdict read
+    from memory at once) and "device" (the GPU's: found_inf, verdicts read lazily)."""
+    if request.param == "device":
+        force_skip_on_device(monkeypatch)
+    return str(request.param)

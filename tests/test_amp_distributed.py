@@ -74,6 +74,7 @@ def _count_reduce_scatters() -> list[int]:
 
 def _worker(rank: int, port: int, out: str) -> None:
     import cudakit.parallel as cp
+    from cudakit import _accel
     from cudakit.amp import autocast_step
 
     os.environ.update(
@@ -128,18 +129,28 @@ def _worker(rank: int, port: int, out: str) -> None:
             results[f"{name}_flush"] = step.flush().stepped  # type: ignore[union-attr]
         # FSDP2 with a fused optimizer: the sync-free path, DTensor gradients through
         # their local shards (no DTensor warning), a NaN on rank 1 skips both ranks.
-        model = cp.parallelize(_net(), "fsdp")
-        fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        sf = autocast_step(fused, model=model, dtype=torch.bfloat16, accumulate=2,
-                           max_grad_norm=0.5)  # fmt: skip
-        x, y = xs[0][mine], ys[0][mine]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)
-            for i in range(6):
-                poison = rank == 1 and i == 3
-                sf(lambda p=poison, net=model: F.mse_loss(net(x).float(), y) * (
-                    float("nan") if p else 1.0))()  # fmt: skip
-        results["fused"] = (sf.sync_free, sf.steps, sf.skipped_steps)
+        # Both ways to skip: on the host (what the CPU runs) and on the device (found_inf
+        # and lazily read verdicts, what a GPU runs), forced here.
+        for skip_on in ("host", "device"):
+            waits = _accel.host_read_waits
+            if skip_on == "device":
+                _accel.host_read_waits = lambda device_type: True  # type: ignore[assignment]
+            try:
+                model = cp.parallelize(_net(), "fsdp")
+                fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+                sf = autocast_step(fused, model=model, dtype=torch.bfloat16, accumulate=2,
+                                   max_grad_norm=0.5)  # fmt: skip
+            finally:
+                _accel.host_read_waits = waits  # type: ignore[assignment]
+            x, y = xs[0][mine], ys[0][mine]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                for i in range(6):
+                    poison = rank == 1 and i == 3
+                    sf(lambda p=poison, net=model, x=x, y=y: F.mse_loss(net(x).float(), y) * (
+                        float("nan") if p else 1.0))()  # fmt: skip
+            results[f"fused_{skip_on}"] = (sf.sync_free, sf._stepper.lazy, sf.steps,
+                                           sf.skipped_steps)  # fmt: skip
         # The reduce-scatters of one plain micro-step (accumulate=1), for comparison.
         model = cp.parallelize(_net(), "fsdp")
         one = autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
@@ -264,7 +275,8 @@ def test_fsdp2_fused_optimizer_is_sync_free_and_skips_together(
     ranks: list[dict[str, Any]],
 ) -> None:
     for r in ranks:
-        assert r["fused"] == (True, 2, 1)
+        assert r["fused_host"] == (True, False, 2, 1)
+        assert r["fused_device"] == (True, True, 2, 1)
 
 
 def test_ddp_flush_after_a_mid_window_resume_keeps_replicas_equal(

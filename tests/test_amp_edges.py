@@ -40,6 +40,7 @@ def test_skipped_first_fused_sgd_step_leaves_no_state(fused: bool) -> None:
     assert not torch.equal(m.weight, before)
 
 
+@pytest.mark.usefixtures("skip_on_device")
 def test_sync_free_streak_error_closes_the_window() -> None:
     m = _linear()
     step = autocast_step(
@@ -59,7 +60,7 @@ def test_sync_free_streak_error_closes_the_window() -> None:
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("order", ["step first", "step last"])
-def test_checkpoint_in_any_order_resumes_bit_for_bit(fused: bool, order: str) -> None:
+def test_checkpoint_in_any_order_resumes_bit_for_bit(fused: bool, order: str, skip_on: str) -> None:
     def make() -> tuple[Any, ...]:
         m = _linear()
         opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=fused)
@@ -87,6 +88,7 @@ def test_checkpoint_in_any_order_resumes_bit_for_bit(fused: bool, order: str) ->
     assert step.steps == step2.steps == sched.last_epoch == sched2.last_epoch == 6
 
 
+@pytest.mark.usefixtures("skip_on_device")
 def test_sync_free_skip_puts_the_schedulers_back() -> None:
     m = _linear()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)

@@ -84,7 +84,7 @@ def test_fused_optimizer_makes_the_step_sync_free() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sync_free_step_bit_identical_to_hand_written(dtype: torch.dtype) -> None:
+def test_sync_free_step_bit_identical_to_hand_written(dtype: torch.dtype, skip_on: str) -> None:
     data = _data(6)
     model, opt, sched = _make()
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=dtype == torch.float16)
@@ -117,7 +117,7 @@ def test_sync_free_step_bit_identical_to_hand_written(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_no_host_reads_in_twenty_guarded_steps(dtype: torch.dtype) -> None:
+def test_no_host_reads_in_twenty_guarded_steps(dtype: torch.dtype, skip_on: str) -> None:
     model, opt, sched = _make()
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
     step = autocast_step(
@@ -136,14 +136,16 @@ def test_no_host_reads_in_twenty_guarded_steps(dtype: torch.dtype) -> None:
         weighted = step(lambda x, y: {"loss": _loss(model, x, y) * 16, "weight": 16})
         results += [weighted(x, y) for x, y in data[:4]]
     assert reads.calls == []
-    # Read lazily afterwards: the window holding the NaN batch (calls 6-7) was skipped.
+    assert step._stepper.lazy == (skip_on == "device")
+    # Read (lazily on the device path) afterwards: the window of the NaN batch (calls 6-7)
+    # was skipped.
     assert step.skipped_steps == 1
     assert step.steps == 11
     assert sched.last_epoch == 11  # the scheduler stepped on real steps only
-    assert [bool(r.skipped) for r in results if r.grad_norm is not None].count(True) == 1
+    assert [bool(r.skipped) for r in results].count(True) == 1
 
 
-def test_nan_step_leaves_weights_state_and_buffers_untouched() -> None:
+def test_nan_step_leaves_weights_state_and_buffers_untouched(skip_on: str) -> None:
     model, opt, _ = _make()
     step = autocast_step(opt, model=model, dtype=torch.float32)
     fn = step(lambda x, y: _loss(model, x, y))
@@ -158,13 +160,14 @@ def test_nan_step_leaves_weights_state_and_buffers_untouched() -> None:
     assert step.skipped_steps == 1
 
 
-def test_streak_error_is_raised_lazily() -> None:
+def test_streak_error_is_raised_when_the_verdict_is_read(skip_on: str) -> None:
     model, opt, _ = _make()
     step = autocast_step(opt, dtype=torch.float32, max_skipped=2)
     fn = step(lambda x, y: _loss(model, x, y) * float("nan"))
     x, y = _data(1)[0]
     fn(x, y)
-    fn(x, y)  # the second skip: raised when its verdict is read
+    if skip_on == "device":
+        fn(x, y)  # the second skip: raised when its verdict is read, one step later
     with pytest.raises(NonFiniteStepsError, match="2 optimizer steps in a row"):
         fn(x, y)
 
@@ -179,7 +182,7 @@ def test_compile_errors() -> None:
 
 # Inductor's own import of torch.jit trips this in torch 2.13; not cudakit's.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_compile_true_fullgraph_no_recompiles_and_matches_eager() -> None:
+def test_compile_true_fullgraph_no_recompiles_and_matches_eager(skip_on: str) -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -237,7 +240,7 @@ def test_cuda_guarded_steps_never_synchronize(dtype: torch.dtype) -> None:
     assert step.skipped_steps >= 1  # the NaN window (fp16 may also skip while scaling)
 
 
-def test_lazy_verdicts_behave_as_bools() -> None:
+def test_verdicts_behave_as_bools(skip_on: str) -> None:
     model, opt, _ = _make()
     fn = autocast_step(opt, dtype=torch.float32)(lambda x, y: _loss(model, x, y))
     results = [fn(x, y) for x, y in _data(4, nan_at=2)]
@@ -246,3 +249,79 @@ def test_lazy_verdicts_behave_as_bools() -> None:
     assert [r.skipped for r in results] == [False, False, True, False]
     assert f"{results[2].skipped}" == "True"
     assert not results[0].skipped
+
+
+def test_cpu_skips_on_the_host_and_the_gpu_path_on_the_device(skip_on: str) -> None:
+    """On the CPU a bad step never reaches the optimizer; the GPU's path hands it found_inf."""
+    model, opt, _ = _make()
+    calls: list[object] = []
+    real_step = opt.step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(getattr(opt, "found_inf", None))
+        return real_step(*args, **kwargs)
+
+    opt.step = spy  # type: ignore[method-assign]
+    step = autocast_step(opt, model=model, dtype=torch.float32)
+    fn = step(lambda x, y: _loss(model, x, y))
+    good, bad = _data(2, nan_at=1)
+    fn(*good)
+    fn(*bad)
+    assert step.skipped_steps == 1
+    assert step.sync_free
+    if skip_on == "host":
+        assert not step._stepper.lazy
+        assert calls == [None]  # the bad step never ran the optimizer
+    else:
+        assert step._stepper.lazy
+        assert len(calls) == 2
+        assert all(isinstance(f, torch.Tensor) for f in calls)
+
+
+def test_read_memory_reads_cpu_verdicts_without_a_torch_op() -> None:
+    from cudakit.amp.guard import NonFiniteGuard
+
+    flags = torch.tensor([0.0, 1.0, 0.0])
+    with HostReads() as reads:
+        got = [NonFiniteGuard.read_memory(flags[i : i + 1]) for i in range(3)]
+    assert got == [False, True, False]  # views with an offset read their own element
+    assert reads.calls == []
+    # Anything else falls back to .item(): other dtypes, 0-dim float64.
+    with HostReads() as reads:
+        assert NonFiniteGuard.read_memory(torch.tensor(2.0, dtype=torch.float64))
+        assert not NonFiniteGuard.read_memory(torch.zeros(1, dtype=torch.int32))
+    assert reads.calls == ["item", "item"]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_compile_true_compiles_the_check_only_on_the_gpus_path(
+    skip_on: str, clip: float | None
+) -> None:
+    """The CPU keeps the eager check (its compiled region measured slower); the GPU's
+    sync-free path compiles the check with the clipping."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    data = _data(6, nan_at=3)
+    results = {}
+    for compiled in (False, True):
+        model, opt, _ = _make()
+        opt.param_groups[0]["lr"] = 1e-4
+        step = autocast_step(
+            opt, model=model, dtype=torch.float32, max_grad_norm=clip, compile=compiled
+        )
+        has_region = step._stepper._compiled_check is not None
+        assert has_region == (compiled and skip_on == "device" and clip is not None)
+        fn = step(lambda x, y, m=model: _loss(m, x, y))
+        out = [fn(x, y) for x, y in data]
+        assert [bool(r.skipped) for r in out] == [False, False, False, True, False, False]
+        results[compiled] = [p.detach().clone() for p in model.parameters()]
+    assert dict(counters["graph_break"]) == {}
+    # Inductor's forward sums in another order: a tiny gradient whose sign flips moves
+    # an Adam weight by up to 2 * lr per step (5 real steps).
+    for a, b in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2 * 1e-4 * 5)

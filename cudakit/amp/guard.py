@@ -91,6 +91,28 @@ class NonFiniteGuard:
             found = flag if found is None else found + flag.to(found.device)
         return found
 
+    @staticmethod
+    def read(verdict: torch.Tensor) -> bool:
+        """Whether ``verdict`` (a 1-element tensor) found an inf/NaN: ``.item()``, which waits."""
+        return bool(verdict.item())
+
+    @staticmethod
+    def read_memory(verdict: torch.Tensor) -> bool:
+        """:meth:`read` for a CPU verdict, straight from its memory: no torch op at all.
+
+        On the CPU every op has finished when it returns, so nothing is waited for; the
+        sync-free step reads its verdict this way there. Other tensors (and any while
+        dynamo traces) fall back to :meth:`read`.
+        """
+        if (
+            type(verdict) is torch.Tensor
+            and verdict.dtype == torch.float32
+            and verdict.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):
+            return ctypes.c_float.from_address(verdict.data_ptr()).value != 0
+        return bool(verdict.item())
+
     def reset(self) -> None:
         """Zero the flags after a hit (or a check that raised), ready for the next check."""
         for flag in self._flags.values():

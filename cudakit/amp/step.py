@@ -206,6 +206,7 @@ class AutocastStep:
             skip_nonfinite=skip_nonfinite,
             counters=self._counts,
             dtype=precision.dtype,
+            device_type=device_type,
             buffers=self._buffers,
             compile_options=compile_options,
         )

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 
+from .. import _accel
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
@@ -41,6 +42,7 @@ class OptimizerStep:
         skip_nonfinite: bool,
         counters: StepCounters,
         dtype: torch.dtype,
+        device_type: str,
         buffers: BufferSnapshot | None,
         compile_options: dict[str, Any] | None,
     ) -> None:
@@ -59,18 +61,30 @@ class OptimizerStep:
         self.sync_free: bool = self._guarded and all(
             getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
         )
+        #: Verdicts go to the optimizers on the device and are read lazily. Only where a
+        #: host read waits: on the CPU every op has finished when it returns, so the
+        #: verdict is read from memory at once (no op, no wait) and a bad step is skipped
+        #: on the host, cheaper there than handing ``found_inf`` to the optimizer.
+        self.lazy: bool = self.sync_free and _accel.host_read_waits(device_type)
         self._guard = NonFiniteGuard()
+        # A sync-free step on the CPU reads its verdict from memory, without a torch op;
+        # other steps make their one read with .item() (measured a little faster there).
+        self._read = (
+            NonFiniteGuard.read_memory if self.sync_free and not self.lazy else NonFiniteGuard.read
+        )
         self._mailbox = VerdictMailbox()
         self._undo: list[SchedulerUndo] = []  # one per posted verdict
         #: Optimizers whose state, created by a skipped fused step, would not equal a fresh
         #: state (see :meth:`_states_ready`): all but Adam/AdamW and momentum-free SGD.
         self._unsafe_first_step = tuple(o for o in optimizers if not _skip_creates_fresh_state(o))
         self._ready_count = -1  # parameter count at which every parameter had state
-        # Compiled only with clipping: inductor fuses the norm, the check and the
-        # scaling; the check alone is one fused kernel already.
+        # Compiled on the sync-free path with clipping only, where inductor fuses the
+        # check, the norm and the scaling (a GPU's eager check is one fused kernel
+        # already). Measured on the CPU, the compiled region cost more than the eager
+        # check and clip (its guards alone check every tensor), so the CPU never uses it.
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
             compile_fn(check_and_clip, compile_options, fullgraph=True)
-            if compile_options is not None and self.sync_free and max_grad_norm is not None
+            if compile_options is not None and self.lazy and max_grad_norm is not None
             else None
         )
 
@@ -97,7 +111,7 @@ class OptimizerStep:
         self, window: Window, loss: torch.Tensor, output: object, pending: int | None
     ) -> StepResult:
         """Finish ``window``: weight, check, clip, step or skip; the window closes."""
-        if self.sync_free:
+        if self.lazy:
             try:
                 self.settle()  # the previous window's verdict: there by now
             except BaseException:
@@ -297,12 +311,12 @@ class OptimizerStep:
         clean = False
         try:
             verdict = guard.combine(guard.check(checks), scaler_found)
-            skipped = verdict is not None and bool(verdict.item())
+            skipped = verdict is not None and self._read(verdict)
             if skipped and grad_norm is not None:
                 guard.reset()
                 exact = [*window.losses, *self.grads()]
                 verdict = guard.combine(guard.check(exact))
-                skipped = verdict is not None and bool(verdict.item())
+                skipped = verdict is not None and self._read(verdict)
             clean = not skipped
             return skipped
         finally:
@@ -351,6 +365,22 @@ class OptimizerStep:
             grad_norm,
         )
 
+    def _compiled_region(
+        self, checks: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """With ``compile=``: the exact check of ``checks`` (and clipping), compiled as one.
+
+        Returns the flag (> 0: an inf/NaN) and the clipping norm; None where the region
+        does not apply: no ``compile=``, nothing to check, sharded (DTensor) gradients.
+        """
+        compiled = self._compiled_check
+        if compiled is None or not checks or not _plain(checks):
+            return None
+        flag, one = self._guard.primary(checks[0].device)
+        clip = self.max_grad_norm
+        grad_norm = compiled(checks, flag, one, self.params() if clip else None, clip)
+        return flag, grad_norm
+
     def _verdict_on_device(
         self,
         window: Window,
@@ -363,23 +393,24 @@ class OptimizerStep:
         scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
         if scaler is None:
             checks.extend(self.grads())
-        clip = self.max_grad_norm
-        compiled = self._compiled_check
         try:
             found: torch.Tensor | None
-            if compiled is not None and checks:
-                flag, one = guard.primary(checks[0].device)
-                grad_norm = compiled(checks, flag, one, self.params() if clip else None, clip)
-                found = flag
+            compiled = self._compiled_region(checks)
+            if compiled is not None:
+                found, grad_norm = compiled
             else:
                 found = guard.check(checks)
-                grad_norm = self.clip() if clip is not None else None
+                grad_norm = self.clip() if self.max_grad_norm is not None else None
             verdict = guard.combine(found, scaler_found)
             if verdict is None:  # nothing to check: a step that cannot go wrong
                 verdict = torch.zeros(1, device=self.params()[0].device)
             return verdict.clone(), grad_norm
         finally:
             guard.reset()  # the flags are zero again for the next window
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    return all(type(t) is torch.Tensor for t in tensors)
 
 
 def _skip_creates_fresh_state(opt: torch.optim.Optimizer) -> bool:
