@@ -531,10 +531,10 @@ def test_cpu_without_native_bf16_gets_float32(
     import logging
 
     import cudakit.amp.policy as policy
-    import cudakit.amp.step as step_module
+    import cudakit.amp.options as options_module
 
     # An AVX2-only CPU: oneDNN reports no native bf16 or fp16.
-    monkeypatch.setattr(step_module, "probe_capabilities", lambda device_type: Capabilities())
+    monkeypatch.setattr(options_module, "probe_capabilities", lambda device_type: Capabilities())
     monkeypatch.setattr(policy, "_logged", set())
     caplog.set_level(logging.INFO, logger="cudakit.amp")
     for _ in range(2):

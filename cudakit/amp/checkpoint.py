@@ -15,8 +15,11 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from .._check import describe
+from .buffers import BufferSnapshot
+from .counters import StepCounters
+from .window import Window
 
-__all__ = ["KEYS", "Restored", "validate"]
+__all__ = ["KEYS", "Restored", "apply", "capture", "validate"]
 
 KEYS = (
     "accumulate",
@@ -186,3 +189,69 @@ def validate(
         window_losses=losses,
         window_weight=weight if position else None,
     )
+
+
+def capture(
+    *,
+    accumulate: int,
+    window: Window,
+    counters: StepCounters,
+    scaler: torch.amp.GradScaler | None,
+    params: list[torch.Tensor],
+    buffers: BufferSnapshot | None,
+) -> dict[str, Any]:
+    """The step's state dict: mid-window, the gradients so far (cloned) come with it."""
+    grads: list[torch.Tensor | None] = []
+    if window.position:
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    return {
+        "accumulate": accumulate,
+        "position": window.position,
+        "steps": counters.steps,
+        "skipped_steps": counters.skipped,
+        "consecutive_skipped": counters.consecutive,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "grads": grads,
+        "window_losses": [t.clone() for t in window.losses],
+        "window_weight": None if window.weight is None else window.weight.clone(),
+        # The buffers as the window opened, for a skip after resuming mid-window.
+        "window_buffers": (buffers.copies() if buffers is not None and window.position else None),
+    }
+
+
+def apply(
+    restored: Restored,
+    *,
+    window: Window,
+    counters: StepCounters,
+    scaler: torch.amp.GradScaler | None,
+    params: list[torch.Tensor],
+    buffers: BufferSnapshot | None,
+    saved_buffers: list[torch.Tensor] | None,
+    sync_active: bool,
+) -> None:
+    """Apply a state :func:`validate` accepted (``saved_buffers`` checked by the snapshot)."""
+    if scaler is not None and restored.scaler is not None:
+        scaler.load_state_dict(dict(restored.scaler))
+    if restored.position:
+        for p, g in zip(params, restored.grads, strict=False):
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
+    window.clear()
+    window.position = restored.position
+    window.cleared = restored.position > 0  # mid-window: the restored gradients count
+    # Mid-window gradients were accumulated without gradient sync: flush() syncs them.
+    window.unsynced = restored.position > 0 and sync_active
+    window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
+    window.last_loss = window.losses[-1] if window.losses else None
+    if restored.window_weight is not None:
+        window.weight = restored.window_weight.detach().to(torch.float32).clone()
+        window.weighted = True
+    elif restored.position:
+        window.weighted = False
+    if buffers is not None:
+        buffers.forget()
+        if saved_buffers is not None:
+            buffers.load(saved_buffers)
+    counters.steps = restored.steps
+    counters.skipped = restored.skipped_steps
+    counters.consecutive = restored.consecutive_skipped

@@ -1,15 +1,38 @@
-"""Argument checks of :func:`~cudakit.amp.autocast_step` that are particular to it:
-optimizers and schedulers (one or a list), the device type of their parameters, and
-``compile=``. Plain kinds and ranges go through :mod:`cudakit._check`."""
+"""Argument checks of :func:`~cudakit.amp.autocast_step`, and its resolved configuration.
+
+The checks particular to it: optimizers and schedulers (one or a list), the device type
+of their parameters, and ``compile=``; plain kinds and ranges go through
+:mod:`cudakit._check`. :func:`resolve_options` runs every check and decides the
+precision, before the step builds anything (configuration apart from per-call state).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["check_compile", "check_optimizers", "check_schedulers", "compile_fn", "device_type_of"]
+from .._check import check_bool, check_int, check_number, check_optional
+from .policy import (
+    Capabilities,
+    Precision,
+    check_autocast,
+    decide_precision,
+    log_choice,
+    parse_dtype,
+    probe_capabilities,
+)
+
+__all__ = [
+    "StepOptions",
+    "check_compile",
+    "check_optimizers",
+    "check_schedulers",
+    "compile_fn",
+    "device_type_of",
+    "resolve_options",
+]
 
 
 def _as_tuple(value: object) -> tuple[Any, ...]:
@@ -116,3 +139,114 @@ def compile_fn(
     fn: Callable[..., Any], options: Mapping[str, Any], **forced: Any
 ) -> Callable[..., Any]:
     return torch.compile(fn, **{**options, **forced})
+
+
+class StepOptions(NamedTuple):
+    """The checked, resolved configuration of one :func:`~cudakit.amp.autocast_step`."""
+
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Any, ...]
+    scaler: torch.amp.GradScaler | None
+    precision: Precision
+    device_type: str
+    max_grad_norm: float | None
+    compile_options: dict[str, Any] | None
+
+
+_NO_CAPS = Capabilities()
+
+
+def resolve_options(
+    optimizer: object,
+    *,
+    model: object,
+    dtype: torch.dtype | str,
+    enabled: bool,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    accumulate: int,
+    scheduler: object,
+    skip_nonfinite: bool,
+    max_skipped: int | None,
+    compile: object,
+) -> StepOptions:
+    """Check every argument of :func:`~cudakit.amp.autocast_step` and decide the precision.
+
+    Raises ``TypeError``/``ValueError`` naming the argument before anything is built;
+    makes the GradScaler fp16 needs and logs an automatic precision choice once.
+    """
+    where = "autocast_step"
+    optimizers = check_optimizers(optimizer)
+    check_bool(where, "enabled", enabled)
+    check_bool(where, "skip_nonfinite", skip_nonfinite)
+    check_int(
+        where,
+        "accumulate",
+        accumulate,
+        minimum=1,
+        fix="It is the number of micro-batches whose gradients are summed before each "
+        "optimizer step (1 = step on every call).",
+    )
+    clip = check_optional(
+        check_number,
+        where,
+        "max_grad_norm",
+        max_grad_norm,
+        positive=True,
+        fix="For example max_grad_norm=1.0; None turns clipping off.",
+    )
+    check_optional(
+        check_int,
+        where,
+        "max_skipped",
+        max_skipped,
+        minimum=1,
+        fix="It is the number of consecutive skipped steps that raise "
+        "NonFiniteStepsError; None for the default; pass sys.maxsize to never raise.",
+    )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
+            f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
+        )
+    schedulers = check_schedulers(scheduler, optimizers)
+    compile_options = check_compile(compile)
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(
+            "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
+            f"{type(scaler).__name__}."
+        )
+    requested = parse_dtype(dtype)
+    device_type = device_type_of(
+        [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    )
+    precision = decide_precision(
+        requested,
+        device_type,
+        enabled=enabled,
+        user_scaler=scaler is not None,
+        caps=probe_capabilities(device_type) if requested is None and enabled else _NO_CAPS,
+    )
+    if scaler is not None and precision.dtype != torch.float16:
+        raise ValueError(
+            f"autocast_step(scaler=...) was given with dtype={precision.dtype}; loss "
+            "scaling is only for float16 (bfloat16 has float32's range and needs none). "
+            "Drop scaler=..., or pass dtype=torch.float16."
+        )
+    check_autocast(device_type, precision.dtype, precision.autocast)
+    if precision.scaler and scaler is None:
+        scaler = torch.amp.GradScaler(device_type)
+    if scaler is not None:
+        scaler_device = getattr(scaler, "_device", device_type)
+        if torch.device(scaler_device).type != device_type:
+            raise ValueError(
+                f"autocast_step(scaler=...) is a GradScaler for {scaler_device!r}, but the "
+                f"optimizer's parameters are on {device_type!r}. Create it as "
+                f"torch.amp.GradScaler({device_type!r})."
+            )
+    if requested is None:
+        log_choice(device_type, precision)
+
+    return StepOptions(
+        optimizers, schedulers, scaler, precision, device_type, clip, compile_options
+    )

@@ -23,26 +23,11 @@ from typing import Any, cast
 import torch
 from typing_extensions import ParamSpec, Self
 
-from .._check import check_bool, check_int, check_number, check_optional
 from . import checkpoint
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .ops import zero_grad
-from .options import (
-    check_compile,
-    check_optimizers,
-    check_schedulers,
-    compile_fn,
-    device_type_of,
-)
-from .policy import (
-    Capabilities,
-    check_autocast,
-    decide_precision,
-    log_choice,
-    parse_dtype,
-    probe_capabilities,
-)
+from .options import compile_fn, resolve_options
 from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
 from .stepper import OptimizerStep
 from .window import GradSync, Window
@@ -99,78 +84,22 @@ class AutocastStep:
         max_skipped: int | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
-        where = "autocast_step"
-        optimizers = check_optimizers(optimizer)
-        check_bool(where, "enabled", enabled)
-        check_bool(where, "skip_nonfinite", skip_nonfinite)
-        check_int(
-            where,
-            "accumulate",
-            accumulate,
-            minimum=1,
-            fix="It is the number of micro-batches whose gradients are summed before each "
-            "optimizer step (1 = step on every call).",
-        )
-        clip = check_optional(
-            check_number,
-            where,
-            "max_grad_norm",
-            max_grad_norm,
-            positive=True,
-            fix="For example max_grad_norm=1.0; None turns clipping off.",
-        )
-        check_optional(
-            check_int,
-            where,
-            "max_skipped",
-            max_skipped,
-            minimum=1,
-            fix="It is the number of consecutive skipped steps that raise "
-            "NonFiniteStepsError; None for the default; pass sys.maxsize to never raise.",
-        )
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
-                f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
-            )
-        schedulers = check_schedulers(scheduler, optimizers)
-        compile_options = check_compile(compile)
-        if scaler is not None and not callable(getattr(scaler, "scale", None)):
-            raise TypeError(
-                "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
-                f"{type(scaler).__name__}."
-            )
-        requested = parse_dtype(dtype)
-        device_type = device_type_of(
-            [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        )
-        precision = decide_precision(
-            requested,
-            device_type,
+        options = resolve_options(
+            optimizer,
+            model=model,
+            dtype=dtype,
             enabled=enabled,
-            user_scaler=scaler is not None,
-            caps=probe_capabilities(device_type) if requested is None and enabled else _NO_CAPS,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            accumulate=accumulate,
+            scheduler=scheduler,
+            skip_nonfinite=skip_nonfinite,
+            max_skipped=max_skipped,
+            compile=compile,
         )
-        if scaler is not None and precision.dtype != torch.float16:
-            raise ValueError(
-                f"autocast_step(scaler=...) was given with dtype={precision.dtype}; loss "
-                "scaling is only for float16 (bfloat16 has float32's range and needs none). "
-                "Drop scaler=..., or pass dtype=torch.float16."
-            )
-        check_autocast(device_type, precision.dtype, precision.autocast)
-        if precision.scaler and scaler is None:
-            scaler = torch.amp.GradScaler(device_type)
-        if scaler is not None:
-            scaler_device = getattr(scaler, "_device", device_type)
-            if torch.device(scaler_device).type != device_type:
-                raise ValueError(
-                    f"autocast_step(scaler=...) is a GradScaler for {scaler_device!r}, but the "
-                    f"optimizer's parameters are on {device_type!r}. Create it as "
-                    f"torch.amp.GradScaler({device_type!r})."
-                )
-        if requested is None:
-            log_choice(device_type, precision)
-
+        optimizers, schedulers, scaler = options.optimizers, options.schedulers, options.scaler
+        precision, device_type = options.precision, options.device_type
+        clip, compile_options = options.max_grad_norm, options.compile_options
         #: The optimizers this step steps, in order.
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
         #: The (first) optimizer: the one optimizer of a single-optimizer step.
@@ -607,27 +536,14 @@ class AutocastStep:
         (0, 0, None)
         """
         self._stepper.settle()
-        window = self._window
-        grads: list[torch.Tensor | None] = []
-        if window.position:
-            grads = [
-                None if p.grad is None else p.grad.detach().clone() for p in self._stepper.params()
-            ]
-        return {
-            "accumulate": self.accumulate,
-            "position": window.position,
-            "steps": self._counts.steps,
-            "skipped_steps": self._counts.skipped,
-            "consecutive_skipped": self._counts.consecutive,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "grads": grads,
-            "window_losses": [t.clone() for t in window.losses],
-            "window_weight": None if window.weight is None else window.weight.clone(),
-            # The buffers as the window opened, for a skip after resuming mid-window.
-            "window_buffers": (
-                self._buffers.copies() if self._buffers is not None and window.position else None
-            ),
-        }
+        return checkpoint.capture(
+            accumulate=self.accumulate,
+            window=self._window,
+            counters=self._counts,
+            scaler=self.scaler,
+            params=self._stepper.params(),
+            buffers=self._buffers,
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
@@ -656,34 +572,16 @@ class AutocastStep:
             else None
         )
         self._stepper.forget_pending()  # verdicts of windows the checkpoint replaces
-        if self.scaler is not None and restored.scaler is not None:
-            self.scaler.load_state_dict(dict(restored.scaler))
-        if restored.position:
-            for p, g in zip(params, restored.grads, strict=False):
-                p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
-        window = self._window
-        window.clear()
-        window.position = restored.position
-        window.cleared = restored.position > 0  # mid-window: the restored gradients count
-        # Mid-window gradients were accumulated without gradient sync: flush() syncs them.
-        window.unsynced = restored.position > 0 and self._sync.active
-        window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
-        window.last_loss = window.losses[-1] if window.losses else None
-        if restored.window_weight is not None:
-            window.weight = restored.window_weight.detach().to(torch.float32).clone()
-            window.weighted = True
-        elif restored.position:
-            window.weighted = False
-        if self._buffers is not None:
-            self._buffers.forget()
-            if buffers is not None:
-                self._buffers.load(buffers)
-        self._counts.steps = restored.steps
-        self._counts.skipped = restored.skipped_steps
-        self._counts.consecutive = restored.consecutive_skipped
-
-
-_NO_CAPS = Capabilities()
+        checkpoint.apply(
+            restored,
+            window=self._window,
+            counters=self._counts,
+            scaler=self.scaler,
+            params=params,
+            buffers=self._buffers,
+            saved_buffers=buffers,
+            sync_active=self._sync.active,
+        )
 
 
 def autocast_step(
