@@ -14,7 +14,9 @@ one torch thread on CPU all the work runs on it, so time spent descheduled by
 other tenants of a shared machine no longer counts (cache contention still does).
 
 Implementations: the hand-written loop (autocast, backward, ``opt.step()``,
-``opt.zero_grad()``); ``@autocast_step(opt)`` with the default non-finite guard;
+``opt.zero_grad()``); the same with the guard written by hand (one fused inf/NaN
+check, a read of the flag, the step only when it is clean); ``@autocast_step(opt)``
+with the default non-finite guard;
 the explicit form (``with step:`` + ``step.backward(loss)``); the decorator with
 ``skip_nonfinite=False``; and, when importable, accelerate
 (``Accelerator(mixed_precision="bf16")``) and lightning-fabric
@@ -23,11 +25,13 @@ the explicit form (``with step:`` + ``step.backward(loss)``); the decorator with
 Cases: an MLP 64 wide (batch 32) and one 1024 wide (batch 256), AdamW.
 
 ``--compile`` compares, side by side in one run, on an MLP 4x128 with GELU and
-LayerNorm (batch 32) and fused AdamW: the hand-written eager step, cudakit eager
-(sync-free guard), a hand-written compiled step (``torch.compile`` over the forward
-and loss; backward through the compiled graph; the fused optimizer step) and
-``autocast_step(..., compile=True)``. ``--dtype`` picks the precision of every
-implementation (default bf16; ``auto`` is what ``autocast_step`` picks here).
+LayerNorm (batch 32) and fused AdamW: the hand-written eager step, the same with the
+guard written by hand (skipping on the device through ``found_inf``, or on the host),
+cudakit eager (sync-free guard), a hand-written compiled step (``torch.compile`` over
+the forward and loss; backward through the compiled graph; the fused optimizer step),
+the same with either hand-written guard, and ``autocast_step(..., compile=True)``.
+``--dtype`` picks the precision of every implementation (default bf16; ``auto`` is what
+``autocast_step`` picks here).
 """
 
 from __future__ import annotations
@@ -74,6 +78,56 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return probe.dtype  # the dtype autocast_step picks here
 
 
+def guarded_hand(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    *,
+    on: str,
+    forward: Step | None = None,
+    opt: Any = None,
+) -> Step:
+    """The hand-written loop plus the guard autocast_step runs, written by hand.
+
+    One fused inf/NaN check over the loss and every gradient, then either a read of
+    the flag and ``opt.step()`` only when it is clean (``on="host"``: what cudakit does
+    on the CPU and with optimizers that cannot skip on the device) or the flag handed to
+    a fused optimizer as ``found_inf`` (``on="device"``: what GradScaler does, and
+    cudakit's sync-free path on a GPU).
+    """
+    on_ = dtype != torch.float32
+    opt = opt if opt is not None else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    device = params[0].device
+    dev_type = device.type
+    flag, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+
+    def fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev_type, dtype=dtype, enabled=on_):
+            return F.cross_entropy(model(x), y)
+
+    forward = forward or fwd
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        loss = forward(x, y)
+        loss.backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_([loss.detach(), *grads], flag, one)
+        if on == "host":
+            if flag.item():
+                flag.zero_()
+            else:
+                opt.step()
+            return loss
+        opt.found_inf, opt.grad_scale = flag.clone().reshape(()), None
+        flag.zero_()
+        opt.step()
+        del opt.found_inf, opt.grad_scale
+        return loss
+
+    return step
+
+
 def make_steps(width: int, device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
     dev_type = device.type
     steps: dict[str, Step] = {}
@@ -97,6 +151,8 @@ def make_steps(width: int, device: torch.device, dtype: torch.dtype) -> dict[str
         return loss
 
     steps["hand-written"] = hand
+    if dtype != torch.float16:  # fp16's scaler already checks; this is the bf16/fp32 guard
+        steps["hand-written + guard"] = guarded_hand(mlp(width, device), dtype, on="host")
 
     m2 = mlp(width, device)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
@@ -223,33 +279,19 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
 
         return step
 
-    def guarded_hand_step(compiled: bool) -> Step:
-        """The hand-written loop plus the same guard, skipping on the device (found_inf)."""
+    def guarded_hand_step(compiled: bool, on: str) -> Step:
         model, fwd = model_and_forward(compiled)
-        opt: Any = fused(model)
-        flag, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            opt.zero_grad()
-            loss = fwd(x, y)
-            loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            torch._amp_foreach_non_finite_check_and_unscale_([loss.detach(), *grads], flag, one)
-            opt.found_inf, opt.grad_scale = flag.clone().reshape(()), None
-            flag.zero_()
-            opt.step()
-            del opt.found_inf, opt.grad_scale
-            return loss
-
-        return step
+        return guarded_hand(model, dtype, on=on, forward=fwd, opt=fused(model))
 
     steps["hand-written"] = hand_step(False)
     if dtype != torch.float16:
-        steps["hand-written + guard on device"] = guarded_hand_step(False)
+        steps["hand-written + guard on device"] = guarded_hand_step(False, "device")
+        steps["hand-written + guard on host"] = guarded_hand_step(False, "host")
     steps["cudakit @autocast_step (sync-free)"] = cudakit_step(False)
     steps["hand-written, compiled"] = hand_step(True)
     if dtype != torch.float16:
-        steps["hand-written, compiled + guard on device"] = guarded_hand_step(True)
+        steps["hand-written, compiled + guard on device"] = guarded_hand_step(True, "device")
+        steps["hand-written, compiled + guard on host"] = guarded_hand_step(True, "host")
     steps["cudakit compile=True"] = cudakit_step(True)
     return steps
 
@@ -365,9 +407,12 @@ def main(argv: list[str] | None = None) -> None:
             med = statistics.median(times[key]) * 1e6
             print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
         pairs = [
+            ("cudakit @autocast_step", "hand-written + guard"),
             ("cudakit compile=True", "hand-written, compiled"),
             ("cudakit compile=True", "hand-written, compiled + guard on device"),
+            ("cudakit compile=True", "hand-written, compiled + guard on host"),
             ("cudakit @autocast_step (sync-free)", "hand-written + guard on device"),
+            ("cudakit @autocast_step (sync-free)", "hand-written + guard on host"),
         ]
         for mine, theirs in pairs:
             if mine in steps and theirs in steps:

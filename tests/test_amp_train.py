@@ -530,8 +530,8 @@ def test_cpu_without_native_bf16_gets_float32(
 ) -> None:
     import logging
 
-    import cudakit.amp.policy as policy
     import cudakit.amp.options as options_module
+    import cudakit.amp.policy as policy
 
     # An AVX2-only CPU: oneDNN reports no native bf16 or fp16.
     monkeypatch.setattr(options_module, "probe_capabilities", lambda device_type: Capabilities())

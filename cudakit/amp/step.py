@@ -197,7 +197,8 @@ class AutocastStep:
         """True when every optimizer skips on the device (fused Adam, AdamW, SGD...).
 
         A guarded step then reads nothing back from the device; its verdict is read
-        lazily: one window later, or when you read a counter.
+        lazily: one window later, or when you read a counter. On the CPU, where nothing
+        waits, it is read from memory at once and a bad step skips on the host.
         """
         return self._stepper.sync_free
 
