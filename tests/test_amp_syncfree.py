@@ -325,3 +325,20 @@ def test_compile_true_compiles_the_check_only_on_the_gpus_path(
     # an Adam weight by up to 2 * lr per step (5 real steps).
     for a, b in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2 * 1e-4 * 5)
+
+
+def test_compile_with_the_explicit_form_warns_once() -> None:
+    model, opt, _ = _make()
+    step = autocast_step(opt, dtype=torch.float32, compile=True)
+    x, y = _data(1)[0]
+    with pytest.warns(UserWarning, match=r"compiles the decorated loss function"), step:
+        loss = _loss(model, x, y)
+    assert step.backward(loss).stepped
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with step:
+            loss = _loss(model, x, y)
+    step.backward(loss)
+    assert not [w for w in caught if "compile" in str(w.message)]  # once per step object

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
@@ -151,6 +152,7 @@ class AutocastStep:
             ]
             | None
         ) = None
+        self._warned_block_compile = False
         self._as_decorated = (self, "decorated")
         self._as_block = (self, "block")
 
@@ -333,6 +335,16 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
+        if self.compile_options is not None and not self._warned_block_compile:
+            self._warned_block_compile = True
+            warnings.warn(
+                "autocast_step(compile=...) compiles the decorated loss function; the code "
+                "inside `with step:` runs as written, uncompiled. Decorate the function that "
+                "computes the loss (@step), or compile the model yourself "
+                "(model = torch.compile(model)).",
+                UserWarning,
+                stacklevel=2,
+            )
         token = _ACTIVE.set(self._as_block)
         paused: AbstractContextManager[Any] | None = None
         autocast: torch.autocast | None = None
@@ -648,6 +660,12 @@ def autocast_step(
         max_skipped: raise :class:`~cudakit.exceptions.NonFiniteStepsError` after this
             many skipped optimizer steps in a row. Default 20 for fp16 (the scaler may
             skip a run of early steps while it finds its scale), 10 otherwise.
+        compile: True (``torch.compile``'s defaults) or a dict of its options: the
+            decorated function is compiled under autocast (its backward through
+            AOTAutograd), and on a GPU's sync-free path with clipping also the check
+            and the clipping. The counters and the learning rate cause no recompiles.
+            Applies to the decorated form; a ``with step:`` block runs your code as
+            written (compile the model yourself there) and warns once.
 
     Returns:
         The step object, usable as ``@decorator`` or as ``with step:`` plus
