@@ -151,3 +151,29 @@ def test_flush_reports_the_last_loss_without_the_guard() -> None:
     )
     r = step(lambda x: m(x).pow(2).mean())(torch.ones(2, 8))
     assert float(step.flush().loss) == float(r.loss) != 0.0  # type: ignore[union-attr]
+
+
+def test_mailbox_reads_a_landed_gpu_verdict_without_waiting() -> None:
+    """One window later a GPU verdict's copy has landed: query() says so, nothing waits."""
+    import ctypes
+
+    from cudakit.amp.guard import VerdictMailbox
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done, self.waited = done, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    box = VerdictMailbox()
+    events = [Event(True), Event(False)]
+    for value, event in zip((0.0, 1.0), events, strict=True):
+        host = torch.tensor([value])
+        box._posted.append((host, event, ctypes.c_float.from_address(host.data_ptr())))
+    assert box.drain() == [False, True]
+    assert [e.waited for e in events] == [False, True]  # only the unfinished copy waits
+    assert len(box) == 0
