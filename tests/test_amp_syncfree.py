@@ -7,8 +7,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
+from cudakit import _accel
 from cudakit.amp import autocast_step
 from cudakit.exceptions import NonFiniteStepsError
 
@@ -54,8 +57,8 @@ def _loss(model: MLP, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = [t.detach().clone() for t in model.state_dict().values()]
-    for st in opt.state.values():
-        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    for state in opt.state.values():
+        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -342,3 +345,67 @@ def test_compile_with_the_explicit_form_warns_once() -> None:
             loss = _loss(model, x, y)
     step.backward(loss)
     assert not [w for w in caught if "compile" in str(w.message)]  # once per step object
+
+
+def _run_path(
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    accumulate: int,
+    clip: float | None,
+    bad: set[int],
+    n: int,
+) -> tuple[
+    list[torch.Tensor], dict[int, dict[str, torch.Tensor]], tuple[int, int], int, list[bool]
+]:
+    with monkeypatch.context() as patch:
+        if path == "device":
+            patch.setattr(_accel, "host_read_waits", lambda device_type: True)
+        model, opt, sched = _make()
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
+        step = autocast_step(
+            opt,
+            model=model,
+            dtype=dtype,
+            scaler=scaler,
+            accumulate=accumulate,
+            max_grad_norm=clip,
+            scheduler=sched,
+        )
+    assert step._stepper.lazy == (path == "device")
+    fn = step(lambda x, y: _loss(model, x, y))
+    skipped = []
+    for i, (x, y) in enumerate(_data(n)):
+        r = fn(x * float("nan") if i in bad else x, y)
+        skipped.append(bool(r.skipped))
+    counts = (step.steps, step.skipped_steps)
+    weights = [t.detach().clone() for t in model.state_dict().values()]
+    index = {p: i for i, p in enumerate(model.parameters())}
+    states = {index[p]: {k: v.clone() for k, v in st_.items()} for p, st_ in opt.state.items()}
+    return weights, states, counts, sched.last_epoch, skipped
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    accumulate=st.integers(1, 3),
+    clip=st.sampled_from([None, 1.0]),
+    bad=st.sets(st.integers(0, 7), max_size=3),
+)
+def test_host_and_device_paths_train_alike(
+    dtype: torch.dtype, accumulate: int, clip: float | None, bad: set[int]
+) -> None:
+    """The CPU's host-side skip and the GPU's found_inf path leave identical state."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        host = _run_path("host", monkeypatch, dtype, accumulate, clip, bad, 8)
+        device = _run_path("device", monkeypatch, dtype, accumulate, clip, bad, 8)
+    for a, b in zip(host[0], device[0], strict=True):
+        # (a partial last window may hold a NaN batch's BatchNorm statistics, on both)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    for i, state in device[1].items():
+        if i in host[1]:
+            assert all(torch.equal(v, host[1][i][k]) for k, v in state.items())
+        else:  # a fused step skipped on the device still makes its state: a fresh one
+            assert all(not v.any() for v in state.values())
+    assert host[1].keys() <= device[1].keys()
+    assert host[2:] == device[2:]
