@@ -106,8 +106,8 @@ class NonFiniteGuard:
         """
         if (
             type(verdict) is torch.Tensor
+            and verdict.is_cpu
             and verdict.dtype == torch.float32
-            and verdict.device.type == "cpu"
             and not torch.compiler.is_compiling()
         ):
             return ctypes.c_float.from_address(verdict.data_ptr()).value != 0
