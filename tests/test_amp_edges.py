@@ -177,3 +177,33 @@ def test_mailbox_reads_a_landed_gpu_verdict_without_waiting() -> None:
     assert box.drain() == [False, True]
     assert [e.waited for e in events] == [False, True]  # only the unfinished copy waits
     assert len(box) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16),
+        ("16", torch.float16),
+        ("32-true", torch.float32),
+        ("32", torch.float32),
+        ("no", torch.float32),
+        ("BF16", torch.bfloat16),
+    ],
+)
+def test_lightning_and_accelerate_precision_names(name: str, dtype: torch.dtype) -> None:
+    """Code moving from Fabric ("bf16-mixed") or accelerate ("no") keeps its names."""
+    m = _linear()
+    step = autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), dtype=name)
+    assert step.dtype == dtype
+    assert step.enabled == (dtype != torch.float32)
+    assert (step.scaler is not None) == (dtype == torch.float16)
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "16-true", "64-true"])
+def test_true_low_precision_names_are_refused_with_the_fix(name: str) -> None:
+    m = _linear()
+    before = m.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"weights held in that precision.*'bf16-mixed'"):
+        autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), dtype=name)
+    assert torch.equal(m.weight, before)

@@ -47,7 +47,16 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
+    # Lightning Fabric's and accelerate's names for the same mixed precisions.
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16": torch.float16,
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "no": torch.float32,
 }
+#: Precisions that keep the weights themselves in low precision: not autocast's job.
+_TRUE_LOW_PRECISION = ("bf16-true", "16-true", "64-true", "64")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -84,11 +93,20 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
         if dtype == "auto":
             return None
         alias = DTYPE_ALIASES.get(dtype.lower())
+        if dtype.lower() in _TRUE_LOW_PRECISION:
+            raise ValueError(
+                f"autocast_step(dtype={dtype!r}) asks for weights held in that precision; "
+                "autocast_step runs mixed precision (float32 weights, autocast for the "
+                "compute). Pass dtype='bf16' (Lightning's 'bf16-mixed') or 'fp16' "
+                "('16-mixed'), or convert the model yourself (model.to(torch.bfloat16)) "
+                "and pass dtype='fp32'."
+            )
         if alias is None:
             raise ValueError(
                 f"autocast_step(dtype={dtype!r}) is not a precision cudakit knows; expected "
                 '"auto", torch.bfloat16, torch.float16 or torch.float32 '
-                '(or the strings "bf16", "fp16", "fp32").'
+                '(or the strings "bf16", "fp16", "fp32", and Lightning\'s "bf16-mixed", '
+                '"16-mixed", "32-true").'
             )
         return alias
     if not isinstance(dtype, torch.dtype):
