@@ -207,3 +207,14 @@ def test_true_low_precision_names_are_refused_with_the_fix(name: str) -> None:
     with pytest.raises(ValueError, match=r"weights held in that precision.*'bf16-mixed'"):
         autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), dtype=name)
     assert torch.equal(m.weight, before)
+
+
+def test_closure_optimizers_are_refused_at_construction() -> None:
+    m = _linear()
+    with pytest.raises(TypeError, match=r"cannot step LBFGS: its step\(\) needs a closure"):
+        autocast_step(torch.optim.LBFGS(m.parameters()), dtype=torch.float32)
+    with pytest.raises(TypeError, match="cannot step LBFGS"):  # in a list as well
+        autocast_step(
+            [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.LBFGS(_linear().parameters())]
+        )
+    assert m.weight.grad is None  # nothing ran

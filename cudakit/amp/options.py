@@ -8,6 +8,7 @@ precision, before the step builds anything (configuration apart from per-call st
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -61,12 +62,31 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
             "autocast_step() expects a torch.optim.Optimizer (or a list of them) as its first "
             f"argument, got {type(opt).__name__}.{hint}"
         )
+    for opt in optimizers:
+        if _needs_closure(opt):
+            raise TypeError(
+                f"autocast_step() cannot step {type(opt).__name__}: its step() needs a closure "
+                "that re-evaluates the loss (several forward/backward passes per step), and "
+                "autocast_step runs one backward per call. Call opt.step(closure) yourself, "
+                "with torch.autocast inside the closure, or use an optimizer whose step() "
+                "takes no closure."
+            )
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise ValueError(
             "autocast_step() got the same optimizer twice in its list; each optimizer "
             "steps once per step, so list each one once."
         )
     return optimizers
+
+
+def _needs_closure(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step`` has a required ``closure`` argument (LBFGS)."""
+    try:
+        params = inspect.signature(opt.step).parameters
+    except (TypeError, ValueError):  # a builtin or an odd callable: assume it does not
+        return False
+    closure = params.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_schedulers(
