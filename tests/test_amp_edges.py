@@ -218,3 +218,27 @@ def test_closure_optimizers_are_refused_at_construction() -> None:
             [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.LBFGS(_linear().parameters())]
         )
     assert m.weight.grad is None  # nothing ran
+
+
+def test_complex_parameters_are_guarded() -> None:
+    """The fused check takes real dtypes only: complex gradients are checked as real pairs."""
+    from cudakit.amp.guard import NonFiniteGuard
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    q = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([p, q], lr=0.1)  # (torch's fused optimizers refuse complex)
+    step = autocast_step(opt, dtype=torch.float32)
+    fn = step(lambda scale: (p * p.conj()).real.sum() * scale + q.sum())
+    assert fn(1.0).stepped
+    before = (p.detach().clone(), q.detach().clone())
+    assert fn(float("nan")).skipped
+    assert torch.equal(p, before[0])
+    assert torch.equal(q, before[1])
+    assert step.skipped_steps == 1
+    # The imaginary part alone, through the guard itself.
+    guard = NonFiniteGuard()
+    bad = torch.tensor([1 + 0j, complex(0.0, float("inf"))], dtype=torch.complex64)
+    found = guard.check([torch.ones(2), bad])
+    assert found is not None
+    assert NonFiniteGuard.read(found)

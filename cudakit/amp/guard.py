@@ -75,12 +75,14 @@ class NonFiniteGuard:
                 return primary[0]
             except (RuntimeError, AttributeError, TypeError):
                 pass  # several devices, sparse gradients, a DTensor among them: group
-        # DTensors are checked through their local shards.
+        # DTensors are checked through their local shards, complex tensors as real pairs.
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
             t = local(t)
             if t.is_sparse:
                 t = t.coalesce()._values()
+            if t.is_complex():  # the kernel takes real dtypes: check both parts
+                t = torch.view_as_real(t)
             groups.setdefault((t.device, t.dtype), []).append(t)
         per_device: dict[torch.device, torch.Tensor] = {}
         for (device, _), group in groups.items():

@@ -410,7 +410,8 @@ class OptimizerStep:
 
 
 def _plain(tensors: list[torch.Tensor]) -> bool:
-    return all(type(t) is torch.Tensor for t in tensors)
+    """Dense, real, plain tensors: what the compiled check region takes."""
+    return all(type(t) is torch.Tensor and not t.is_sparse and not t.is_complex() for t in tensors)
 
 
 def _skip_creates_fresh_state(opt: torch.optim.Optimizer) -> bool:
