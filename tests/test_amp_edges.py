@@ -242,3 +242,41 @@ def test_complex_parameters_are_guarded() -> None:
     found = guard.check([torch.ones(2), bad])
     assert found is not None
     assert NonFiniteGuard.read(found)
+
+
+def test_lazily_conjugated_complex_gradients_are_guarded() -> None:
+    """Autograd can leave a complex gradient as a conjugate view: checked all the same."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    c = torch.randn(3, dtype=torch.complex64)
+    step = autocast_step(torch.optim.SGD([p], lr=0.1), dtype=torch.float32)
+    fn = step(lambda scale: (p.conj() * c).real.sum() * scale)
+    assert fn(1.0).stepped
+    assert p.grad is not None
+    before = p.detach().clone()
+    assert fn(float("inf")).skipped
+    assert torch.equal(p, before)
+
+
+@pytest.mark.usefixtures("skip_on_device")
+def test_a_late_streak_error_drops_its_window_and_restores_the_buffers() -> None:
+    """On the GPU's path the streak error is read one window later: that window's batch is
+    dropped (not stepped) and its BatchNorm update put back."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    step = autocast_step(opt, model=m, dtype=torch.float32, max_skipped=2)
+    fn = step(lambda x: m(x).pow(2).mean())
+    x = torch.randn(8, 4)
+    fn(x)
+    fn(x * float("nan"))
+    fn(x * float("nan"))  # the second skip in a row: its verdict is still pending
+    stats = m[1].running_mean.clone()
+    weights = m[0].weight.detach().clone()
+    with pytest.raises(NonFiniteStepsError):
+        fn(x * 3)
+    assert torch.equal(m[1].running_mean, stats)  # the dropped batch left no statistics
+    assert torch.equal(m[0].weight, weights)
+    assert step.position == 0
+    assert (step.steps, step.skipped_steps) == (1, 2)
+    assert fn(x).stepped == True  # noqa: E712  (training goes on)

@@ -322,8 +322,19 @@ def test_compile_true_compiles_the_check_only_on_the_gpus_path(
         )
         has_region = step._stepper._compiled_check is not None
         assert has_region == (compiled and skip_on == "device" and clip is not None)
+        calls = []
+        if has_region:
+            region = step._stepper._compiled_check
+
+            def counted(*args: Any, _region: Any = region, _calls: Any = calls) -> Any:
+                _calls.append(1)
+                return _region(*args)
+
+            step._stepper._compiled_check = counted
         fn = step(lambda x, y, m=model: _loss(m, x, y))
         out = [fn(x, y) for x, y in data]
+        if has_region:  # used on every window but the first (which reads at once)
+            assert len(calls) >= len(data) - 2
         assert [bool(r.skipped) for r in out] == [False, False, False, True, False, False]
         results[compiled] = [p.detach().clone() for p in model.parameters()]
     assert dict(counters["graph_break"]) == {}
@@ -334,20 +345,26 @@ def test_compile_true_compiles_the_check_only_on_the_gpus_path(
 
 
 def test_compile_with_the_explicit_form_warns_once() -> None:
-    model, opt, _ = _make()
-    step = autocast_step(opt, dtype=torch.float32, compile=True)
     x, y = _data(1)[0]
-    with pytest.warns(UserWarning, match=r"compiles the decorated loss function"), step:
-        loss = _loss(model, x, y)
-    assert step.backward(loss).stepped
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with step:
+    for use_block in (True, False):
+        model, opt, _ = _make()
+        step = autocast_step(opt, dtype=torch.float32, compile=True)
+        if use_block:
+            with step:
+                loss = _loss(model, x, y)
+        else:  # backward() on a loss computed outside any `with step:`
             loss = _loss(model, x, y)
-    step.backward(loss)
-    assert not [w for w in caught if "compile" in str(w.message)]  # once per step object
+        with pytest.warns(UserWarning, match=r"compiles the decorated loss function"):
+            result = step.backward(loss)
+        assert result.stepped
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with step:
+                loss = _loss(model, x, y)
+            step.backward(loss)
+        assert not [w for w in caught if "compile" in str(w.message)]  # once per step
 
 
 def _run_path(

@@ -82,7 +82,7 @@ class NonFiniteGuard:
             if t.is_sparse:
                 t = t.coalesce()._values()
             if t.is_complex():  # the kernel takes real dtypes: check both parts
-                t = torch.view_as_real(t)
+                t = torch.view_as_real(t.resolve_conj())  # (autograd may leave a conj view)
             groups.setdefault((t.device, t.dtype), []).append(t)
         per_device: dict[torch.device, torch.Tensor] = {}
         for (device, _), group in groups.items():

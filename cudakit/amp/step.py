@@ -335,16 +335,6 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
-        if self.compile_options is not None and not self._warned_block_compile:
-            self._warned_block_compile = True
-            warnings.warn(
-                "autocast_step(compile=...) compiles the decorated loss function; the code "
-                "inside `with step:` runs as written, uncompiled. Decorate the function that "
-                "computes the loss (@step), or compile the model yourself "
-                "(model = torch.compile(model)).",
-                UserWarning,
-                stacklevel=2,
-            )
         token = _ACTIVE.set(self._as_block)
         paused: AbstractContextManager[Any] | None = None
         autocast: torch.autocast | None = None
@@ -429,6 +419,16 @@ class AutocastStep:
         if active is not None and not (active[0] is self and active[1] == "block"):
             raise self._nested_error(active[0])
         tensor, weight = extract_loss(loss)
+        if self.compile_options is not None and not self._warned_block_compile:
+            self._warned_block_compile = True
+            warnings.warn(
+                "autocast_step(compile=...) compiles the decorated loss function; a loss "
+                "computed yourself and passed to step.backward() ran as written, "
+                "uncompiled. Decorate the function that computes the loss (@step), or "
+                "compile the model yourself (model = torch.compile(model)).",
+                UserWarning,
+                stacklevel=2,
+            )
         block = self._block
         if block is None and self._sync.active and not self._window.closes_next():
             # backward() after the block closed: pause the sync around backward itself.
@@ -664,8 +664,9 @@ def autocast_step(
             decorated function is compiled under autocast (its backward through
             AOTAutograd), and on a GPU's sync-free path with clipping also the check
             and the clipping. The counters and the learning rate cause no recompiles.
-            Applies to the decorated form; a ``with step:`` block runs your code as
-            written (compile the model yourself there) and warns once.
+            Applies to the decorated form; in the explicit form (``with step:`` and
+            ``step.backward(loss)``) your code runs as written (compile the model
+            yourself there), and the first ``backward()`` warns once.
 
     Returns:
         The step object, usable as ``@decorator`` or as ``with step:`` plus

@@ -115,7 +115,11 @@ class OptimizerStep:
             try:
                 self.settle()  # the previous window's verdict: there by now
             except BaseException:
-                self._close(window)  # a streak error or a raising scheduler: no stale window
+                # A streak error (or a raising scheduler) read from the previous window:
+                # this window is dropped, its buffers put back, no stale window left.
+                if self.buffers is not None:
+                    self.buffers.restore()
+                self._close(window)
                 raise
             if self._states_ready():
                 return self._finish_on_device(window, loss, output, pending)
@@ -376,9 +380,12 @@ class OptimizerStep:
         compiled = self._compiled_check
         if compiled is None or not checks or not _plain(checks):
             return None
-        flag, one = self._guard.primary(checks[0].device)
         clip = self.max_grad_norm
-        grad_norm = compiled(checks, flag, one, self.params() if clip else None, clip)
+        params = self.params() if clip else None
+        if params is not None and not _plain(params):  # fp16 checks no gradients itself
+            return None
+        flag, one = self._guard.primary(checks[0].device)
+        grad_norm = compiled(checks, flag, one, params, clip)
         return flag, grad_norm
 
     def _verdict_on_device(
@@ -409,9 +416,12 @@ class OptimizerStep:
             guard.reset()  # the flags are zero again for the next window
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(tensors: list[torch.Tensor]) -> bool:
-    """Dense, real, plain tensors: what the compiled check region takes."""
-    return all(type(t) is torch.Tensor and not t.is_sparse and not t.is_complex() for t in tensors)
+    """Dense real tensors and parameters, no subclass (DTensor): what the compiled region takes."""
+    return all(type(t) in _PLAIN_TYPES and not t.is_sparse and not t.is_complex() for t in tensors)
 
 
 def _skip_creates_fresh_state(opt: torch.optim.Optimizer) -> bool:
