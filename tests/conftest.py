@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from cudakit import _accel
+import cudakit.amp.stepper as amp_stepper
 
 # Derandomized in CI so a red build is reproducible; no deadline anywhere because
 # torch's first calls (kernel loading, allocator growth) are slow and uneven.
@@ -46,7 +46,7 @@ def force_skip_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
     reads it lazily; on the CPU (where nothing waits) it reads the verdict at once. This
     forces the GPU's path, so it is tested here too.
     """
-    monkeypatch.setattr(_accel, "host_read_waits", lambda device_type: True)
+    monkeypatch.setattr(amp_stepper, "host_read_waits", lambda device_type: True)
 
 
 @pytest.fixture

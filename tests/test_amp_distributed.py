@@ -73,8 +73,8 @@ def _count_reduce_scatters() -> list[int]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
+    import cudakit.amp.stepper as amp_stepper
     import cudakit.parallel as cp
-    from cudakit import _accel
     from cudakit.amp import autocast_step
 
     os.environ.update(
@@ -132,16 +132,16 @@ def _worker(rank: int, port: int, out: str) -> None:
         # Both ways to skip: on the host (what the CPU runs) and on the device (found_inf
         # and lazily read verdicts, what a GPU runs), forced here.
         for skip_on in ("host", "device"):
-            waits = _accel.host_read_waits
+            waits = amp_stepper.host_read_waits
             if skip_on == "device":
-                _accel.host_read_waits = lambda device_type: True  # type: ignore[assignment]
+                amp_stepper.host_read_waits = lambda device_type: True  # type: ignore[assignment]
             try:
                 model = cp.parallelize(_net(), "fsdp")
                 fused = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
                 sf = autocast_step(fused, model=model, dtype=torch.bfloat16, accumulate=2,
                                    max_grad_norm=0.5)  # fmt: skip
             finally:
-                _accel.host_read_waits = waits  # type: ignore[assignment]
+                amp_stepper.host_read_waits = waits  # type: ignore[assignment]
             x, y = xs[0][mine], ys[0][mine]
             with warnings.catch_warnings():
                 warnings.simplefilter("error", UserWarning)

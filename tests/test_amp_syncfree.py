@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from cudakit import _accel
+import cudakit.amp.stepper as amp_stepper
 from cudakit.amp import autocast_step
 from cudakit.exceptions import NonFiniteStepsError
 
@@ -380,7 +380,7 @@ def _run_path(
 ]:
     with monkeypatch.context() as patch:
         if path == "device":
-            patch.setattr(_accel, "host_read_waits", lambda device_type: True)
+            patch.setattr(amp_stepper, "host_read_waits", lambda device_type: True)
         model, opt, sched = _make()
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
         step = autocast_step(

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from .. import _accel
+from .._accel import host_read_waits
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
@@ -65,7 +65,7 @@ class OptimizerStep:
         #: host read waits: on the CPU every op has finished when it returns, so the
         #: verdict is read from memory at once (no op, no wait) and a bad step is skipped
         #: on the host, cheaper there than handing ``found_inf`` to the optimizer.
-        self.lazy: bool = self.sync_free and _accel.host_read_waits(device_type)
+        self.lazy: bool = self.sync_free and host_read_waits(device_type)
         self._guard = NonFiniteGuard()
         # A sync-free step on the CPU reads its verdict from memory, without a torch op;
         # other steps make their one read with .item() (measured a little faster there).
