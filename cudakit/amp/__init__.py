@@ -11,11 +11,12 @@ precision decision), ``guard`` (the non-finite check, its verdict across ranks a
 the mailbox that reads it back lazily), ``window`` (the accumulation window and
 gradient sync), ``buffers`` (buffer snapshots for skipped steps), ``counters``,
 ``stepper`` (the one path that finishes a window), ``checkpoint`` (validated state
-dicts), ``options`` and ``ops``, and ``step``: the :class:`AutocastStep` that
-composes them into the decorator and the explicit form.
+dicts), ``options`` and ``ops``, ``step``: the :class:`AutocastStep` that composes
+them into the decorator and the explicit form, and ``factory``: :func:`autocast_step`.
 """
 
+from .factory import autocast_step
 from .result import Verdict
-from .step import AutocastStep, SteppedFunction, StepResult, autocast_step
+from .step import AutocastStep, SteppedFunction, StepResult
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction", "Verdict", "autocast_step"]
