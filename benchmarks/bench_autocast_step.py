@@ -78,6 +78,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return probe.dtype  # the dtype autocast_step picks here
 
 
+def hand_written(forward: Step, opt: Any, scaler: torch.amp.GradScaler | None) -> Step:
+    """The hand-written loop: forward (autocast inside), backward, step, ``zero_grad``."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = forward(x, y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def guarded_hand(
     model: torch.nn.Module,
     dtype: torch.dtype,
@@ -137,20 +155,11 @@ def make_steps(width: int, device: torch.device, dtype: torch.dtype) -> dict[str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
 
-    def hand(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev_type, dtype=dtype, enabled=on):
-            loss = F.cross_entropy(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad()
-        return loss
+            return F.cross_entropy(model(x), y)
 
-    steps["hand-written"] = hand
+    steps["hand-written"] = hand_written(forward, opt, scaler)
     if dtype != torch.float16:  # fp16's scaler already checks; this is the bf16/fp32 guard
         steps["hand-written + guard"] = guarded_hand(mlp(width, device), dtype, on="host")
 
@@ -255,20 +264,7 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
         model, fwd = model_and_forward(compiled)
         opt = fused(model)
         scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            loss = fwd(x, y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step
+        return hand_written(fwd, opt, scaler)
 
     def cudakit_step(compiled: bool) -> Step:
         model = mlp_ln(device)
