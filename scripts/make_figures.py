@@ -233,6 +233,11 @@ def ratio_figure(data: Path, out: Path) -> Path:
     ax.set_xlabel(f"time / {record['reference']} time  (left of 1: faster, right: slower)")
     ax.set_title(record["title"], fontsize=11)
     ax.legend(loc="lower right", fontsize=8, frameon=False)
+    return _finish(fig, record, out / f"{data.stem}.png")
+
+
+def _finish(fig: Any, record: dict[str, Any], path: Path) -> Path:
+    """Sign the figure with where and how it was measured, then save it."""
     fig.text(
         0.01,
         0.005,
@@ -242,7 +247,7 @@ def ratio_figure(data: Path, out: Path) -> Path:
         wrap=True,
     )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return _save(fig, out / f"{data.stem}.png")
+    return _save(fig, path)
 
 
 def bars_figure(data: Path, out: Path) -> Path:
@@ -281,16 +286,7 @@ def bars_figure(data: Path, out: Path) -> Path:
     ax.set_title(record["title"], fontsize=11)
     if n > 1:
         ax.legend(loc="upper right", fontsize=8, frameon=False)
-    fig.text(
-        0.01,
-        0.005,
-        f"{record['script']}, measured {record['measured']}: {record['machine']}",
-        fontsize=7,
-        color="dimgray",
-        wrap=True,
-    )
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return _save(fig, out / f"{data.stem}.png")
+    return _finish(fig, record, out / f"{data.stem}.png")
 
 
 # -- main ------------------------------------------------------------------------------
