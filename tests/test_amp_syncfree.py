@@ -183,15 +183,22 @@ def test_compile_errors() -> None:
         autocast_step(opt, compile={"bogus": 1})
 
 
-# Inductor's own import of torch.jit trips this in torch 2.13; not cudakit's.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_compile_true_fullgraph_no_recompiles_and_matches_eager(skip_on: str) -> None:
+@pytest.fixture
+def counters() -> Any:
+    """Dynamo's counters (graph breaks, graphs compiled), from a clean slate."""
     import torch._dynamo
-
-    torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     counters.clear()
+    return counters
+
+
+# Inductor's own import of torch.jit trips this in torch 2.13; not cudakit's.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_true_fullgraph_no_recompiles_and_matches_eager(
+    skip_on: str, counters: Any
+) -> None:
     data = _data(20, nan_at=9)
     results = {}
     for compiled in (False, True):
@@ -302,16 +309,10 @@ def test_read_memory_reads_cpu_verdicts_without_a_torch_op() -> None:
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_compile_true_compiles_the_check_only_on_the_gpus_path(
-    skip_on: str, clip: float | None
+    skip_on: str, clip: float | None, counters: Any
 ) -> None:
     """The CPU keeps the eager check (its compiled region measured slower); the GPU's
     sync-free path compiles the check with the clipping."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
     data = _data(6, nan_at=3)
     results = {}
     for compiled in (False, True):
