@@ -1,18 +1,30 @@
-"""The tensor operations of a step that need care: clearing gradients cheaply, an
-optimizer step that skips on the device, and the region ``compile=`` compiles."""
+"""The tensor operations of a step that need care: clearing gradients and stepping the
+optimizer cheaply, an optimizer step that skips on the device, and the region
+``compile=`` compiles."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.optim.optimizer as _optimizer_module
 
-__all__ = ["check_and_clip", "step_on_device", "zero_grad"]
+__all__ = ["check_and_clip", "optimizer_step", "step_on_device", "zero_grad"]
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 # True while a torch profiler records (then zero_grad keeps its record_function scope).
 _profiler_enabled: Callable[[], bool] = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+# torch wraps every optimizer class's step() once in this wrapper (record_function
+# scope, hooks); its code object tells that wrapper from anything else.
+_profile_hook_step: Any = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+_HOOKED_STEP_CODE = (
+    _profile_hook_step(lambda *a, **k: None).__code__ if _profile_hook_step is not None else None
+)
+_GLOBAL_STEP_HOOKS: tuple[Any, ...] = tuple(
+    getattr(_optimizer_module, name, None)
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+)
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:
@@ -35,13 +47,63 @@ def zero_grad(optimizer: torch.optim.Optimizer) -> None:
                 p.grad = None
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()``, minus torch's per-call profiler scope where that is safe.
+
+    torch wraps each optimizer class's ``step`` in a ``record_function`` scope that is
+    entered on every call, profiler or not; on a small model it costs more than the
+    non-finite guard. Where the call would reach that wrapper directly (``step`` not
+    replaced on the instance, or replaced only by an LR scheduler's step tracking), no
+    step hook is registered, no profiler records and dynamo is not tracing, this runs
+    what the wrapper runs inside its scope: the class's step (the subclass's own, if it
+    overrides it) and ``_optimizer_step_code()``, and marks the optimizer stepped for
+    its LR scheduler. Otherwise the call.
+    """
+    inner = _unwrapped_step(optimizer)
+    if inner is None:
+        return optimizer.step()
+    if "step" in optimizer.__dict__:
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler's wrapper sets
+    out = inner(optimizer)
+    optimizer._optimizer_step_code()
+    return out
+
+
+def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
+    """The function torch's step wrapper would call, or None where the call must be made."""
+    if torch.compiler.is_compiling() or _HOOKED_STEP_CODE is None:
+        return None  # dynamo traces the call as written
+    cls_step = getattr(type(optimizer), "step", None)
+    if getattr(cls_step, "__code__", None) is not _HOOKED_STEP_CODE:
+        return None  # not torch's wrapper: an optimizer of another kind
+    patched = optimizer.__dict__.get("step")
+    if patched is not None and not (
+        getattr(patched, "_wrapped_by_lr_sched", False)
+        and getattr(patched, "__wrapped__", None) is cls_step
+    ):
+        return None  # replaced on the instance by something other than an LR scheduler
+    pre, post = _GLOBAL_STEP_HOOKS
+    if (
+        pre is None
+        or post is None
+        or pre
+        or post
+        or getattr(optimizer, "_optimizer_step_pre_hooks", True)
+        or getattr(optimizer, "_optimizer_step_post_hooks", True)
+        or _profiler_enabled()
+    ):
+        return None  # hooks to run, or a profiler that wants the scope
+    inner = getattr(cls_step, "__wrapped__", None)
+    return cast(Callable[..., Any], inner) if callable(inner) else None
+
+
 def step_on_device(opt: torch.optim.Optimizer, verdict: torch.Tensor) -> None:
     """``opt.step()`` with ``found_inf``: the optimizer skips on the device if it is set."""
     holder: Any = opt
     holder.grad_scale = None
     holder.found_inf = verdict.reshape(())  # 0-dim, like the step counts it is subtracted from
     try:
-        opt.step()
+        optimizer_step(opt)
     finally:
         del holder.grad_scale
         del holder.found_inf

@@ -21,7 +21,7 @@ from .._accel import host_read_waits
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
-from .ops import check_and_clip, step_on_device
+from .ops import check_and_clip, optimizer_step, step_on_device
 from .options import compile_fn
 from .result import StepResult, Verdict
 from .window import Window
@@ -158,7 +158,7 @@ class OptimizerStep:
                     scaler.update()
                 else:
                     for opt in self.optimizers:
-                        opt.step()
+                        optimizer_step(opt)
                 self.counters.record_step()
                 if self.schedulers:
                     self._close(window)  # counters and window settled if one raises

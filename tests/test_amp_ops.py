@@ -1,0 +1,234 @@
+"""The optimizer calls a step makes for the user: ``zero_grad`` and ``step``.
+
+cudakit calls torch's own ``Optimizer.zero_grad`` loop and the optimizer's own ``step``
+without torch's per-call profiler scope (``record_function``) while no profiler
+records: that scope costs more than the non-finite guard on a small model. Everything
+else those calls do must still happen: hooks, overrides, the LR scheduler's bookkeeping,
+and the annotations while a profiler records.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.optim.optimizer as optimizer_module
+
+import cudakit.amp as amp
+from cudakit.amp.ops import optimizer_step, zero_grad
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _fill_grads(model: torch.nn.Module) -> None:
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+
+@contextmanager
+def _scopes() -> Iterator[list[str]]:
+    """The names of the ``record_function`` scopes entered inside the block."""
+    names: list[str] = []
+    real = torch.autograd.profiler.record_function
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str, args: str | None = None) -> None:
+            names.append(name)
+            super().__init__(name, args)
+
+    torch.autograd.profiler.record_function = Counting  # type: ignore[misc]
+    try:
+        yield names
+    finally:
+        torch.autograd.profiler.record_function = real  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad"])
+def test_optimizer_step_equals_step_bit_for_bit(name: str) -> None:
+    ma, mb = _model(), _model()
+    cls = getattr(torch.optim, name)
+    oa, ob = cls(ma.parameters(), lr=0.1), cls(mb.parameters(), lr=0.1)
+    for _ in range(3):
+        _fill_grads(ma)
+        _fill_grads(mb)
+        oa.step()
+        optimizer_step(ob)
+    for pa, pb in zip(ma.parameters(), mb.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert str(oa.state_dict()) == str(ob.state_dict())
+
+
+def test_optimizer_step_and_zero_grad_enter_no_profiler_scope() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _fill_grads(model)
+    with _scopes() as names:
+        opt.step()
+        opt.zero_grad()
+    assert names == ["Optimizer.step#AdamW.step", "Optimizer.zero_grad#AdamW.zero_grad"]
+    _fill_grads(model)
+    with _scopes() as names:
+        optimizer_step(opt)
+        zero_grad(opt)
+    assert names == []
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_autocast_step_enters_no_optimizer_profiler_scope() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    @amp.autocast_step(opt, dtype=torch.float32)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    with _scopes() as names:
+        for _ in range(3):
+            assert step(torch.ones(2, 4)).stepped
+    assert not [n for n in names if n.startswith("Optimizer.")]
+
+
+def test_profiler_still_sees_step_and_zero_grad() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    @amp.autocast_step(opt, dtype=torch.float32)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    step(torch.ones(2, 4))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(torch.ones(2, 4))
+        step(torch.ones(2, 4))
+    names = {e.name for e in prof.events()}
+    assert "Optimizer.step#AdamW.step" in names
+    assert "Optimizer.zero_grad#AdamW.zero_grad" in names
+
+
+def test_step_hooks_run_in_order_with_their_arguments() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[tuple[str, Any, Any, Any]] = []
+    handles = [
+        optimizer_module.register_optimizer_step_pre_hook(
+            lambda o, a, k: calls.append(("global pre", o, a, k))
+        ),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o, a, k))),
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o, a, k))),
+        optimizer_module.register_optimizer_step_post_hook(
+            lambda o, a, k: calls.append(("global post", o, a, k))
+        ),
+    ]
+    try:
+        _fill_grads(model)
+        opt.step()
+        expected = list(calls)
+        calls.clear()
+        _fill_grads(model)
+        optimizer_step(opt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert [c[0] for c in calls] == ["global pre", "pre", "post", "global post"]
+    assert [(c[0], c[1], c[2], c[3]) for c in calls] == [(c[0], c[1], c[2], c[3]) for c in expected]
+
+
+def test_a_pre_hook_that_rewrites_the_arguments_is_honoured() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[object] = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            seen.append(closure)
+            return super().step()
+
+    opt = Recording(model.parameters(), lr=0.1)
+
+    def closure() -> None:
+        return None
+
+    handle = opt.register_step_pre_hook(lambda o, a, k: ((o,), {"closure": closure}))
+    try:
+        _fill_grads(model)
+        optimizer_step(opt)
+    finally:
+        handle.remove()
+    assert seen == [closure]
+
+
+def test_overridden_and_patched_steps_are_called() -> None:
+    calls: list[str] = []
+
+    class Custom(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            calls.append("class")
+            return super().step(closure)
+
+    model = _model()
+    opt = Custom(model.parameters(), lr=0.1)
+    _fill_grads(model)
+    optimizer_step(opt)
+    assert calls == ["class"]
+
+    bound = opt.step
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        calls.append("instance")
+        return bound(*args, **kwargs)
+
+    opt.step = patched  # type: ignore[method-assign]
+    optimizer_step(opt)
+    assert calls == ["class", "instance", "class"]
+
+
+def test_overridden_zero_grad_is_called() -> None:
+    calls: list[bool | None] = []
+
+    class Custom(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    model = _model()
+    opt = Custom(model.parameters(), lr=0.1)
+    _fill_grads(model)
+    zero_grad(opt)
+    assert calls == [True]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_scheduler_sees_the_optimizer_step() -> None:
+    """The LR scheduler's step() must not warn that the optimizer never stepped."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    @amp.autocast_step(opt, scheduler=sched, dtype=torch.float32)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _scopes() as names:
+            for _ in range(3):
+                step(torch.ones(2, 4))
+    assert getattr(opt, "_opt_called", True)
+    assert sched.last_epoch == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert "Optimizer.step#SGD.step" not in names
+
+
+def test_step_returns_the_closure_value() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _fill_grads(model)
+    assert optimizer_step(opt) is None
