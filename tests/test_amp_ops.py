@@ -232,3 +232,78 @@ def test_step_returns_the_closure_value() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _fill_grads(model)
     assert optimizer_step(opt) is None
+
+
+def test_a_post_hook_registered_during_the_step_runs_as_torch_runs_it() -> None:
+    """torch looks the post-hooks up after step() returns: one added inside it runs too."""
+
+    def train(use_cudakit: bool) -> list[str]:
+        calls: list[str] = []
+
+        class Lazy(torch.optim.SGD):
+            def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+                if not self._optimizer_step_post_hooks:
+                    self.register_step_post_hook(lambda o, a, k: calls.append("post"))
+                return super().step(closure)
+
+        model = _model()
+        opt = Lazy(model.parameters(), lr=0.1)
+        for _ in range(3):
+            _fill_grads(model)
+            if use_cudakit:
+                optimizer_step(opt)
+            else:
+                opt.step()
+        return calls
+
+    assert train(True) == train(False)
+    assert len(train(False)) == 6  # Lazy's wrapper and SGD's (inside super().step()) run it
+
+
+def test_a_global_post_hook_registered_during_the_step_runs() -> None:
+    model = _model()
+    calls: list[str] = []
+    handles: list[Any] = []
+
+    class Lazy(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if not handles:
+                handles.append(
+                    optimizer_module.register_optimizer_step_post_hook(
+                        lambda o, a, k: calls.append("global post")
+                    )
+                )
+            return torch.optim.SGD.step.__wrapped__(self, closure)  # type: ignore[attr-defined]
+
+    opt = Lazy(model.parameters(), lr=0.1)
+    try:
+        _fill_grads(model)
+        optimizer_step(opt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["global post"]
+
+
+def test_execution_trace_through_the_profiler_keeps_the_step_scope(tmp_path: Any) -> None:
+    """The documented way to record an execution trace sees cudakit's optimizer steps."""
+    import json
+
+    from torch.profiler import ExecutionTraceObserver
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = amp.autocast_step(opt, dtype=torch.float32)
+    path = tmp_path / "et.json"
+    et = ExecutionTraceObserver().register_callback(str(path))
+    try:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], execution_trace_observer=et
+        ):
+            with step:
+                loss = model(torch.ones(3, 4)).sum()
+            step.backward(loss)
+    finally:
+        et.unregister_callback()
+    nodes = json.loads(path.read_text())["nodes"]
+    assert "Optimizer.step#AdamW.step" in [n["name"] for n in nodes]

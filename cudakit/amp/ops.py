@@ -56,8 +56,12 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> Any:
     replaced on the instance, or replaced only by an LR scheduler's step tracking), no
     step hook is registered, no profiler records and dynamo is not tracing, this runs
     what the wrapper runs inside its scope: the class's step (the subclass's own, if it
-    overrides it) and ``_optimizer_step_code()``, and marks the optimizer stepped for
-    its LR scheduler. Otherwise the call.
+    overrides it) and ``_optimizer_step_code()``, then any post-hook the step itself
+    registered, and marks the optimizer stepped for its LR scheduler. Otherwise the call.
+
+    An observer that records ``record_function`` scopes without the profiler being on
+    (an ``ExecutionTraceObserver`` started on its own) cannot be detected and misses
+    this scope; run it through ``torch.profiler.profile(execution_trace_observer=...)``.
     """
     inner = _unwrapped_step(optimizer)
     if inner is None:
@@ -66,6 +70,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> Any:
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler's wrapper sets
     out = inner(optimizer)
     optimizer._optimizer_step_code()
+    # torch's wrapper looks the post-hooks up after the step: run any the step added.
+    post, global_post = optimizer._optimizer_step_post_hooks, _GLOBAL_STEP_HOOKS[1]
+    if post or global_post:
+        for hook in (*post.values(), *global_post.values()):
+            hook(optimizer, (optimizer,), {})
     return out
 
 
