@@ -3,15 +3,18 @@
 Run ``python benchmarks/bench_autocast_step.py`` (``--quick`` for a smoke run,
 ``--device cuda`` on a GPU machine, where the hand-written loop uses the same
 dtype ``autocast_step(dtype="auto")`` picks there, with a GradScaler for fp16).
-One process; every round times each implementation on each case in turn
-(interleaved, so drift hits all of them alike); the table shows the median time
-per step and the median over rounds of its ratio to the hand-written loop. Each
-implementation is built ``--sets`` times (default 3) and every round times all its
-instances: where a model's tensors land in memory moves one instance's time by up to
-about 1.5% against an identical one, and the sum evens that out.
-``--clock cpu`` times with this thread's CPU time instead of the wall clock: with
+Every implementation runs in a process of its own (each heap to itself, as in a real
+training run: in one shared process, the allocator state the other implementations
+left behind moved a 10 ms step by up to 10% between runs), built ``--sets`` times
+(default 3). One process at a time times a short block of steps (``--block``, 20 ms)
+of each of its instances, taking turns with the others several times a round, so a slow
+spell on a shared machine hits them all alike; the table shows the median time per
+step and the median over rounds of its ratio to the hand-written loop.
+``--clock cpu`` times with the worker thread's CPU time instead of the wall clock: with
 one torch thread on CPU all the work runs on it, so time spent descheduled by
 other tenants of a shared machine no longer counts (cache contention still does).
+``--malloc fixed`` fixes glibc's mmap and trim thresholds in every worker: a process's
+allocator history then no longer moves the 1024-wide case from run to run.
 
 Implementations: the hand-written loop (autocast, backward, ``opt.step()``,
 ``opt.zero_grad()``); the same with the guard written by hand (one fused inf/NaN
@@ -39,12 +42,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
+import multiprocessing
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -146,91 +152,89 @@ def guarded_hand(
     return step
 
 
-def make_steps(width: int, device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
+def make_steps(
+    width: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, Callable[[], Step]]:
+    """A builder for every implementation: each call makes one fresh instance."""
     dev_type = device.type
-    steps: dict[str, Step] = {}
     on = dtype != torch.float32
 
-    model = mlp(width, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
+    def hand() -> Step:
+        model = mlp(width, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(dev_type) if dtype == torch.float16 else None
 
-    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(dev_type, dtype=dtype, enabled=on):
+        def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(dev_type, dtype=dtype, enabled=on):
+                return F.cross_entropy(model(x), y)
+
+        return hand_written(forward, opt, scaler)
+
+    def decorated(**options: Any) -> Step:
+        model = mlp(width, device)
+
+        @autocast_step(torch.optim.AdamW(model.parameters(), lr=1e-4), dtype=dtype, **options)
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(model(x), y)
 
-    steps["hand-written"] = hand_written(forward, opt, scaler)
-    if dtype != torch.float16:  # fp16's scaler already checks; this is the bf16/fp32 guard
-        steps["hand-written + guard"] = guarded_hand(mlp(width, device), dtype, on="host")
+        return step
 
-    m2 = mlp(width, device)
-    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
+    def explicit() -> Step:
+        model = mlp(width, device)
+        s = autocast_step(torch.optim.AdamW(model.parameters(), lr=1e-4), dtype=dtype)
 
-    @autocast_step(o2, dtype=dtype)
-    def decorated(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(m2(x), y)
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            with s:
+                loss = F.cross_entropy(model(x), y)
+            return s.backward(loss)
 
-    steps["cudakit @autocast_step"] = decorated
-
-    m3 = mlp(width, device)
-    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-4)
-    s3 = autocast_step(o3, dtype=dtype)
-
-    def explicit(x: torch.Tensor, y: torch.Tensor) -> Any:
-        with s3:
-            loss = F.cross_entropy(m3(x), y)
-        return s3.backward(loss)
-
-    steps["cudakit explicit form"] = explicit
-
-    m4 = mlp(width, device)
-    o4 = torch.optim.AdamW(m4.parameters(), lr=1e-4)
-
-    @autocast_step(o4, dtype=dtype, skip_nonfinite=False)
-    def unguarded(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(m4(x), y)
-
-    steps["cudakit, guard off"] = unguarded
+        return step
 
     precision = "bf16" if dtype == torch.bfloat16 else "fp16"
-    try:
+
+    def accelerate() -> Step:
         from accelerate import Accelerator
 
         acc = Accelerator(mixed_precision=precision, cpu=dev_type == "cpu")
-        m5 = mlp(width, device)
-        m5, o5 = acc.prepare(m5, torch.optim.AdamW(m5.parameters(), lr=1e-4))
+        model = mlp(width, device)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-        def accelerate_step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            loss = F.cross_entropy(m5(x), y)
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            loss = F.cross_entropy(model(x), y)
             acc.backward(loss)
-            o5.step()
-            o5.zero_grad()
+            opt.step()
+            opt.zero_grad()
             return loss
 
-        steps["accelerate"] = accelerate_step
-    except Exception as e:  # not installed, or broken against this torch
-        print(f"# accelerate skipped: {type(e).__name__}: {e}"[:200], file=sys.stderr)
-    try:
+        return step
+
+    def fabric() -> Step:
         from lightning_fabric import Fabric
 
-        fabric = Fabric(
-            accelerator="cuda" if dev_type == "cuda" else "cpu",
-            devices=1,
-            precision=f"{precision}-mixed",
-        )
-        m6 = mlp(width, device)
-        m6, o6 = fabric.setup(m6, torch.optim.AdamW(m6.parameters(), lr=1e-4))
+        accelerator = "cuda" if dev_type == "cuda" else "cpu"
+        f = Fabric(accelerator=accelerator, devices=1, precision=f"{precision}-mixed")
+        model = mlp(width, device)
+        model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-        def fabric_step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            loss = F.cross_entropy(m6(x), y)
-            fabric.backward(loss)
-            o6.step()
-            o6.zero_grad()
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            loss = F.cross_entropy(model(x), y)
+            f.backward(loss)
+            opt.step()
+            opt.zero_grad()
             return loss
 
-        steps["lightning-fabric"] = fabric_step
-    except Exception as e:
-        print(f"# lightning-fabric skipped: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+        return step
+
+    steps: dict[str, Callable[[], Step]] = {"hand-written": hand}
+    if dtype != torch.float16:  # fp16's scaler already checks; this is the bf16/fp32 guard
+        steps["hand-written + guard"] = lambda: guarded_hand(mlp(width, device), dtype, on="host")
+    steps["cudakit @autocast_step"] = decorated
+    steps["cudakit explicit form"] = explicit
+    steps["cudakit, guard off"] = lambda: decorated(skip_nonfinite=False)
+    if importlib.util.find_spec("accelerate") is not None:
+        steps["accelerate"] = accelerate
+    if importlib.util.find_spec("lightning_fabric") is not None:
+        steps["lightning-fabric"] = fabric
     return steps
 
 
@@ -242,11 +246,10 @@ def mlp_ln(device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(128, 10)).to(device)
 
 
-def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
-    """Eager and compiled, hand-written and cudakit, all with fused AdamW."""
+def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], Step]]:
+    """Builders of eager and compiled, hand-written and cudakit steps, all with fused AdamW."""
     dev_type = device.type
     on = dtype != torch.float32
-    steps: dict[str, Step] = {}
 
     def fused(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -279,22 +282,136 @@ def make_compile_steps(device: torch.device, dtype: torch.dtype) -> dict[str, St
         model, fwd = model_and_forward(compiled)
         return guarded_hand(model, dtype, on=on, forward=fwd, opt=fused(model))
 
-    steps["hand-written"] = hand_step(False)
+    steps: dict[str, Callable[[], Step]] = {"hand-written": lambda: hand_step(False)}
     if dtype != torch.float16:
-        steps["hand-written + guard on device"] = guarded_hand_step(False, "device")
-        steps["hand-written + guard on host"] = guarded_hand_step(False, "host")
-    steps["cudakit @autocast_step (sync-free)"] = cudakit_step(False)
-    steps["hand-written, compiled"] = hand_step(True)
+        steps["hand-written + guard on device"] = lambda: guarded_hand_step(False, "device")
+        steps["hand-written + guard on host"] = lambda: guarded_hand_step(False, "host")
+    steps["cudakit @autocast_step (sync-free)"] = lambda: cudakit_step(False)
+    steps["hand-written, compiled"] = lambda: hand_step(True)
     if dtype != torch.float16:
-        steps["hand-written, compiled + guard on device"] = guarded_hand_step(True, "device")
-        steps["hand-written, compiled + guard on host"] = guarded_hand_step(True, "host")
-    steps["cudakit compile=True"] = cudakit_step(True)
+        steps["hand-written, compiled + guard on device"] = lambda: guarded_hand_step(
+            True, "device"
+        )
+        steps["hand-written, compiled + guard on host"] = lambda: guarded_hand_step(True, "host")
+    steps["cudakit compile=True"] = lambda: cudakit_step(True)
     return steps
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Spec(NamedTuple):
+    """What a worker builds and how it times: one implementation of one case."""
+
+    key: str
+    compile: bool
+    width: int
+    batch: int
+    device: str
+    dtype: str
+    threads: int
+    sets: int
+    clock: str
+
+
+def worker(conn: Any, spec: Spec) -> None:
+    """One implementation in a process of its own: build ``spec.sets`` instances, then time
+    ``n`` steps of each whenever the coordinator sends ``n`` (None ends it).
+
+    A process per implementation keeps each heap to itself, as in a real training run:
+    in one shared process, the allocator state the other implementations left behind
+    moved a 10 ms step by up to 10% between runs.
+    """
+    try:
+        torch.set_num_threads(spec.threads)
+        device = torch.device(spec.device)
+        dtype = getattr(torch, spec.dtype)
+        table = (
+            make_compile_steps(device, dtype)
+            if spec.compile
+            else make_steps(spec.width, device, dtype)
+        )
+        fns = [table[spec.key]() for _ in range(spec.sets)]
+        del table
+        gen = torch.Generator().manual_seed(1234)  # the same batch in every worker
+        x = torch.randn(spec.batch, 64, generator=gen).to(device)  # every model takes 64
+        y = torch.randint(0, 10, (spec.batch,), generator=gen).to(device)
+        for fn in fns:
+            for _ in range(5):
+                fn(x, y)
+        sync(device)
+    except Exception as e:  # a peer not installed or broken against this torch
+        conn.send(("error", f"{type(e).__name__}: {e}"[:200]))
+        return
+    conn.send(("ready", ""))
+    clock = time.thread_time if spec.clock == "cpu" else time.perf_counter
+    gc.collect()
+    gc.disable()
+    while (n := conn.recv()) is not None:
+        total = 0.0
+        for fn in fns:
+            sync(device)
+            t0 = clock()
+            for _ in range(n):
+                fn(x, y)
+            sync(device)
+            total += clock() - t0
+        conn.send(total / (n * len(fns)))
+
+
+#: glibc's allocator with its mmap and trim thresholds fixed: large tensors come from the
+#: heap, which is never trimmed, whatever the process allocated before.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+
+
+class Workers:
+    """A process per implementation, started together, each asked in turn to time steps."""
+
+    def __init__(self, specs: list[Spec], env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork after CUDA or OpenMP start
+        self.procs: dict[str, tuple[Any, Any]] = {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read by each worker's C library when it starts
+        try:
+            for spec in specs:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=worker, args=(child, spec), daemon=True)
+                proc.start()
+                self.procs[spec.key] = (proc, parent)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        for key, (proc, conn) in list(self.procs.items()):
+            if not conn.poll(900):
+                raise RuntimeError(f"bench worker {key!r} did not start within 900 s")
+            status, message = conn.recv()
+            if status != "ready":
+                print(f"# {key} skipped: {message}", file=sys.stderr)
+                proc.join(10)
+                del self.procs[key]
+
+    def keys(self) -> list[str]:
+        return list(self.procs)
+
+    def time(self, key: str, n: int) -> float:
+        """Mean seconds per step over ``n`` steps of each of ``key``'s instances."""
+        _, conn = self.procs[key]
+        conn.send(n)
+        return float(conn.recv())
+
+    def close(self) -> None:
+        for _, conn in self.procs.values():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc, _ in self.procs.values():
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -307,6 +424,19 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=3,
         help="independent instances of every implementation, timed in turn (default 3)",
+    )
+    parser.add_argument(
+        "--block",
+        type=float,
+        default=0.02,
+        help="seconds of steps timed in one go before the next implementation's turn",
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=("default", "fixed"),
+        default="default",
+        help="fixed: glibc's mmap and trim thresholds fixed in every worker (32 MiB, never "
+        "trim), so runs agree; default: each process's own allocator, as in training",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: least noise on shared CPUs)"
@@ -331,7 +461,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rounds = args.rounds or (3 if args.quick else 21)
@@ -345,60 +474,52 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "
-        f"{rounds} rounds, {args.sets} sets, {args.clock} clock, "
+        f"{rounds} rounds, {args.sets} sets, {args.clock} clock, malloc {args.malloc}, "
         f"{str(dtype).removeprefix('torch.')}"
     )
     header = "| case | implementation | median per step | ratio to hand-written |"
     print(header)
     print("|---|---|---:|---:|")
     for name, width, batch in cases:
-        # Several independent sets of every implementation: where a model's tensors land
-        # in memory moves one instance's time by up to about 1.5% against an identical
-        # one, so each round times every instance and compares the sums.
-        sets = [
+        kinds = (
             make_compile_steps(device, dtype) if args.compile else make_steps(width, device, dtype)
-            for _ in range(args.sets)
+        )
+        specs = [
+            Spec(
+                key,
+                args.compile,
+                width,
+                batch,
+                args.device,
+                str(dtype).removeprefix("torch."),
+                args.threads,
+                args.sets,
+                args.clock,
+            )
+            for key in kinds
         ]
-        steps = sets[0]
-        x = torch.randn(batch, 64, device=device)  # every model takes 64 features
-        y = torch.randint(0, 10, (batch,), device=device)
-        target = 0.02 if args.quick else 0.25  # seconds per implementation per round
-        # Calibrate the number of steps per timing on the hand-written loop (warms all up).
-        for one in sets:
-            for fn in one.values():
-                for _ in range(5):
-                    fn(x, y)
-        sync(device)
-        t0 = clock()
-        for _ in range(20):
-            steps["hand-written"](x, y)
-        sync(device)
-        per = (clock() - t0) / 20
-        n = max(5, int(target / per / len(sets)))
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        ratios: dict[str, list[float]] = {k: [] for k in steps}
-        gc_was = gc.isenabled()
-        gc.disable()
+        del kinds
+        workers = Workers(specs, FIXED_MALLOC if args.malloc == "fixed" else {})
         try:
+            steps = workers.keys()
+            target = 0.02 if args.quick else 0.25  # seconds per implementation per round
+            per = workers.time("hand-written", max(1, 20 // args.sets))
+            # Short blocks of steps, taken in turn from every implementation several
+            # times a round: a slow spell on a shared machine then hits them all alike.
+            block = max(1, int(args.block / per / args.sets))
+            reps = max(1, int(target / per / args.sets / block))
+            times: dict[str, list[float]] = {k: [] for k in steps}
+            ratios: dict[str, list[float]] = {k: [] for k in steps}
             for _ in range(rounds):
-                this: dict[str, float] = {}
+                totals = dict.fromkeys(steps, 0.0)
+                for _ in range(reps):
+                    for key in steps:
+                        totals[key] += workers.time(key, block)
                 for key in steps:
-                    total = 0.0
-                    for one in sets:
-                        fn = one[key]
-                        sync(device)
-                        t0 = clock()
-                        for _ in range(n):
-                            fn(x, y)
-                        sync(device)
-                        total += clock() - t0
-                    this[key] = total / (n * len(sets))
-                    times[key].append(this[key])
-                for key in steps:
-                    ratios[key].append(this[key] / this["hand-written"])
+                    times[key].append(totals[key] / reps)
+                    ratios[key].append(totals[key] / totals["hand-written"])
         finally:
-            if gc_was:
-                gc.enable()
+            workers.close()
         for key in steps:
             med = statistics.median(times[key]) * 1e6
             print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
@@ -414,8 +535,6 @@ def main(argv: list[str] | None = None) -> None:
             if mine in steps and theirs in steps:
                 per_round = [a / b for a, b in zip(times[mine], times[theirs], strict=True)]
                 print(f"# {mine} / {theirs}: {statistics.median(per_round):.3f}")
-        with contextlib.suppress(Exception):
-            del steps, sets
 
 
 if __name__ == "__main__":
