@@ -190,7 +190,11 @@ def make_steps(
 
         return step
 
-    precision = "bf16" if dtype == torch.bfloat16 else "fp16"
+    # The peers' names for the same precision.
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+    fabric_precision = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(
+        dtype, "32-true"
+    )
 
     def accelerate() -> Step:
         from accelerate import Accelerator
@@ -212,7 +216,7 @@ def make_steps(
         from lightning_fabric import Fabric
 
         accelerator = "cuda" if dev_type == "cuda" else "cpu"
-        f = Fabric(accelerator=accelerator, devices=1, precision=f"{precision}-mixed")
+        f = Fabric(accelerator=accelerator, devices=1, precision=fabric_precision)
         model = mlp(width, device)
         model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
