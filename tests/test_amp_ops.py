@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.optim.optimizer as optimizer_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cudakit.amp as amp
 from cudakit.amp.ops import optimizer_step, zero_grad
@@ -307,3 +309,68 @@ def test_execution_trace_through_the_profiler_keeps_the_step_scope(tmp_path: Any
         et.unregister_callback()
     nodes = json.loads(path.read_text())["nodes"]
     assert "Optimizer.step#AdamW.step" in [n["name"] for n in nodes]
+
+
+_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "SGD": (torch.optim.SGD, {"momentum": 0.9}),
+    "SGD fused": (torch.optim.SGD, {"momentum": 0.9, "fused": True}),
+    "Adam": (torch.optim.Adam, {}),
+    "AdamW foreach": (torch.optim.AdamW, {"foreach": True}),
+    "AdamW fused": (torch.optim.AdamW, {"fused": True}),
+    "RMSprop": (torch.optim.RMSprop, {"momentum": 0.5}),
+    "Adagrad": (torch.optim.Adagrad, {}),
+    "NAdam": (torch.optim.NAdam, {}),
+}
+
+
+@given(
+    name=st.sampled_from(sorted(_OPTIMIZERS)),
+    maximize=st.booleans(),
+    weight_decay=st.sampled_from([0.0, 0.01]),
+    scheduler=st.booleans(),
+    hook_at=st.one_of(st.none(), st.integers(0, 3)),
+    steps=st.integers(1, 4),
+)
+@settings(max_examples=40, deadline=None)
+def test_optimizer_step_trains_like_step(
+    name: str,
+    maximize: bool,
+    weight_decay: float,
+    scheduler: bool,
+    hook_at: int | None,
+    steps: int,
+) -> None:
+    """Property: over optimizers, options, schedulers and a hook added mid-run,
+    ``optimizer_step`` leaves weights, state, learning rates and hook calls as ``step()``."""
+
+    def train(call: Any) -> tuple[list[torch.Tensor], str, list[float], int]:
+        model = _model()
+        cls, options = _OPTIMIZERS[name]
+        opt = cls(
+            model.parameters(), lr=0.05, weight_decay=weight_decay, maximize=maximize, **options
+        )
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if scheduler else None
+        calls: list[int] = []
+        for i in range(steps):
+            if i == hook_at:
+                opt.register_step_post_hook(lambda o, a, k: calls.append(1))
+            torch.manual_seed(i)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            call(opt)
+            if sched is not None:
+                sched.step()
+        lrs = [g["lr"] for g in opt.param_groups]
+        return (
+            [p.detach().clone() for p in model.parameters()],
+            str(opt.state_dict()),
+            lrs,
+            len(calls),
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # also: no "scheduler before optimizer" warning
+        mine = train(optimizer_step)
+        theirs = train(lambda o: o.step())
+    assert all(torch.equal(a, b) for a, b in zip(mine[0], theirs[0], strict=True))
+    assert mine[1:] == theirs[1:]
