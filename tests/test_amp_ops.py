@@ -374,3 +374,73 @@ def test_optimizer_step_trains_like_step(
         theirs = train(lambda o: o.step())
     assert all(torch.equal(a, b) for a, b in zip(mine[0], theirs[0], strict=True))
     assert mine[1:] == theirs[1:]
+
+
+class _CountingScaler(torch.amp.GradScaler):
+    """A GradScaler subclass: cudakit must leave its step() to it."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", init_scale=1024.0)
+        self.steps = 0
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        self.steps += 1
+        return super().step(optimizer, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_step_matches_the_scaler_loop_without_the_scope(fused: bool) -> None:
+    """fp16 with GradScaler("cpu"): bit for bit with the hand-written scaler loop, a skip
+    included, and (non-fused) no optimizer profiler scope on clean steps."""
+
+    def batches() -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        xs = [torch.randn(4, 4) for _ in range(4)]
+        xs[2] = xs[2].clone()
+        xs[2][0, 0] = float("inf")
+        return xs
+
+    ref = _model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x in batches():
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+
+    @amp.autocast_step(
+        opt, dtype=torch.float16, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0)
+    )
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).float().pow(2).mean()
+
+    skipped = []
+    with _scopes() as names:
+        for x in batches():
+            skipped.append(step(x).skipped)
+    assert skipped == [False, False, True, False]
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert str(ref_opt.state_dict()) == str(opt.state_dict())
+    assert step.autocast_step.scaler.get_scale() == scaler.get_scale()
+    if not fused:
+        assert "Optimizer.step#Adam.step" not in names
+
+
+def test_a_scaler_subclass_keeps_its_own_step() -> None:
+    model = _model()
+    scaler = _CountingScaler()
+
+    @amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).float().sum()
+
+    for _ in range(3):
+        step(torch.ones(2, 4))
+    assert scaler.steps == 3

@@ -9,8 +9,9 @@ from typing import Any, cast
 
 import torch
 import torch.optim.optimizer as _optimizer_module
+from torch.amp.grad_scaler import OptState as _OptState
 
-__all__ = ["check_and_clip", "optimizer_step", "step_on_device", "zero_grad"]
+__all__ = ["check_and_clip", "optimizer_step", "scaler_step", "step_on_device", "zero_grad"]
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 # True while a torch profiler records (then zero_grad keeps its record_function scope).
@@ -104,6 +105,43 @@ def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | No
         return None  # hooks to run, or a profiler that wants the scope
     inner = getattr(cls_step, "__wrapped__", None)
     return cast(Callable[..., Any], inner) if callable(inner) else None
+
+
+def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> Any:
+    """``scaler.step(optimizer)`` for a step the guard has already found clean.
+
+    After ``unscale_`` (the scaler's flags hold the verdict cudakit read: zero here),
+    torch's ``GradScaler.step`` of an optimizer that cannot skip on the device reads the
+    flags again (one more host read per optimizer) and calls ``optimizer.step()``. For a
+    plain ``GradScaler`` and such an optimizer, this makes the step through
+    :func:`optimizer_step` and marks the optimizer stepped, as ``GradScaler.step``
+    does. Otherwise (a scaler subclass, a fused optimizer, a state it did not unscale)
+    the call.
+    """
+    states: Any = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    if (
+        type(scaler) not in _PLAIN_SCALERS
+        or state is None
+        or state.get("stage") is not _OptState.UNSCALED
+        or not state.get("found_inf_per_device")
+        or getattr(optimizer, "_step_supports_amp_scaling", False)
+    ):
+        return scaler.step(optimizer)
+    out = optimizer_step(optimizer)
+    state["stage"] = _OptState.STEPPED
+    return out
+
+
+_PLAIN_SCALERS: tuple[type, ...] = tuple(
+    cls
+    for cls in (
+        torch.amp.GradScaler,
+        getattr(getattr(torch.cuda, "amp", None), "GradScaler", None),
+        getattr(getattr(torch.cpu, "amp", None), "GradScaler", None),
+    )
+    if isinstance(cls, type)
+)
 
 
 def step_on_device(opt: torch.optim.Optimizer, verdict: torch.Tensor) -> None:

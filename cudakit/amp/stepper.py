@@ -21,7 +21,7 @@ from .._accel import host_read_waits
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
-from .ops import check_and_clip, optimizer_step, step_on_device
+from .ops import check_and_clip, optimizer_step, scaler_step, step_on_device
 from .options import compile_fn
 from .result import StepResult, Verdict
 from .window import Window
@@ -154,7 +154,7 @@ class OptimizerStep:
                     grad_norm = self.clip()
                 if scaler is not None:
                     for opt in self.optimizers:
-                        scaler.step(opt)
+                        scaler_step(scaler, opt)  # known clean: no second read of the flags
                     scaler.update()
                 else:
                     for opt in self.optimizers:
