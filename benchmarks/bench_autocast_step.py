@@ -106,6 +106,19 @@ def hand_written(forward: Step, opt: Any, scaler: torch.amp.GradScaler | None) -
     return step
 
 
+def peer_step(model: Any, backward: Callable[[torch.Tensor], Any], opt: Any) -> Step:
+    """A peer's step: its own ``backward`` (accelerate's, Fabric's), then step and zero_grad."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = F.cross_entropy(model(x), y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def guarded_hand(
     model: torch.nn.Module,
     dtype: torch.dtype,
@@ -206,15 +219,7 @@ def make_steps(
         acc = Accelerator(mixed_precision=precision, cpu=dev_type == "cpu")
         model = mlp(width, device)
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            loss = F.cross_entropy(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step
+        return peer_step(model, acc.backward, opt)
 
     def fabric() -> Step:
         from lightning_fabric import Fabric
@@ -223,15 +228,7 @@ def make_steps(
         f = Fabric(accelerator=accelerator, devices=1, precision=fabric_precision)
         model = mlp(width, device)
         model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
-            loss = F.cross_entropy(model(x), y)
-            f.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step
+        return peer_step(model, f.backward, opt)
 
     steps: dict[str, Callable[[], Step]] = {"hand-written": hand}
     if dtype != torch.float16:  # fp16's scaler already checks; this is the bf16/fp32 guard
