@@ -22,10 +22,11 @@ _profile_hook_step: Any = getattr(torch.optim.Optimizer, "profile_hook_step", No
 _HOOKED_STEP_CODE = (
     _profile_hook_step(lambda *a, **k: None).__code__ if _profile_hook_step is not None else None
 )
-_GLOBAL_STEP_HOOKS: tuple[Any, ...] = tuple(
-    getattr(_optimizer_module, name, None)
-    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-)
+# torch's global step hooks (dicts, empty unless registered); None on a torch without them.
+_GLOBAL_PRE_HOOKS: Any = getattr(_optimizer_module, "_global_optimizer_pre_hooks", None)
+_GLOBAL_POST_HOOKS: Any = getattr(_optimizer_module, "_global_optimizer_post_hooks", None)
+#: Whether this torch has the wrapper and the hooks :func:`optimizer_step` knows.
+_CAN_UNWRAP = None not in (_HOOKED_STEP_CODE, _GLOBAL_PRE_HOOKS, _GLOBAL_POST_HOOKS)
 
 
 def zero_grad(optimizer: torch.optim.Optimizer) -> None:
@@ -72,17 +73,17 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> Any:
     out = inner(optimizer)
     optimizer._optimizer_step_code()
     # torch's wrapper looks the post-hooks up after the step: run any the step added.
-    post, global_post = optimizer._optimizer_step_post_hooks, _GLOBAL_STEP_HOOKS[1]
-    if post or global_post:
-        for hook in (*post.values(), *global_post.values()):
+    post = optimizer._optimizer_step_post_hooks
+    if post or _GLOBAL_POST_HOOKS:
+        for hook in (*post.values(), *_GLOBAL_POST_HOOKS.values()):
             hook(optimizer, (optimizer,), {})
     return out
 
 
 def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
     """The function torch's step wrapper would call, or None where the call must be made."""
-    if torch.compiler.is_compiling() or _HOOKED_STEP_CODE is None:
-        return None  # dynamo traces the call as written
+    if not _CAN_UNWRAP or torch.compiler.is_compiling():
+        return None  # another torch, or dynamo tracing the call as written
     cls_step = getattr(type(optimizer), "step", None)
     if getattr(cls_step, "__code__", None) is not _HOOKED_STEP_CODE:
         return None  # not torch's wrapper: an optimizer of another kind
@@ -92,12 +93,9 @@ def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | No
         and getattr(patched, "__wrapped__", None) is cls_step
     ):
         return None  # replaced on the instance by something other than an LR scheduler
-    pre, post = _GLOBAL_STEP_HOOKS
     if (
-        pre is None
-        or post is None
-        or pre
-        or post
+        _GLOBAL_PRE_HOOKS
+        or _GLOBAL_POST_HOOKS
         or getattr(optimizer, "_optimizer_step_pre_hooks", True)
         or getattr(optimizer, "_optimizer_step_post_hooks", True)
         or _profiler_enabled()
@@ -105,6 +103,18 @@ def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | No
         return None  # hooks to run, or a profiler that wants the scope
     inner = getattr(cls_step, "__wrapped__", None)
     return cast(Callable[..., Any], inner) if callable(inner) else None
+
+
+# GradScaler and its deprecated per-device aliases, which keep its step().
+_PLAIN_SCALERS: tuple[type, ...] = tuple(
+    cls
+    for cls in (
+        torch.amp.GradScaler,
+        getattr(getattr(torch.cuda, "amp", None), "GradScaler", None),
+        getattr(getattr(torch.cpu, "amp", None), "GradScaler", None),
+    )
+    if isinstance(cls, type)
+)
 
 
 def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> Any:
@@ -131,17 +141,6 @@ def scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
     out = optimizer_step(optimizer)
     state["stage"] = _OptState.STEPPED
     return out
-
-
-_PLAIN_SCALERS: tuple[type, ...] = tuple(
-    cls
-    for cls in (
-        torch.amp.GradScaler,
-        getattr(getattr(torch.cuda, "amp", None), "GradScaler", None),
-        getattr(getattr(torch.cpu, "amp", None), "GradScaler", None),
-    )
-    if isinstance(cls, type)
-)
 
 
 def step_on_device(opt: torch.optim.Optimizer, verdict: torch.Tensor) -> None:
