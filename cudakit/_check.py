@@ -15,6 +15,7 @@ float), so a call site reads ``accumulate = check_int(...)``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Collection
 from typing import Any, NoReturn, TypeVar
 
@@ -90,14 +91,15 @@ def check_int(
     maximum: int | None = None,
     fix: str = "",
 ) -> int:
-    """``value`` if it is an int (bools refused) within ``[minimum, maximum]``."""
+    """``int(value)`` for an int (NumPy's too; bools refused) within ``[minimum, maximum]``."""
     bounds = _bounds(minimum, maximum)
     expected = f"an int{bounds}"
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail_type(func, arg, expected, value, fix)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    number = int(value)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         fail_value(func, arg, expected, value, fix)
-    return value
+    return number
 
 
 def check_number(
@@ -184,16 +186,21 @@ def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]
 
 
 def name_error(func: str, arg: str, value: object, exc: Exception) -> Exception:
-    """``exc`` again, its text prefixed with the public function (and the argument).
+    """``exc`` again, its text prefixed with the public function and the argument.
 
-    ``func(): ...`` when the text already shows ``arg=value``, else
-    ``func(arg=value): ...``;
-    the type is kept (a ``DeviceError`` stays one).
+    ``func(arg=value): ...``, the text's own leading ``arg=value`` folded into that
+    prefix; ``func(): ...`` when the text shows ``arg=value`` further on. The type is
+    kept (a ``DeviceError`` stays one).
     """
     text = str(exc)
     shown = f"{arg}={value!r}"
-    prefix = f"{func}(): " if shown in text else f"{func}({shown}): "
+    if text.startswith(shown):
+        text = f"{func}({shown}): {text[len(shown) :].lstrip()}"
+    elif shown in text:
+        text = f"{func}(): {text}"
+    else:
+        text = f"{func}({shown}): {text}"
     try:
-        return type(exc)(prefix + text)
+        return type(exc)(text)
     except Exception:  # an exception type that takes other arguments
         return exc

@@ -114,7 +114,7 @@ def test_on_device_refuses_unusable_devices_and_changes_nothing(spec: str) -> No
     weight = model.weight
     batch = {"x": t, "m": model}
     with pytest.raises(
-        DeviceError, match=rf"^on_device\(\): device='{spec}' asks for a '{spec}' device"
+        DeviceError, match=rf"^on_device\(device='{spec}'\): asks for a '{spec}' device"
     ):
         on_device(batch, device=spec)
     assert batch == {"x": t, "m": model}
@@ -139,10 +139,10 @@ def test_on_device_decorator_refuses_unusable_devices_at_call_time(spec: str) ->
 def test_loader_kwargs_and_prefetch_refuse_unusable_devices(spec: str) -> None:
     from cudakit.data import loader_kwargs, prefetch
 
-    with pytest.raises(DeviceError, match=rf"^loader_kwargs\(\): device='{spec}' asks for a"):
+    with pytest.raises(DeviceError, match=rf"^loader_kwargs\(device='{spec}'\): asks for a"):
         loader_kwargs(spec)
     source = [torch.ones(1)]
-    with pytest.raises(DeviceError, match=rf"^prefetch\(\): device='{spec}' asks for a"):
+    with pytest.raises(DeviceError, match=rf"^prefetch\(device='{spec}'\): asks for a"):
         prefetch(source, device=spec)
     assert source[0].device.type == "cpu"
 

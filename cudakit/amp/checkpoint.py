@@ -9,7 +9,7 @@ a refused state changes nothing: not the counters, not the scaler, not a ``.grad
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -32,7 +32,7 @@ KEYS = (
     "window_losses",
 )
 _WHERE = "AutocastStep.load_state_dict()"
-_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 class Restored(NamedTuple):
@@ -96,14 +96,38 @@ def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mappin
     for key in _SCALER_KEYS:
         if key not in value:
             _fail("scaler", f"a GradScaler state with {key!r}", value)
-        number = value[key]
-        if isinstance(number, torch.Tensor) and number.numel() == 1:
-            number = float(number)
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            _fail(("scaler", key), "a number", value[key], TypeError)
-        if not math.isfinite(float(number)) or float(number) <= 0:
-            _fail(("scaler", key), "a positive finite number", value[key])
+    _scaler_number(value, "scale", "a positive finite number", lambda x: 0 < x < math.inf)
+    _scaler_number(value, "growth_factor", "a finite number > 1", lambda x: 1 < x < math.inf)
+    _scaler_number(value, "backoff_factor", "a number in (0, 1)", lambda x: 0 < x < 1)
+    _scaler_int(value, "growth_interval", 1)
+    _scaler_int(value, "_growth_tracker", 0)
     return value
+
+
+def _plain(number: object) -> object:
+    """A one-element tensor's Python number (GradScaler keeps some as tensors)."""
+    if isinstance(number, torch.Tensor) and number.numel() == 1 and not number.is_complex():
+        return number.item()
+    return number
+
+
+def _scaler_number(
+    state: Mapping[str, Any], key: str, expected: str, ok: Callable[[float], bool]
+) -> None:
+    number = _plain(state[key])
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        _fail(("scaler", key), expected, state[key], TypeError)
+    if not ok(float(number)):
+        _fail(("scaler", key), expected, state[key])
+
+
+def _scaler_int(state: Mapping[str, Any], key: str, minimum: int) -> None:
+    number = _plain(state[key])
+    expected = f"an int >= {minimum}"
+    if isinstance(number, bool) or not isinstance(number, int):
+        _fail(("scaler", key), expected, state[key], TypeError)
+    if number < minimum:
+        _fail(("scaler", key), expected, state[key])
 
 
 def validate(
@@ -179,6 +203,8 @@ def validate(
     weight = state.get("window_weight")
     if weight is not None:
         weight = _scalar_tensor(weight, "window_weight")
+        if not bool(torch.isfinite(weight).all() & (weight >= 0).all()):
+            _fail("window_weight", "a finite count >= 0 (the window's summed weights)", weight)
     return Restored(
         position=position,
         steps=steps,

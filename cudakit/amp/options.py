@@ -50,6 +50,11 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
     for opt in optimizers:
         if isinstance(opt, torch.optim.Optimizer):
             continue
+        if isinstance(opt, type):
+            raise TypeError(
+                f"autocast_step() got the class {opt.__name__}, not an optimizer. Build it "
+                f"first: autocast_step({opt.__name__}(model.parameters(), lr=...))."
+            )
         hint = ""
         if callable(opt) and not isinstance(opt, torch.nn.Module):
             hint = (
@@ -96,6 +101,17 @@ def check_schedulers(
         return ()
     schedulers = _as_tuple(scheduler)
     for s in schedulers:
+        if isinstance(s, type):
+            raise TypeError(
+                f"autocast_step(scheduler=...) got the class {s.__name__}, not a scheduler. "
+                f"Build it on the optimizer first: scheduler={s.__name__}(optimizer, ...)."
+            )
+        if isinstance(s, torch.optim.Optimizer):
+            raise TypeError(
+                f"autocast_step(scheduler=...) got an optimizer ({type(s).__name__}), which "
+                "would be stepped twice. Pass optimizers as the first argument "
+                "(autocast_step([opt_a, opt_b])) and learning-rate schedulers as scheduler=."
+            )
         if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise ValueError(
                 "autocast_step(scheduler=ReduceLROnPlateau) cannot work: it steps on a "
@@ -114,6 +130,11 @@ def check_schedulers(
                 "step does not step; pass that optimizer too (autocast_step([opt_a, opt_b], "
                 "scheduler=[sched_a, sched_b])), or drive that scheduler yourself."
             )
+    if len({id(s) for s in schedulers}) != len(schedulers):
+        raise ValueError(
+            "autocast_step(scheduler=...) got the same scheduler twice in its list; it would "
+            "step twice per optimizer step, so list each one once."
+        )
     return schedulers
 
 
@@ -171,6 +192,30 @@ class StepOptions(NamedTuple):
     device_type: str
     max_grad_norm: float | None
     compile_options: dict[str, Any] | None
+    accumulate: int
+    max_skipped: int | None
+
+
+#: What ``accumulate=`` is, for its error messages.
+ACCUMULATE_FIX = (
+    "It is the number of micro-batches whose gradients are summed before each "
+    "optimizer step (1 = step on every call)."
+)
+#: What ``max_skipped=`` is, for its error messages.
+MAX_SKIPPED_FIX = (
+    "It is the number of consecutive skipped steps that raise NonFiniteStepsError; "
+    "None for the default; pass sys.maxsize to never raise."
+)
+
+
+def check_accumulate(func: str, value: object) -> int:
+    """``accumulate=`` as an int >= 1."""
+    return check_int(func, "accumulate", value, minimum=1, fix=ACCUMULATE_FIX)
+
+
+def check_max_skipped(func: str, value: object) -> int | None:
+    """``max_skipped=`` as an int >= 1, or None for the default."""
+    return check_optional(check_int, func, "max_skipped", value, minimum=1, fix=MAX_SKIPPED_FIX)
 
 
 _NO_CAPS = Capabilities()
@@ -199,14 +244,7 @@ def resolve_options(
     optimizers = check_optimizers(optimizer)
     check_bool(where, "enabled", enabled)
     check_bool(where, "skip_nonfinite", skip_nonfinite)
-    check_int(
-        where,
-        "accumulate",
-        accumulate,
-        minimum=1,
-        fix="It is the number of micro-batches whose gradients are summed before each "
-        "optimizer step (1 = step on every call).",
-    )
+    accumulate = check_accumulate(where, accumulate)
     clip = check_optional(
         check_number,
         where,
@@ -215,15 +253,7 @@ def resolve_options(
         positive=True,
         fix="For example max_grad_norm=1.0; None turns clipping off.",
     )
-    check_optional(
-        check_int,
-        where,
-        "max_skipped",
-        max_skipped,
-        minimum=1,
-        fix="It is the number of consecutive skipped steps that raise "
-        "NonFiniteStepsError; None for the default; pass sys.maxsize to never raise.",
-    )
+    max_skipped = check_max_skipped(where, max_skipped)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
@@ -231,6 +261,12 @@ def resolve_options(
         )
     schedulers = check_schedulers(scheduler, optimizers)
     compile_options = check_compile(compile)
+    if isinstance(scaler, type):
+        raise TypeError(
+            f"autocast_step(scaler=...) got the class {scaler.__name__}, not a GradScaler. "
+            "Build it first: scaler=torch.amp.GradScaler('cuda'), or leave scaler= out and "
+            "one is made for float16."
+        )
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(
             "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
@@ -268,5 +304,13 @@ def resolve_options(
         log_choice(device_type, precision)
 
     return StepOptions(
-        optimizers, schedulers, scaler, precision, device_type, clip, compile_options
+        optimizers,
+        schedulers,
+        scaler,
+        precision,
+        device_type,
+        clip,
+        compile_options,
+        accumulate,
+        max_skipped,
     )

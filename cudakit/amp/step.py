@@ -28,7 +28,7 @@ from . import checkpoint
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .ops import zero_grad
-from .options import compile_fn, resolve_options
+from .options import check_accumulate, check_max_skipped, compile_fn, resolve_options
 from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
 from .stepper import OptimizerStep
 from .window import GradSync, Window
@@ -118,13 +118,16 @@ class AutocastStep:
         self.device_type: str = device_type
         #: Whether autocast is on (False for ``enabled=False`` and for float32).
         self.enabled: bool = precision.autocast
-        self.accumulate: int = accumulate
+        self._accumulate = options.accumulate
         #: ``torch.compile`` options when ``compile=`` is on, else None.
         self.compile_options: dict[str, Any] | None = compile_options
-        default_max = (
+        self._default_max_skipped = (
             _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
         )
-        self._counts = StepCounters(max_skipped if max_skipped is not None else default_max)
+        max_skipped = options.max_skipped
+        self._counts = StepCounters(
+            max_skipped if max_skipped is not None else self._default_max_skipped
+        )
         # Buffers (BatchNorm running stats...) as they were when the window opened,
         # restored when the window's step is skipped: a NaN batch must not poison them.
         self._buffers = BufferSnapshot(model) if model is not None and skip_nonfinite else None
@@ -141,8 +144,8 @@ class AutocastStep:
             compile_options=compile_options,
         )
         self._scaling = self._stepper.scaling
-        self._window = Window(accumulate)
-        self._sync = GradSync(model, accumulate)
+        self._window = Window(self._accumulate)
+        self._sync = GradSync(model)
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
         self._block: (
             tuple[
@@ -175,8 +178,39 @@ class AutocastStep:
         return self._counts.max_skipped
 
     @max_skipped.setter
-    def max_skipped(self, value: int) -> None:
-        self._counts.max_skipped = value
+    def max_skipped(self, value: int | None) -> None:
+        checked = check_max_skipped("AutocastStep", value)
+        self._counts.max_skipped = checked if checked is not None else self._default_max_skipped
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-steps per optimizer step; settable between windows (e.g. per epoch).
+
+        >>> import cudakit.amp as amp
+        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> step.accumulate = 4      # before a window opens: the next window has 4
+        >>> step.accumulate
+        4
+
+        Raises:
+            TypeError, ValueError: not an int >= 1.
+            ValueError: the current window has micro-steps (call :meth:`flush`, or set
+                it after the window's optimizer step).
+        """
+        return self._accumulate
+
+    @accumulate.setter
+    def accumulate(self, value: int) -> None:
+        checked = check_accumulate("AutocastStep", value)
+        position = self._window.position
+        if position and checked != self._accumulate:
+            raise ValueError(
+                f"AutocastStep.accumulate can change only between windows: this window holds "
+                f"{position} of {self._accumulate} micro-steps. Set it after the window's "
+                "optimizer step (e.g. at the start of an epoch), or call step.flush() first."
+            )
+        self._accumulate = checked
+        self._window.accumulate = checked
 
     @property
     def skipped_steps(self) -> int:
@@ -208,7 +242,7 @@ class AutocastStep:
         return (
             f"AutocastStep(dtype={self.dtype}, device_type={self.device_type!r}, "
             f"enabled={self.enabled}, scaler={'on' if self._scaling else 'off'}, "
-            f"optimizers={len(self.optimizers)}, accumulate={self.accumulate}, "
+            f"optimizers={len(self.optimizers)}, accumulate={self._accumulate}, "
             f"max_grad_norm={self.max_grad_norm}, skip_nonfinite={self.skip_nonfinite}, "
             f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
             f"position={self._window.position})"
@@ -284,6 +318,15 @@ class AutocastStep:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
             return func(*args, **kwargs)
 
+    @staticmethod
+    def _no_grad_error() -> ValueError:
+        return ValueError(
+            "autocast_step: gradients are disabled here (torch.no_grad() or "
+            "torch.inference_mode() is active), so the loss does not require grad and there "
+            "is nothing to backpropagate. Call the training step outside that block; the "
+            "gradients, weights and counters were left as they were."
+        )
+
     def _nested_error(self, outer: AutocastStep) -> RuntimeError:
         where = "the same" if outer is self else "another"
         return RuntimeError(
@@ -303,6 +346,8 @@ class AutocastStep:
         active = _ACTIVE.get()
         if active is not None:
             raise self._nested_error(active[0])
+        if not torch.is_grad_enabled():
+            raise self._no_grad_error()
         token = _ACTIVE.set(self._as_decorated)
         window = self._window
         try:
@@ -455,8 +500,8 @@ class AutocastStep:
             raise self._mixed_weights_error()
         if not window.cleared:
             self._clear_grads()
-        if weight_t is None and self.accumulate != 1:
-            loss = loss / self.accumulate
+        if weight_t is None and self._accumulate != 1:
+            loss = loss / self._accumulate
         if self._scaling:
             scaler = cast(torch.amp.GradScaler, self.scaler)
             loss = scaler.scale(loss)
@@ -488,7 +533,7 @@ class AutocastStep:
             window.losses.append(loss)
         window.last_loss = loss
         window.position += 1
-        if window.position < self.accumulate:
+        if window.position < self._accumulate:
             return StepResult(loss, output, False, False, window.scale, None)
         return self._stepper.finish(window, loss, output, pending=None)
 
@@ -550,7 +595,7 @@ class AutocastStep:
         """
         self._stepper.settle()
         return checkpoint.capture(
-            accumulate=self.accumulate,
+            accumulate=self._accumulate,
             window=self._window,
             counters=self._counts,
             scaler=self.scaler,
@@ -573,7 +618,7 @@ class AutocastStep:
         params = self._stepper.params()
         restored = checkpoint.validate(
             state,
-            accumulate=self.accumulate,
+            accumulate=self._accumulate,
             has_scaler=self.scaler is not None,
             dtype=self.dtype,
             params=params,

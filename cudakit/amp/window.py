@@ -78,14 +78,15 @@ class Window:
 class GradSync:
     """Gradient communication for the model being trained: off on micro-steps."""
 
-    def __init__(self, model: torch.nn.Module | None, accumulate: int) -> None:
+    def __init__(self, model: torch.nn.Module | None) -> None:
         self.model = model
         self.kind: str | None = None
         self._pause: Callable[[], AbstractContextManager[Any]] | None = None
         #: True when micro-steps can skip gradient communication (a plain attribute:
-        #: read on every call).
+        #: read on every call). With ``accumulate=1`` every micro-step closes its
+        #: window, so nothing is ever paused.
         self.active = False
-        if model is None or accumulate == 1:
+        if model is None:
             return
         set_sync = getattr(model, "set_requires_gradient_sync", None)
         no_sync = getattr(model, "no_sync", None)

@@ -157,6 +157,8 @@ class _GroupState:
         # environment that made it; and how many groups this process initialised on it.
         self.store: tuple[_StoreKey, Store] | None = None
         self.generation = 0
+        # The timeout of the group cudakit created (its exit barrier waits that long).
+        self.timeout: datetime.timedelta = DEFAULT_TIMEOUT
 
 
 _state = _GroupState()
@@ -166,10 +168,11 @@ def _exit_barrier() -> None:
     """Wait until every rank has reached the end of its work, before the group goes away.
 
     gloo gets ``monitored_barrier``, whose error names the ranks that never arrived;
-    it runs under the group's own (finite) timeout.
+    it runs under the group's own (finite) timeout (left to itself it would wait
+    torch's default 30 minutes).
     """
     if dist.get_backend() == "gloo":
-        dist.monitored_barrier(wait_all_ranks=True)
+        dist.monitored_barrier(timeout=_state.timeout, wait_all_ranks=True)
     else:
         barrier()
 
@@ -300,6 +303,7 @@ def ensure_group(
             store=_group_store(env, timeout), rank=env.rank, world_size=env.world_size, **kwargs
         )
         _state.owned = True
+        _state.timeout = timeout
         if not _state.atexit_registered:
             atexit.register(teardown_owned_group)
             _state.atexit_registered = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import itertools
 import logging
 import sys
 from collections import OrderedDict
@@ -20,11 +21,17 @@ import torch
 from torch import nn
 
 from .._accel import current_cuda_index
-from .._check import check_bool
+from .._check import check_bool, check_callable, check_type
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ..exceptions import DistributedSetupError
-from .group import ProcessGroupInfo, check_backend, check_timeout, ensure_group
+from .group import (
+    ProcessGroupInfo,
+    check_backend,
+    check_timeout,
+    ensure_group,
+    teardown_owned_group,
+)
 from .ranks import is_main_process
 from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, plan_parallel
 
@@ -213,7 +220,9 @@ def load_state_dict(
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-        bare = dict(_strip(state, set())) if state else {}
+        # The model's own names (no collective): a submodule really called `module` keeps it.
+        own = set(inner.state_dict().keys())
+        bare = dict(_strip(state, own)) if state else {}
         res = set_model_state_dict(inner, bare, options=opts)
         return _LoadResult(list(res.missing_keys), list(res.unexpected_keys))
     own = set(inner.state_dict().keys())
@@ -261,22 +270,114 @@ def _check_not_meta(model: nn.Module, device: torch.device) -> None:
                 )
 
 
+_WRAPPER_NAMES = {
+    "ddp": "DistributedDataParallel",
+    "fsdp": "fully_shard()",
+    "dp": "DataParallel",
+}
+
+
+def _wrapper_target(kind: str) -> Callable[..., Any]:
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel.__init__
+    if kind == "fsdp":
+        return _fully_shard()
+    return nn.DataParallel.__init__
+
+
+def _check_option_names(kind: str, options: Mapping[str, Any]) -> None:
+    """Unknown wrapper options are a TypeError listing the valid ones."""
+    if kind in _WRAPPER_NAMES and options:
+        _check_kwargs(_wrapper_target(kind), options, _WRAPPER_NAMES[kind])
+
+
+def _check_fsdp_options(options: Mapping[str, Any]) -> None:
+    """The kinds of fully_shard()'s options: it records a module before it checks them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    kinds: dict[str, tuple[tuple[type[Any], ...], str]] = {
+        "reshard_after_forward": ((bool, int), "True, False or an int (the group size)"),
+        "mp_policy": ((MixedPrecisionPolicy,), "a torch.distributed.fsdp.MixedPrecisionPolicy"),
+        "offload_policy": ((OffloadPolicy,), "a torch.distributed.fsdp.OffloadPolicy"),
+        "ignored_params": ((set, frozenset), "a set of parameters"),
+    }
+    for name, value in options.items():
+        if value is None or name not in kinds:
+            continue
+        types, expected = kinds[name]
+        check_type("parallelize", name, value, types, expected=expected)
+    fn = options.get("shard_placement_fn")
+    if fn is not None:
+        check_callable(
+            "parallelize", "shard_placement_fn", fn, expected="a function of a parameter"
+        )
+
+
 def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
     _check_not_meta(model, plan.device)
-    if plan.strategy == "ddp":
-        ddp = nn.parallel.DistributedDataParallel
-        _check_kwargs(ddp.__init__, plan.wrapper_kwargs, "DistributedDataParallel")
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                "parallelize() with DDP needs a model with trainable parameters, but "
-                f"{type(model).__name__} has none requiring grad. Unfreeze some, or use "
-                "strategy='none' for inference."
-            )
-    elif plan.strategy == "fsdp":
-        _check_kwargs(_fully_shard(), plan.wrapper_kwargs, "fully_shard()")
-    elif plan.strategy == "dp" and plan.wrapper_kwargs:
-        _check_kwargs(nn.DataParallel.__init__, plan.wrapper_kwargs, "DataParallel")
+    _check_option_names(plan.strategy, plan.wrapper_kwargs)
+    if plan.strategy == "fsdp":
+        _check_fsdp_options(plan.wrapper_kwargs)
+    if plan.strategy == "ddp" and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "parallelize() with DDP needs a model with trainable parameters, but "
+            f"{type(model).__name__} has none requiring grad. Unfreeze some, or use "
+            "strategy='none' for inference."
+        )
+
+
+def _wrapped_kind(model: nn.Module) -> str | None:
+    """``"ddp"``, ``"dp"`` or ``"fsdp"`` for a model parallelize() would return as it is."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if isinstance(model, nn.DataParallel):
+        return "dp"
+    return "fsdp" if is_fsdp2(model) else None
+
+
+def _check_wrapped(model: nn.Module, kind: str, request: str, options: Mapping[str, Any]) -> None:
+    """An already wrapped model: its options are still checked, another wrapper refused."""
+    if request in _WRAPPER_NAMES and request != kind:
+        raise ValueError(
+            f"parallelize(strategy={request!r}): the model is already wrapped in "
+            f"{type(model).__name__}; wrapping it in {_WRAPPER_NAMES[request]} too would nest "
+            "two wrappers. Pass the bare model (cudakit.parallel.unwrap(model)), or "
+            "strategy='auto' to keep the wrapper it has."
+        )
+    _check_option_names(kind, options)
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether fully_shard() has touched ``module`` (it records one before checking)."""
+    if is_fsdp2(module):
+        return True
+    try:
+        from torch.distributed._composable_state import _get_module_state
+    except ImportError:  # pragma: no cover - a torch without the composable registry
+        return False
+    return _get_module_state(module) is not None
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    """The one device every parameter and buffer is on (None: several, or none)."""
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _refused(exc: Exception, kind: str, partly_sharded: bool) -> Exception:
+    """The wrapper's own TypeError/ValueError, its text naming parallelize() and the wrapper."""
+    if type(exc) not in (TypeError, ValueError):
+        return exc
+    undone = (
+        " Some of its blocks were already sharded: build the model again before retrying."
+        if partly_sharded
+        else " The model is as it was and no process group was left behind."
+    )
+    return type(exc)(
+        f"parallelize(): {_WRAPPER_NAMES[kind]} refused the model or the options passed "
+        f"through parallelize(**ddp_kwargs): {exc}{undone}"
+    )
 
 
 def _shard(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
@@ -303,13 +404,23 @@ def _distribute(
         plan.backend, timeout, facts, plan.device, announce=False
     )  # logged once, below
     dev = plan.device
-    if dev.type == "cuda" and current_cuda_index() != dev.index:
-        torch.cuda.set_device(dev)
-    model = model.to(dev)
-    if plan.strategy == "fsdp":
-        wrapped = _shard(model, plan.wrapper_kwargs)
-    else:
-        wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
+    was_on = _device_of(model)
+    try:
+        if dev.type == "cuda" and current_cuda_index() != dev.index:
+            torch.cuda.set_device(dev)
+        model.to(dev)
+        if plan.strategy == "fsdp":
+            wrapped = _shard(model, plan.wrapper_kwargs)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
+    except Exception as exc:
+        # A refused call leaves the model where it was and no group behind it.
+        partly_sharded = any(_sharded(m) for m in model.modules())
+        if not partly_sharded and was_on is not None and was_on != dev:
+            model.to(was_on)
+        if info.created:
+            teardown_owned_group()
+        raise _refused(exc, plan.strategy, partly_sharded) from exc
     _announce(
         "cudakit: parallelize(strategy=%r) -> %s on %s (rank %d of %d, backend %s, %s)",
         plan.request,
@@ -373,7 +484,8 @@ def parallelize(
     one process with several GPUs DataParallel (with a logged hint that DDP is
     faster); otherwise the model is just moved. ``strategy="dp"`` on a CPU is an
     error; under ``"auto"`` a CPU-only process gets the plain model back (the
-    documented pass-through). A model that is already wrapped is returned as it is.
+    documented pass-through). A model that is already wrapped is returned as it is
+    (its options still checked against its wrapper; another wrapper is refused).
 
     ``strategy="fsdp"`` shards with FSDP2 (``fully_shard``): each block of every
     ``nn.ModuleList`` (a transformer's layers) becomes its own unit, then the root.
@@ -393,14 +505,17 @@ def parallelize(
         The model, moved and possibly wrapped; use ``unwrap`` to get yours back.
 
     Every argument is checked before anything happens: a refused call leaves the
-    model where it was and starts no process group.
+    model where it was and starts no process group. If the wrapper itself refuses
+    an option passed through, the group this call started is destroyed again and
+    the model moved back; the error keeps the wrapper's type and names it.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``strategy``, ``device``,
             ``backend`` or ``timeout`` of the wrong kind; unknown keyword arguments.
         ValueError: an unknown strategy or backend, a timeout that is not a finite
             positive duration, a model on the meta device (allocate it with
-            ``to_empty`` first), or a model with no trainable parameters for DDP.
+            ``to_empty`` first), a model with no trainable parameters for DDP, or an
+            already wrapped model asked for another wrapper.
         DeviceError: ``"dp"`` without CUDA, or a device that does not exist.
         DistributedSetupError: ``"ddp"``/``"fsdp"`` without a launcher, or an
             incomplete launcher environment.
@@ -420,8 +535,10 @@ def parallelize(
     backend = check_backend("parallelize", backend)
     facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
     plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or is_fsdp2(model):
-        # Every argument was checked above: a wrapped model is no reason to accept typos.
+    kind = _wrapped_kind(model)
+    if kind is not None:
+        # A wrapped model is no reason to accept typos, nor a second wrapper.
+        _check_wrapped(model, kind, request, ddp_kwargs)
         logger.info(
             "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
         )

@@ -1,0 +1,284 @@
+"""autocast_step's arguments and settable attributes at their edges: classes passed for
+instances, a scheduler listed twice, the max_skipped and accumulate setters, NumPy
+integers, a GradScaler checkpoint checked whole, and a call refused before it clears
+the gradients."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cudakit import autocast_step
+
+torch.set_num_threads(1)
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(n)
+    ]
+
+
+# ------------------------------------------------------------ classes for instances
+
+
+def test_an_optimizer_class_is_refused_with_how_to_build_it() -> None:
+    with pytest.raises(
+        TypeError, match=r"got the class SGD, not an optimizer.*SGD\(model\.parameters\(\)"
+    ):
+        autocast_step(torch.optim.SGD)  # type: ignore[arg-type]
+
+
+def test_a_scheduler_class_is_refused_before_anything_steps() -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"autocast_step\(scheduler=\.\.\.\) got the class StepLR, not a scheduler"
+    ):
+        autocast_step(opt, scheduler=torch.optim.lr_scheduler.StepLR)
+
+
+def test_an_optimizer_passed_as_scheduler_is_refused() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"autocast_step\(scheduler=\.\.\.\) got an optimizer \(SGD\)"
+    ):
+        autocast_step(opt, scheduler=opt)
+
+
+def test_the_same_scheduler_twice_is_refused() -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with pytest.raises(ValueError, match=r"the same scheduler twice"):
+        autocast_step(opt, scheduler=[sched, sched])
+    assert sched.last_epoch == 0
+
+
+def test_a_scaler_class_is_refused() -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"autocast_step\(scaler=\.\.\.\) got the class GradScaler"):
+        autocast_step(opt, dtype=torch.float16, scaler=torch.amp.GradScaler)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ max_skipped
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(0, ValueError), (-1, ValueError), ("5", TypeError), (2.0, TypeError), (True, TypeError)],
+)
+def test_max_skipped_setter_checks_like_the_constructor(value: Any, error: type[Exception]) -> None:
+    step = autocast_step(torch.optim.SGD(_net().parameters(), lr=0.1))
+    before = step.max_skipped
+    with pytest.raises(error, match=r"max_skipped=\.\.\.\) expects an int >= 1"):
+        step.max_skipped = value
+    assert step.max_skipped == before
+
+
+def test_max_skipped_setter_takes_ints_and_none_for_the_default() -> None:
+    step = autocast_step(torch.optim.SGD(_net().parameters(), lr=0.1), dtype="fp32")
+    default = step.max_skipped
+    step.max_skipped = 3
+    assert step.max_skipped == 3
+    step.max_skipped = np.int64(4)  # type: ignore[assignment]
+    assert step.max_skipped == 4
+    assert type(step.max_skipped) is int
+    step.max_skipped = None  # type: ignore[assignment]
+    assert step.max_skipped == default
+
+
+# -------------------------------------------------------------------- accumulate
+
+
+def test_numpy_integers_are_taken_as_ints() -> None:
+    step = autocast_step(torch.optim.SGD(_net().parameters(), lr=0.1), accumulate=np.int64(2))
+    assert step.accumulate == 2
+    assert type(step.accumulate) is int
+
+
+def _hand_written(schedule: list[int], batches: list[Any]) -> dict[str, torch.Tensor]:
+    """A hand-written fp32 loop whose accumulation changes between windows."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    it = iter(batches)
+    for k in schedule:
+        opt.zero_grad()
+        for _ in range(k):
+            x, y = next(it)
+            (F.cross_entropy(net(x), y) / k).backward()
+        opt.step()
+    return net.state_dict()
+
+
+def test_accumulate_can_change_between_windows_bit_for_bit() -> None:
+    schedule = [2, 2, 4, 1, 3]
+    batches = _batches(sum(schedule))
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype="fp32", accumulate=2)
+
+    @step
+    def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(net(x), y)
+
+    it = iter(batches)
+    for k in schedule:
+        step.accumulate = k  # as Lightning's GradientAccumulationScheduler, per epoch
+        results = [train(*next(it)) for _ in range(k)]
+        assert [r.stepped for r in results] == [False] * (k - 1) + [True]
+    assert step.steps == len(schedule)
+    ref = _hand_written(schedule, batches)
+    assert all(torch.equal(ref[k], v) for k, v in net.state_dict().items())
+
+
+def test_accumulate_cannot_change_mid_window_and_is_checked() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype="fp32", accumulate=2)
+    ((x, y),) = _batches(1)
+    step(lambda: F.cross_entropy(net(x), y))()
+    with pytest.raises(ValueError, match=r"accumulate.*between windows.*1 of 2 micro-steps"):
+        step.accumulate = 4
+    assert step.accumulate == 2
+    assert step.position == 1
+    with pytest.raises(TypeError, match=r"accumulate=\.\.\.\) expects an int >= 1"):
+        step.accumulate = 2.0  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"accumulate=\.\.\.\) expects an int >= 1"):
+        step.accumulate = 0
+    step.flush()
+    step.accumulate = 4
+    assert step.accumulate == 4
+
+
+# ------------------------------------------------------------ scaler checkpoints
+
+
+def _fp16_step() -> Any:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
+    ((x, y),) = _batches(1)
+    step(lambda: F.cross_entropy(net(x), y))()
+    return step
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("_growth_tracker", None, ValueError, r"a GradScaler state with '_growth_tracker'"),
+        (
+            "_growth_tracker",
+            "3",
+            TypeError,
+            r"\['scaler'\]\['_growth_tracker'\] must be an int >= 0",
+        ),
+        (
+            "_growth_tracker",
+            1.5,
+            TypeError,
+            r"\['scaler'\]\['_growth_tracker'\] must be an int >= 0",
+        ),
+        (
+            "_growth_tracker",
+            -5,
+            ValueError,
+            r"\['scaler'\]\['_growth_tracker'\] must be an int >= 0",
+        ),
+        (
+            "growth_factor",
+            0.5,
+            ValueError,
+            r"\['scaler'\]\['growth_factor'\] must be a finite number > 1",
+        ),
+        (
+            "backoff_factor",
+            3.0,
+            ValueError,
+            r"\['scaler'\]\['backoff_factor'\] must be a number in \(0, 1\)",
+        ),
+        (
+            "growth_interval",
+            2.5,
+            TypeError,
+            r"\['scaler'\]\['growth_interval'\] must be an int >= 1",
+        ),
+        (
+            "growth_interval",
+            0,
+            ValueError,
+            r"\['scaler'\]\['growth_interval'\] must be an int >= 1",
+        ),
+    ],
+)
+def test_a_scaler_state_is_checked_whole_before_anything_changes(
+    key: str, value: Any, error: type[Exception], match: str
+) -> None:
+    step = _fp16_step()
+    state = step.state_dict()
+    scaler_before = copy.deepcopy(step.scaler.state_dict())
+    bad = copy.deepcopy(state)
+    bad["scaler"]["scale"] = 4.0  # would be applied first if the check came late
+    if value is None:
+        del bad["scaler"][key]
+    else:
+        bad["scaler"][key] = value
+    with pytest.raises(error, match=match):
+        step.load_state_dict(bad)
+    assert step.scaler.state_dict() == scaler_before
+
+
+def test_a_scaler_state_with_tensor_numbers_loads() -> None:
+    step = _fp16_step()
+    state = step.state_dict()
+    state["scaler"]["_growth_tracker"] = torch.tensor(2, dtype=torch.int32)
+    step.load_state_dict(state)
+    assert step.scaler.state_dict()["_growth_tracker"] == 2
+
+
+@pytest.mark.parametrize("weight", [float("nan"), -1.0, float("inf")])
+def test_a_checkpointed_window_weight_must_be_a_finite_count(weight: float) -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype="fp32", accumulate=2)
+    ((x, y),) = _batches(1)
+    step(lambda: {"loss": F.cross_entropy(net(x), y, reduction="sum"), "weight": 5})()
+    state = step.state_dict()
+    state["window_weight"] = torch.tensor(weight)
+    grads = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"\['window_weight'\] must be a finite count >= 0"):
+        step.load_state_dict(state)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
+
+
+# ------------------------------------------------- a refused call keeps the grads
+
+
+def test_a_call_under_no_grad_is_refused_before_the_gradients_are_cleared() -> None:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ((x, y),) = _batches(1)
+    train = autocast_step(opt, dtype="fp32")(lambda: F.cross_entropy(net(x), y))
+    train()
+    grads = [p.grad.clone() for p in net.parameters()]
+    weights = copy.deepcopy(net.state_dict())
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with (
+            ctx(),
+            pytest.raises(ValueError, match=r"gradients are disabled.*does not require grad"),
+        ):
+            train()
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
+    assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+    assert train().stepped

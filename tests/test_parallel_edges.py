@@ -1,0 +1,233 @@
+"""cudakit.parallel at its edges: refused calls leave nothing behind, wrapped models,
+FSDP2 state dicts of a submodule really called ``module``, the exit barrier's timeout."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit import memory_report, memory_snapshot
+from cudakit.exceptions import DeviceError
+from cudakit.parallel import group as cp_group
+
+_LAUNCHER_VARS = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in _LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    cp_group.teardown_owned_group()
+    assert not dist.is_initialized()
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's environment for a single rank on a free port."""
+    env = {
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Holder(nn.Module):
+    """A wrapper whose only child is really called ``module`` (an EMA or task wrapper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------- refused calls
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "error", "match"),
+    [
+        (
+            "ddp",
+            {"device_ids": [5]},
+            ValueError,
+            r"parallelize\(\): DistributedDataParallel refused .*device_ids \[5\].*"
+            r"The model is as it was and no process group was left behind",
+        ),
+        (
+            "fsdp",
+            {"reshard_after_forward": "x"},
+            TypeError,
+            r"parallelize\(reshard_after_forward=\.\.\.\) expects True, False or an int",
+        ),
+        (
+            "fsdp",
+            {"mp_policy": torch.bfloat16},
+            TypeError,
+            r"parallelize\(mp_policy=\.\.\.\) expects a torch.distributed.fsdp.MixedPrecision",
+        ),
+    ],
+    ids=["ddp-device_ids", "fsdp-reshard", "fsdp-mp_policy"],
+)
+def test_a_wrapper_that_refuses_its_options_leaves_no_group_and_the_model_as_it_was(
+    one_rank: None, strategy: str, options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    before = _snapshot(net)
+    params = [id(p) for p in net.parameters()]
+    with pytest.raises(error, match=match):
+        cp.parallelize(net, strategy, timeout=30, **options)
+    assert not dist.is_initialized()  # the group this call started is gone again
+    assert [id(p) for p in net.parameters()] == params
+    assert all(type(p) is nn.Parameter for p in net.parameters())  # not sharded
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    # The same model can then be parallelized with good options.
+    wrapped = cp.parallelize(net, strategy, timeout=30)
+    assert cp.unwrap(wrapped) is net
+
+
+def test_a_refused_call_keeps_a_group_it_did_not_start(one_rank: None) -> None:
+    with cp.process_group(timeout=30):
+        with pytest.raises(ValueError, match=r"DistributedDataParallel refused"):
+            cp.parallelize(Net(), "ddp", device_ids=[5])
+        assert dist.is_initialized()  # the user's group: left alone
+
+
+def test_already_wrapped_model_still_checks_option_names() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"takes no wrapper options, got \[.bogus.\]"):
+        cp.parallelize(wrapped, "none", bogus=1)
+    assert cp.parallelize(wrapped) is wrapped  # "auto": returned as it is
+
+
+def test_already_wrapped_model_refuses_another_wrapper(one_rank: None) -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(
+        ValueError, match=r"strategy='fsdp'\): the model is already wrapped in DataParallel"
+    ):
+        cp.parallelize(wrapped, "fsdp")
+    with pytest.raises(ValueError, match=r"cudakit.parallel.unwrap\(model\)"):
+        cp.parallelize(wrapped, "ddp")
+    with pytest.raises(TypeError, match=r"'bogus' that DataParallel does not accept"):
+        cp.parallelize(wrapped, bogus=1)  # "auto": checked against the wrapper it has
+    assert not dist.is_initialized()
+
+
+def test_already_wrapped_ddp_model_with_its_own_strategy_is_returned(one_rank: None) -> None:
+    ddp = cp.parallelize(Net(), "ddp", timeout=30)
+    assert cp.parallelize(ddp, "ddp") is ddp
+    assert cp.parallelize(ddp) is ddp
+    with pytest.raises(TypeError, match=r"'bucket_cap'"):
+        cp.parallelize(ddp, "ddp", bucket_cap=25)  # a typo of bucket_cap_mb
+    with pytest.raises(ValueError, match=r"already wrapped in DistributedDataParallel"):
+        cp.parallelize(ddp, "fsdp")
+
+
+# ----------------------------------------------------------- FSDP2 state dict names
+
+
+def test_fsdp2_state_dict_round_trip_keeps_a_submodule_called_module(one_rank: None) -> None:
+    torch.manual_seed(0)
+    model = cp.parallelize(Holder(), "fsdp", timeout=30)
+    sd = cp.state_dict(model)
+    assert sorted(sd) == ["module.0.bias", "module.0.weight", "module.1.bias", "module.1.weight"]
+    changed = {k: v + 1 for k, v in sd.items()}
+    res = cp.load_state_dict(model, changed)
+    assert (res.missing_keys, res.unexpected_keys) == ([], [])
+    after = cp.state_dict(model)
+    assert all(torch.equal(after[k], changed[k]) for k in changed)
+    # A checkpoint saved through a DDP wrapper (keys "module.module.0.weight") loads too.
+    res = cp.load_state_dict(model, {"module." + k: v for k, v in sd.items()})
+    assert (res.missing_keys, res.unexpected_keys) == ([], [])
+    assert all(torch.equal(cp.state_dict(model)[k], sd[k]) for k in sd)
+
+
+# ----------------------------------------------------------------- the exit barrier
+
+
+def test_exit_barrier_waits_under_the_groups_timeout(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(
+        dist,
+        "monitored_barrier",
+        lambda group=None, timeout=None, wait_all_ranks=False: seen.append(timeout),
+    )
+    with cp.process_group(timeout=7):
+        pass
+    assert seen == [datetime.timedelta(seconds=7)]
+
+
+def _slow_rank_one(delay: float) -> float:
+    with cp.process_group(timeout=2):
+        if cp.rank() == 1:
+            time.sleep(delay)
+        done = time.monotonic()
+    return time.monotonic() - done
+
+
+def test_a_rank_that_never_reaches_the_exit_is_given_up_on_after_the_timeout() -> None:
+    waited_0, _ = cp.launch(_slow_rank_one, 8.0, nprocs=2, timeout=60)
+    assert waited_0 < 6.0  # the group's 2 s, not torch's default 30 minutes
+
+
+# ------------------------------------------------------------ memory device errors
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("func", [memory_report, memory_snapshot], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "mps"])
+def test_memory_device_errors_start_with_the_call(func: Any, device: str) -> None:
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(DeviceError) as info:
+        func(device=device)
+    assert str(info.value).startswith(f"{func.__name__}(device={device!r}): ")
