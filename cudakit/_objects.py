@@ -299,12 +299,17 @@ class Registered:
 PROBE_DEPTH = 6
 
 
-def holds_tensor(x: object, depth: int) -> bool:
+def holds_tensor(x: object, depth: int, seen: Mapping[int, Any] | None = None) -> bool:
     """Whether a tensor is reachable from ``x`` within ``depth`` levels.
 
     A cheap probe, bounded to the first ``_PROBE_WIDTH`` values at each level, so an
     unknown object that holds a large structure (a logger's registry) costs little.
+    Objects the walk kept as themselves (``seen``, its memo: modules and optimizers
+    moved in place, tensors already there) hold nothing left behind; a tensor the walk
+    copied is still the old one here.
     """
+    if seen is not None and seen.get(id(x)) is x:
+        return False
     if isinstance(x, _Tensor):
         return True
     if depth == 0 or isinstance(x, LEAVES):
@@ -315,7 +320,7 @@ def holds_tensor(x: object, depth: int) -> bool:
         values = x
     else:
         values = attributes(x).values()
-    return any(holds_tensor(v, depth - 1) for v in itertools.islice(values, _PROBE_WIDTH))
+    return any(holds_tensor(v, depth - 1, seen) for v in itertools.islice(values, _PROBE_WIDTH))
 
 
 _PROBE_WIDTH = 64

@@ -281,7 +281,14 @@ def _dict_subclass(x: dict[Any, Any], c: Ctx) -> Any:
         for k, nv in changed.items():
             res[k] = nv
 
-    return _rebuilt(x, c, "copy.copy(obj)[key] = value", lambda: _shallow_copy(x, assign))
+    def build() -> Any:
+        try:
+            return _shallow_copy(x, assign)
+        except Exception:  # an immutable mapping: built from a dict, as the peers do
+            return type(x)({k: changed.get(k, v) for k, v in x.items()})
+
+    how = "copy.copy(obj)[key] = value, or type(obj)(dict)"
+    return _rebuilt(x, c, how, build)
 
 
 def _mapping(x: Mapping[Any, Any], c: Ctx) -> Any:
@@ -414,10 +421,23 @@ def forget_warnings() -> None:
 
 
 def _unknown(x: Any, c: Ctx) -> Any:
-    """An object of a type the walker does not know: left alone, with a warning if it
-    holds tensors (once per type)."""
-    tp = type(x)
-    if tp not in _WARNED and _holds_tensor(x, _PROBE_DEPTH):
+    """An object of a type the walker does not know: left alone, and probed for tensors
+    when the walk is done (:func:`_warn_left_behind`)."""
+    if type(x) not in _WARNED:
+        c.unknown.append(x)
+    return x
+
+
+def _warn_left_behind(c: Ctx) -> None:
+    """Warn (once per type) for unknown objects that hold tensors this call did not reach.
+
+    Modules, optimizers and tensors the call moved are not probed into: an LR scheduler
+    (its optimizer) or a helper holding the model reaches only what was moved.
+    """
+    for x in c.unknown:
+        tp = type(x)
+        if tp in _WARNED or not _holds_tensor(x, _PROBE_DEPTH, c.memo):
+            continue
         _WARNED.add(tp)
         _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
         name = tp.__name__
@@ -432,7 +452,6 @@ def _unknown(x: Any, c: Ctx) -> Any:
             ),
             stacklevel=_user_stacklevel(),
         )
-    return x
 
 
 def _handler_for(tp: type) -> Handler:
@@ -524,6 +543,8 @@ _get = _DISPATCH.get  # the dict is only ever changed in place
 
 
 def finish(c: Ctx) -> None:
+    if c.unknown:
+        _warn_left_behind(c)
     for action in c.pending:
         action()
     for dev in c.sync:

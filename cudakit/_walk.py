@@ -28,7 +28,9 @@ __all__ = [
 Handler = Callable[[Any, "Ctx"], Any]
 _Tensor = torch.Tensor
 BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
-_SYNC_TARGETS = ("cpu", "meta")  # copies there are synchronous unless forced
+# Copies there are synchronous unless forced. MPS too: a CPU -> MPS non_blocking copy
+# from pageable memory can be read before it lands (pytorch/pytorch#83015).
+_SYNC_TARGETS = ("cpu", "meta", "mps")
 
 
 class NoType:
@@ -38,7 +40,18 @@ class NoType:
 class Ctx:
     """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
 
-    __slots__ = ("device", "hot", "keep", "memo", "nb", "pending", "staging", "sync", "track")
+    __slots__ = (
+        "device",
+        "hot",
+        "keep",
+        "memo",
+        "nb",
+        "pending",
+        "staging",
+        "sync",
+        "track",
+        "unknown",
+    )
 
     def __init__(
         self, device: torch.device, non_blocking: bool | None, staging: Staging | None = None
@@ -59,6 +72,9 @@ class Ctx:
         # In-place moves (modules, optimizer state) run only after the whole traversal
         # succeeded, so an error anywhere leaves everything the user owns untouched.
         self.pending: list[Callable[[], None]] = []
+        # Objects of unknown types met on the way, probed for tensors once the walk is
+        # done: tensors the same call moves (a scheduler's optimizer) are not left behind.
+        self.unknown: list[Any] = []
         # A forced non_blocking copy to the CPU must be waited for before we return.
         self.track = nb and kind[1]
         self.sync: set[torch.device] = set()

@@ -231,3 +231,27 @@ def test_memory_device_errors_start_with_the_call(func: Any, device: str) -> Non
     with pytest.raises(DeviceError) as info:
         func(device=device)
     assert str(info.value).startswith(f"{func.__name__}(device={device!r}): ")
+
+
+# ------------------------------------------------------ distributed_loader drop_last
+
+
+def _shards(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> list[list[int]]:
+    data = torch.utils.data.TensorDataset(torch.arange(11))
+    shards = []
+    for r in range(2):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(r))
+        loader = cp.distributed_loader(data, batch_size=2, shuffle=True, seed=3, **kwargs)
+        loader.sampler.set_epoch(0)  # type: ignore[attr-defined]
+        shards.append([int(i) for (batch,) in loader for i in batch])
+    return shards
+
+
+def test_drop_last_repeats_no_sample_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = _shards(monkeypatch, drop_last=True)
+    assert len(a) == len(b) == 4  # 5 each without repeats, then the last half batch dropped
+    assert not set(a) & set(b)
+    a, b = _shards(monkeypatch)  # drop_last=False: padded with repeats, nothing dropped
+    assert len(a) == len(b) == 6
+    assert set(a) | set(b) == set(range(11))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -15,6 +16,8 @@ __all__ = ["register_container"]
 C = TypeVar("C", bound=type)
 
 _BUILTIN = (dict, list, tuple, set, frozenset, str, bytes, int, float, complex, bool)
+#: Containers whose subclasses (namedtuples too) the walker already walks item by item.
+_WALKED = (dict, list, tuple, set, frozenset, collections.deque)
 
 
 def register_container(
@@ -62,7 +65,9 @@ def register_container(
     Raises:
         TypeError: ``cls`` is not a class, or ``flatten``/``unflatten`` is not callable.
         ValueError: ``cls`` is a tensor, module, optimizer or built-in container type,
-            which cudakit already handles.
+            which cudakit already handles, ``object`` or ``NoneType``; or a subclass of a
+            built-in container (a namedtuple, say) without ``flatten`` and ``unflatten``
+            (the default would move its attributes and leave its items behind).
 
     .. versionadded:: 0.2
     """
@@ -84,13 +89,29 @@ def register_container(
             expected="a function or None",
             fix=f"Pass {arg}=lambda obj: ... or leave it out for the default.",
         )
-    if issubclass(cls, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) or cls in _BUILTIN:
+    if (
+        issubclass(cls, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
+        or cls in _BUILTIN
+        or cls in (object, type(None))
+    ):
         fail_value(
             fn,
             "cls",
             "a class of your own",
             cls,
             f"cudakit already moves {cls.__name__} objects; register only your own classes.",
+        )
+    base = next((b for b in _WALKED if issubclass(cls, b)), None)
+    if base is not None and (flatten is None or unflatten is None):
+        # The default flatten reads attributes only: the items would be left behind.
+        fail_value(
+            fn,
+            "cls",
+            "a class of your own",
+            cls,
+            f"{cls.__name__} is a {base.__name__} subclass: on_device already walks its items "
+            "(keeping its type and attributes). Leave it unregistered, or register it with "
+            "flatten= and unflatten= of your own.",
         )
     register(cls, flatten, unflatten)
     return cls

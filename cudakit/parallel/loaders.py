@@ -134,7 +134,8 @@ def distributed_loader(
 
     Under DDP each rank sees ``len(dataset) / world_size`` samples
     (``DistributedSampler``, padded with repeats so every rank gets the same number
-    of batches and no rank waits forever in an all-reduce). Each ``for`` loop over
+    of batches and no rank waits forever in an all-reduce; with ``drop_last=True``
+    the remainder is dropped instead, so no sample is seen twice). Each ``for`` loop over
     the loader calls ``sampler.set_epoch(epoch)`` first: forgetting it is the classic
     bug that repeats the same order every epoch. The result is a
     :class:`DistributedLoader`, a ``DataLoader`` subclass.
@@ -145,7 +146,9 @@ def distributed_loader(
             ``DataLoader``).
         shuffle: shuffle (identically seeded on every rank).
         seed: the shuffle seed, the same on every rank.
-        drop_last: drop the last incomplete batch of each rank.
+        drop_last: no repeats: the samples that do not divide evenly across the
+            ranks are dropped (``DistributedSampler(drop_last=True)``), then the last
+            incomplete batch of each rank.
         **loader_kwargs: other ``DataLoader`` options (``num_workers``, ``pin_memory``...).
 
     Returns:
@@ -182,7 +185,12 @@ def distributed_loader(
             f"{describe(generator)}. The shuffle is seeded by seed=...; leave generator= out."
         )
     sampler: DistributedSampler[T_co] = DistributedSampler(
-        dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, seed=seed
+        dataset,
+        num_replicas=world_size(),
+        rank=rank(),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
     )
     return DistributedLoader(
         dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last, **loader_kwargs
