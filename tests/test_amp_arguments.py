@@ -282,3 +282,45 @@ def test_a_call_under_no_grad_is_refused_before_the_gradients_are_cleared() -> N
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters(), strict=True))
     assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
     assert train().stepped
+
+
+# ------------------------------------------------------------- a disabled GradScaler
+
+
+def test_the_amp_recipes_switch_turns_both_off() -> None:
+    # torch's AMP recipe: GradScaler(enabled=use_amp) with autocast(enabled=use_amp).
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    use_amp = False
+    step = autocast_step(
+        opt,
+        dtype=torch.float16,
+        enabled=use_amp,
+        scaler=torch.amp.GradScaler("cpu", enabled=use_amp),
+    )
+    assert (step.dtype, step.enabled, step.scaler) == (torch.float32, False, None)
+    ((x, y),) = _batches(1)
+    assert step(lambda: F.cross_entropy(net(x), y))().stepped
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bf16", "fp32"])
+def test_a_disabled_scaler_is_as_no_scaler_outside_fp16(dtype: str) -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    plain = autocast_step(opt, dtype=dtype)
+    step = autocast_step(opt, dtype=dtype, scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert step.dtype == plain.dtype
+    assert step.scaler is None
+
+
+def test_a_disabled_scaler_with_fp16_turns_loss_scaling_off() -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = autocast_step(opt, dtype=torch.float16, scaler=scaler)
+    assert step.dtype == torch.float16
+    assert step.scaler is scaler
+
+
+def test_an_enabled_scaler_with_autocast_off_is_refused() -> None:
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"enabled=False.*GradScaler\(enabled=False\)"):
+        autocast_step(opt, enabled=False, scaler=torch.amp.GradScaler("cpu"))

@@ -276,22 +276,10 @@ def resolve_options(
     device_type = device_type_of(
         [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     )
-    precision = decide_precision(
-        requested,
-        device_type,
-        enabled=enabled,
-        user_scaler=scaler is not None,
-        caps=probe_capabilities(device_type) if requested is None and enabled else _NO_CAPS,
-    )
-    if scaler is not None and precision.dtype != torch.float16:
-        raise ValueError(
-            f"autocast_step(scaler=...) was given with dtype={precision.dtype}; loss "
-            "scaling is only for float16 (bfloat16 has float32's range and needs none). "
-            "Drop scaler=..., or pass dtype=torch.float16."
-        )
-    check_autocast(device_type, precision.dtype, precision.autocast)
-    if precision.scaler and scaler is None:
-        scaler = torch.amp.GradScaler(device_type)
+    # A disabled GradScaler (torch's recipe: GradScaler(enabled=use_amp)) is as no
+    # scaler=, except that with float16 it turns loss scaling off.
+    is_enabled = getattr(scaler, "is_enabled", None)
+    disabled = callable(is_enabled) and not is_enabled()
     if scaler is not None:
         scaler_device = getattr(scaler, "_device", device_type)
         if torch.device(scaler_device).type != device_type:
@@ -300,6 +288,31 @@ def resolve_options(
                 f"optimizer's parameters are on {device_type!r}. Create it as "
                 f"torch.amp.GradScaler({device_type!r})."
             )
+    precision = decide_precision(
+        requested,
+        device_type,
+        enabled=enabled,
+        user_scaler=scaler is not None and not disabled,
+        caps=probe_capabilities(device_type) if requested is None and enabled else _NO_CAPS,
+    )
+    if disabled and precision.dtype != torch.float16:
+        scaler = None
+    if scaler is not None and precision.dtype != torch.float16:
+        if not enabled:
+            raise ValueError(
+                "autocast_step(scaler=...) got an enabled GradScaler with enabled=False "
+                "(autocast off, float32): loss scaling is only for float16. Pass "
+                "GradScaler(enabled=False) too (torch's recipe switches both with one "
+                "flag), or drop scaler=...."
+            )
+        raise ValueError(
+            f"autocast_step(scaler=...) was given with dtype={precision.dtype}; loss "
+            "scaling is only for float16 (bfloat16 has float32's range and needs none). "
+            "Drop scaler=..., or pass dtype=torch.float16."
+        )
+    check_autocast(device_type, precision.dtype, precision.autocast)
+    if precision.scaler and scaler is None:
+        scaler = torch.amp.GradScaler(device_type)
     if requested is None:
         log_choice(device_type, precision)
 
