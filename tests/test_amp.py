@@ -6,7 +6,6 @@ import contextlib
 import copy
 import io
 import os
-import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from launcher_env import free_port
 
 from cudakit.amp import AutocastStep, StepResult, autocast_step
 from cudakit.exceptions import CudakitError, NonFiniteStepsError
@@ -772,12 +772,6 @@ def test_scaler_for_another_device_is_an_error() -> None:
 # ----------------------------------------------------------------------------- distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ddp_worker(rank: int, world: int, port: int, dtype: torch.dtype, out: str) -> None:
     import datetime
 
@@ -825,7 +819,7 @@ def test_ddp_ranks_skip_together(tmp_path: Any, dtype: torch.dtype) -> None:
 
     ctx = mp.start_processes(
         _ddp_worker,
-        args=(2, _free_port(), dtype, str(tmp_path)),
+        args=(2, free_port(), dtype, str(tmp_path)),
         nprocs=2,
         join=False,
         start_method="spawn",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -17,16 +16,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from launcher_env import free_port
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _net() -> torch.nn.Module:
@@ -226,7 +220,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
     out = tmp_path_factory.mktemp("amp_dist")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + 180
     while not ctx.join(timeout=1):

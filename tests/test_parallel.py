@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import socket
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
 from torch import nn
 
 import cudakit.parallel as cp
@@ -24,44 +24,10 @@ from cudakit.parallel import group as cp_group
 from cudakit.parallel import launcher as cp_launcher
 from cudakit.parallel import wrap as cp_wrap
 
-_LAUNCHER_VARS = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def _torchrun(world: int, rank: int = 0, port: int = 29500) -> dict[str, str]:
-    return {
-        "WORLD_SIZE": str(world),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in _LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    yield
-    cp_group.teardown_owned_group()
-    assert not dist.is_initialized()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture
 def single_rank_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    env = _torchrun(1, 0, _free_port())
+    env = torchrun_env(1, 0, free_port())
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
@@ -71,9 +37,9 @@ def single_rank_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 
 ENVS: dict[str, dict[str, str]] = {
     "none": {},
-    "torchrun1": _torchrun(1),
-    "torchrun2": _torchrun(2, 1),
-    "torchrun4": _torchrun(4, 3),
+    "torchrun1": torchrun_env(1),
+    "torchrun2": torchrun_env(2, 1),
+    "torchrun4": torchrun_env(4, 3),
     "partial_multi": {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
     "partial_single": {"WORLD_SIZE": "1", "LOCAL_RANK": "0"},
     "stray_local_rank": {"LOCAL_RANK": "0"},
@@ -175,7 +141,7 @@ def test_choose_strategy_error_messages() -> None:
     with pytest.raises(DeviceError, match=r"the model's device is 'cpu'.* device='cuda'"):
         cp.choose_strategy("dp", env={}, device_count=2, device_type="cpu")
     with pytest.raises(DistributedSetupError, match=r"'dp' \(DataParallel\) inside a launch of 2"):
-        cp.choose_strategy("dp", env=_torchrun(2), device_count=2, device_type="cuda")
+        cp.choose_strategy("dp", env=torchrun_env(2), device_count=2, device_type="cuda")
     with pytest.raises(
         DistributedSetupError,
         match=r"incomplete launcher environment: WORLD_SIZE, RANK, LOCAL_RANK set but "
@@ -190,17 +156,17 @@ def test_choose_strategy_error_messages() -> None:
 def test_read_env_values_and_errors() -> None:
     assert cp.read_env({}) is None
     assert cp.read_env({"LOCAL_RANK": "0"}) is None  # stray variable, single process
-    env = cp.read_env({**_torchrun(4, 3), "LOCAL_WORLD_SIZE": "4"})
+    env = cp.read_env({**torchrun_env(4, 3), "LOCAL_WORLD_SIZE": "4"})
     assert env == cp.DistributedEnv(3, 4, 3, 4, "127.0.0.1", 29500)
     cases = [
-        ({**_torchrun(2), "RANK": "one"}, r"RANK='one' is not an integer"),
-        ({**_torchrun(2), "RANK": "2"}, r"RANK=2 but WORLD_SIZE=2: ranks run from 0"),
-        ({**_torchrun(2), "WORLD_SIZE": "0"}, r"WORLD_SIZE=0 must be >= 1"),
+        ({**torchrun_env(2), "RANK": "one"}, r"RANK='one' is not an integer"),
+        ({**torchrun_env(2), "RANK": "2"}, r"RANK=2 but WORLD_SIZE=2: ranks run from 0"),
+        ({**torchrun_env(2), "WORLD_SIZE": "0"}, r"WORLD_SIZE=0 must be >= 1"),
         (
-            {**_torchrun(2, 1), "LOCAL_WORLD_SIZE": "1"},
+            {**torchrun_env(2, 1), "LOCAL_WORLD_SIZE": "1"},
             r"LOCAL_RANK=1 but LOCAL_WORLD_SIZE=1",
         ),
-        ({**_torchrun(2), "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
+        ({**torchrun_env(2), "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
     ]
     for bad, match in cases:
         with pytest.raises(DistributedSetupError, match=match):
@@ -208,7 +174,7 @@ def test_read_env_values_and_errors() -> None:
 
 
 def test_read_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in _torchrun(2, 1).items():
+    for k, v in torchrun_env(2, 1).items():
         monkeypatch.setenv(k, v)
     env = cp.read_env()
     assert env is not None

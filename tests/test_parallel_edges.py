@@ -4,56 +4,24 @@ FSDP2 state dicts of a submodule really called ``module``, the exit barrier's ti
 from __future__ import annotations
 
 import datetime
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
 from torch import nn
 
 import cudakit.parallel as cp
 from cudakit import memory_report, memory_snapshot
 from cudakit.exceptions import DeviceError
-from cudakit.parallel import group as cp_group
-
-_LAUNCHER_VARS = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in _LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    yield
-    cp_group.teardown_owned_group()
-    assert not dist.is_initialized()
 
 
 @pytest.fixture
 def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's environment for a single rank on a free port."""
-    env = {
-        "WORLD_SIZE": "1",
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-    }
+    env = torchrun_env(1, 0, free_port())
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
