@@ -31,6 +31,7 @@ __all__ = [
     "describe",
     "fail_type",
     "fail_value",
+    "for_attribute",
     "name_error",
 ]
 
@@ -170,6 +171,15 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+def for_attribute(owner: str, attr: str, exc: Exception) -> Exception:
+    """``exc`` from a validator, reworded for an assignment: ``owner.attr = ... expects``."""
+    text = str(exc).replace(f"{owner}({attr}=...)", f"{owner}.{attr} = ...", 1)
+    try:
+        return type(exc)(text)
+    except Exception:  # an exception type that takes other arguments
+        return exc
 
 
 def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]) -> T:

@@ -22,6 +22,7 @@ Handlers for torch objects moved in place (modules, optimizers) are added by
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import io
@@ -284,8 +285,11 @@ def _dict_subclass(x: dict[Any, Any], c: Ctx) -> Any:
     def build() -> Any:
         try:
             return _shallow_copy(x, assign)
-        except Exception:  # an immutable mapping: built from a dict, as the peers do
-            return type(x)({k: changed.get(k, v) for k, v in x.items()})
+        except TypeError:  # an immutable mapping: built from a dict, as the peers do
+            res = type(x)({k: changed.get(k, v) for k, v in x.items()})
+            with contextlib.suppress(Exception):  # its attributes, where it takes them
+                _copy_attributes(x, res)
+            return res
 
     how = "copy.copy(obj)[key] = value, or type(obj)(dict)"
     return _rebuilt(x, c, how, build)
@@ -436,7 +440,11 @@ def _warn_left_behind(c: Ctx) -> None:
     """
     for x in c.unknown:
         tp = type(x)
-        if tp in _WARNED or not _holds_tensor(x, _PROBE_DEPTH, c.memo):
+        try:
+            holds = tp not in _WARNED and _holds_tensor(x, _PROBE_DEPTH, c.memo)
+        except Exception:  # an object whose attributes raise: nothing to say about it
+            holds = False
+        if not holds:
             continue
         _WARNED.add(tp)
         _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf

@@ -363,7 +363,8 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=sorted(_DTYPES),
         default="auto",
-        help="autocast dtype; auto: bf16 where supported natively, else fp16 (default auto)",
+        help="autocast dtype; auto: bf16 where native, else fp16 on a GPU, float32 on a CPU "
+        "without native bf16 (default auto)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps (default auto)")
     p.add_argument(
@@ -378,7 +379,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_int_in(1, MAX_TRAIN_SIZE),
         default=None,
         metavar="N",
-        help="training images (default 2048 on a CPU, 16384 on a GPU); 1/4 as many held out",
+        help="training images (default 2048 on a CPU, 16384 on a GPU); a quarter as many held "
+        "out, at least 256",
     )
     p.add_argument(
         "--nprocs",

@@ -82,7 +82,7 @@ def test_a_scaler_class_is_refused() -> None:
 def test_max_skipped_setter_checks_like_the_constructor(value: Any, error: type[Exception]) -> None:
     step = autocast_step(torch.optim.SGD(_net().parameters(), lr=0.1))
     before = step.max_skipped
-    with pytest.raises(error, match=r"max_skipped=\.\.\.\) expects an int >= 1"):
+    with pytest.raises(error, match=r"^AutocastStep\.max_skipped = \.\.\. expects an int >= 1"):
         step.max_skipped = value
     assert step.max_skipped == before
 
@@ -153,9 +153,9 @@ def test_accumulate_cannot_change_mid_window_and_is_checked() -> None:
         step.accumulate = 4
     assert step.accumulate == 2
     assert step.position == 1
-    with pytest.raises(TypeError, match=r"accumulate=\.\.\.\) expects an int >= 1"):
+    with pytest.raises(TypeError, match=r"^AutocastStep\.accumulate = \.\.\. expects an int >= 1"):
         step.accumulate = 2.0  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=r"accumulate=\.\.\.\) expects an int >= 1"):
+    with pytest.raises(ValueError, match=r"^AutocastStep\.accumulate = \.\.\. expects an int >= 1"):
         step.accumulate = 0
     step.flush()
     step.accumulate = 4
@@ -324,3 +324,109 @@ def test_an_enabled_scaler_with_autocast_off_is_refused() -> None:
     opt = torch.optim.SGD(_net().parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"enabled=False.*GradScaler\(enabled=False\)"):
         autocast_step(opt, enabled=False, scaler=torch.amp.GradScaler("cpu"))
+
+
+# ------------------------------------------ accumulate inside a window's micro-step
+
+
+class _PausableNet(nn.Module):
+    """A model with DDP's no_sync(), recording whether sync was paused at each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.paused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def no_sync(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def paused() -> Any:
+            self.paused = True
+            try:
+                yield
+            finally:
+                self.paused = False
+
+        return paused()
+
+
+def test_accumulate_cannot_change_inside_a_micro_step() -> None:
+    model = _PausableNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
+    ((x, y),) = _batches(1)
+    with step:
+        loss = F.cross_entropy(model(x), y)
+        with pytest.raises(ValueError, match=r"inside `with step:` or the step function"):
+            step.accumulate = 1
+    assert step.backward(loss).stepped is False
+    assert step.accumulate == 2
+
+    def inside() -> torch.Tensor:
+        step.accumulate = 1
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(ValueError, match=r"inside `with step:` or the step function"):
+        step(inside)()
+    assert step.accumulate == 2
+
+
+def test_sync_pauses_after_accumulate_goes_from_one_to_several() -> None:
+    model = _PausableNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, model=model, dtype="fp32", accumulate=1)
+    ((x, y),) = _batches(1)
+    seen: list[bool] = []
+
+    @step
+    def train() -> torch.Tensor:
+        seen.append(model.paused)
+        return F.cross_entropy(model(x), y)
+
+    train()
+    step.accumulate = 3
+    for _ in range(3):
+        train()
+    assert seen == [False, True, True, False]  # only the closing micro-step syncs
+
+
+# ----------------------------------------------------------- preserve_state
+
+
+def test_preserve_state_puts_accumulate_back_and_everything_else() -> None:
+    from cudakit import preserve_state
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype="fp32", accumulate=2)
+    train = step(lambda x, y: F.cross_entropy(net(x), y))
+    batches = _batches(4)
+    train(*batches[0])  # mid-window when the block opens
+    weights = copy.deepcopy(net.state_dict())
+    with preserve_state(net, opt, extra=(step,)):
+        train(*batches[1])  # closes the window
+        step.accumulate = 4
+        train(*batches[2])
+    assert step.accumulate == 2
+    assert step.position == 1
+    assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+
+
+# --------------------------------------------------- disabled scaler checkpoints
+
+
+def test_a_scaled_checkpoint_into_a_step_whose_scaler_is_disabled_is_refused() -> None:
+    state = _fp16_step().state_dict()
+    opt = torch.optim.SGD(_net().parameters(), lr=0.1)
+    off = autocast_step(opt, dtype=torch.float16, scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(
+        ValueError, match=r"taken with loss scaling on, but this step's GradScaler is disabled"
+    ):
+        off.load_state_dict(state)
+    on = _fp16_step()
+    with pytest.raises(ValueError, match=r"taken with a disabled GradScaler, but this step's"):
+        on.load_state_dict(off.state_dict())

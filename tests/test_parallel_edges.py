@@ -64,7 +64,7 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
             {"device_ids": [5]},
             ValueError,
             r"parallelize\(\): DistributedDataParallel refused .*device_ids \[5\].*"
-            r"The model is as it was and no process group was left behind",
+            r"The model is as it was\. The process group this call started was destroyed",
         ),
         (
             "fsdp",
@@ -223,3 +223,47 @@ def test_drop_last_repeats_no_sample_across_ranks(monkeypatch: pytest.MonkeyPatc
     a, b = _shards(monkeypatch)  # drop_last=False: padded with repeats, nothing dropped
     assert len(a) == len(b) == 6
     assert set(a) | set(b) == set(range(11))
+
+
+def test_numpy_integers_reach_the_loader_as_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    loader = cp.distributed_loader(
+        data, batch_size=np.int64(4), seed=np.int64(3), num_workers=np.int64(0)
+    )
+    assert type(loader.batch_size) is int
+    assert type(loader.num_workers) is int
+    assert [len(b) for (b,) in loader] == [4, 4]
+    from cudakit import loader_kwargs
+
+    kw = loader_kwargs("cpu", num_workers=np.int64(1))
+    assert type(kw["num_workers"]) is int
+    assert type(kw["persistent_workers"]) is bool
+
+
+# ------------------------------------------- FSDP2 mid-window autocast_step checkpoints
+
+
+def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: None) -> None:
+    import torch.nn.functional as F
+
+    from cudakit import autocast_step
+
+    torch.manual_seed(0)
+    model = cp.parallelize(Net(), "fsdp", timeout=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
+    train = step(lambda x, y: F.cross_entropy(model(x), y))
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    boundary = step.state_dict()  # position 0: fine
+    train(x, y)
+    assert step.position == 1
+    with pytest.raises(RuntimeError, match=r"state_dict\(\).*FSDP2.*flush\(\)"):
+        step.state_dict()
+    mid = dict(boundary, position=1, grads=[None] * len(list(model.parameters())))
+    with pytest.raises(ValueError, match=r"mid-window.*FSDP2"):
+        step.load_state_dict(mid)
+    assert step.position == 1
+    assert train(x, y).stepped
+    step.load_state_dict(step.state_dict())  # at a boundary: round trip

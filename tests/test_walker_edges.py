@@ -51,8 +51,8 @@ class _Window(collections.deque):  # type: ignore[type-arg]
 def test_registering_a_builtin_container_subclass_is_refused_without_flatten(cls: type) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"register_container\(cls=\.\.\.\) expects a class of your own.*"
-        rf"{cls.__name__} is a .* subclass: on_device already walks its items",
+        match=rf"register_container\(cls=\.\.\.\) expects a class whose items cudakit does "
+        rf"not walk already.*{cls.__name__} is a .* subclass: on_device already walks its items",
     ):
         register_container(cls)
 
@@ -169,3 +169,40 @@ def test_a_tensor_the_call_copies_is_still_left_behind_in_an_unknown_object() ->
         moved, holder = on_device(t, Holder(t), device="meta")
     assert moved.device == META
     assert holder.t is t
+
+
+def test_a_dict_subclass_that_refuses_replacing_a_key_is_a_clear_error() -> None:
+    class WriteOnce(dict):  # type: ignore[type-arg]
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if key in self:
+                raise KeyError(f"{key} already set")
+            super().__setitem__(key, value)
+
+    with pytest.raises(TypeError, match=r"cannot rebuild .*WriteOnce"):
+        on_device(WriteOnce(x=torch.ones(1)), device="meta")
+
+
+def test_an_immutable_dict_subclass_keeps_its_attributes() -> None:
+    fd = _FrozenDict(x=torch.ones(1))
+    fd.tag = "val"  # type: ignore[attr-defined]
+    out = on_device(fd, device="meta")
+    assert out.tag == "val"
+
+
+def test_registering_object_says_why() -> None:
+    with pytest.raises(ValueError, match=r"every class.*Register only your own classes"):
+        register_container(object)
+
+
+def test_an_object_whose_attributes_raise_does_not_break_the_move() -> None:
+    class Weird:
+        __slots__ = ("a",)
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("boom")
+
+    w = Weird()
+    w.a = torch.ones(1)
+    moved, same = on_device(torch.ones(1), w, device="meta")
+    assert moved.device == META
+    assert same is w

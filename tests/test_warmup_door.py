@@ -459,3 +459,32 @@ def test_a_criterion_that_fails_gets_a_note_saying_how_it_was_called() -> None:
         warmup(_net(), _data(), loss_fn=crit)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "This one was called as loss_fn(model(inputs), target)." in notes
+
+
+# ----------------------------------------- example_batch with persistent workers
+
+
+def _first_epoch(take_example: bool) -> list[int]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cudakit.warmup import example_batch
+
+    torch.manual_seed(0)
+    loader = DataLoader(
+        TensorDataset(torch.arange(32)),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    if take_example:
+        example_batch(loader)
+    order = [int(i) for (batch,) in loader for i in batch]
+    second = [int(i) for (batch,) in loader for i in batch]
+    return order + second
+
+
+def test_example_batch_leaves_a_persistent_workers_loader_as_it_was() -> None:
+    # The iterator example_batch made would be reused by the first epoch, which then
+    # skips the draw of the workers' base seed and shuffles differently.
+    assert _first_epoch(take_example=True) == _first_epoch(take_example=False)

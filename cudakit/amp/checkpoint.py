@@ -79,7 +79,9 @@ def _scalar_tensor(value: object, field: str) -> torch.Tensor:
     return value
 
 
-def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mapping[str, Any] | None:
+def _check_scaler(
+    value: object, has_scaler: bool, dtype: torch.dtype, scaling: bool
+) -> Mapping[str, Any] | None:
     if (value is None) != (not has_scaler):
         raise ValueError(
             f"{_WHERE}: the checkpoint was "
@@ -91,7 +93,14 @@ def _check_scaler(value: object, has_scaler: bool, dtype: torch.dtype) -> Mappin
         return None
     if not isinstance(value, Mapping):
         _fail("scaler", "None or the dict from GradScaler.state_dict()", value, TypeError)
-    if not value:  # a disabled scaler's state dict is empty
+    if bool(value) != scaling:  # a disabled scaler's state dict is empty
+        raise ValueError(
+            f"{_WHERE}: the checkpoint was taken with "
+            f"{'loss scaling on' if value else 'a disabled GradScaler'}, but this step's "
+            f"GradScaler is {'disabled' if value else 'enabled'}. Resume with the scaler "
+            "set as in the checkpointed run (GradScaler(enabled=...))."
+        )
+    if not value:
         return value
     for key in _SCALER_KEYS:
         if key not in value:
@@ -137,6 +146,7 @@ def validate(
     has_scaler: bool,
     dtype: torch.dtype,
     params: Sequence[torch.Tensor],
+    scaling: bool = True,
 ) -> Restored:
     """Check a whole state against the step it is loaded into; raise before any change."""
     if not isinstance(state, Mapping):
@@ -169,7 +179,7 @@ def validate(
     consecutive = _count(state, "consecutive_skipped")
     if consecutive > skipped:
         _fail("consecutive_skipped", f"at most skipped_steps={skipped}", consecutive)
-    scaler = _check_scaler(state["scaler"], has_scaler, dtype)
+    scaler = _check_scaler(state["scaler"], has_scaler, dtype, scaling)
 
     raw_grads = state["grads"]
     if not isinstance(raw_grads, (list, tuple)):

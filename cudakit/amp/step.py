@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 from typing_extensions import ParamSpec, Self
 
+from .._check import for_attribute
 from . import checkpoint
 from .buffers import BufferSnapshot
 from .counters import StepCounters
@@ -179,7 +180,10 @@ class AutocastStep:
 
     @max_skipped.setter
     def max_skipped(self, value: int | None) -> None:
-        checked = check_max_skipped("AutocastStep", value)
+        try:
+            checked = check_max_skipped("AutocastStep", value)
+        except (TypeError, ValueError) as exc:
+            raise for_attribute("AutocastStep", "max_skipped", exc) from None
         self._counts.max_skipped = checked if checked is not None else self._default_max_skipped
 
     @property
@@ -201,9 +205,22 @@ class AutocastStep:
 
     @accumulate.setter
     def accumulate(self, value: int) -> None:
-        checked = check_accumulate("AutocastStep", value)
+        try:
+            checked = check_accumulate("AutocastStep", value)
+        except (TypeError, ValueError) as exc:
+            raise for_attribute("AutocastStep", "accumulate", exc) from None
+        if checked == self._accumulate:
+            return
+        active = _ACTIVE.get()
+        if self._block is not None or (active is not None and active[0] is self):
+            # This micro-step already decided whether it syncs and steps.
+            raise ValueError(
+                "AutocastStep.accumulate cannot change inside `with step:` or the step "
+                "function: this micro-step already decided whether it syncs gradients and "
+                "steps. Set it between calls, after the window's optimizer step."
+            )
         position = self._window.position
-        if position and checked != self._accumulate:
+        if position:
             raise ValueError(
                 f"AutocastStep.accumulate can change only between windows: this window holds "
                 f"{position} of {self._accumulate} micro-steps. Set it after the window's "
@@ -594,6 +611,14 @@ class AutocastStep:
         (0, 0, None)
         """
         self._stepper.settle()
+        if self._window.position and self._sync.kind == "fsdp":
+            raise RuntimeError(
+                f"AutocastStep.state_dict() mid-window ({self._window.position} of "
+                f"{self._accumulate} micro-steps) under FSDP2: the window's gradients live "
+                "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
+                "cannot be checkpointed. Take the checkpoint after the window's optimizer "
+                "step (step.position == 0), or call step.flush() first."
+            )
         return checkpoint.capture(
             accumulate=self._accumulate,
             window=self._window,
@@ -602,6 +627,23 @@ class AutocastStep:
             params=self._stepper.params(),
             buffers=self._buffers,
         )
+
+    def _cudakit_restore(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load_state_dict` with the state's ``accumulate`` too, for ``preserve_state``.
+
+        A warm-up block may close a window and change ``accumulate``; putting the step
+        back exactly means taking the saved value as well, which a resume does not
+        (there the step's own ``accumulate`` wins at a window boundary).
+        """
+        saved = state.get("accumulate") if isinstance(state, Mapping) else None
+        previous = self._accumulate
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+            self._accumulate = self._window.accumulate = saved
+        try:
+            self.load_state_dict(state)
+        except BaseException:
+            self._accumulate = self._window.accumulate = previous
+            raise
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
@@ -622,7 +664,15 @@ class AutocastStep:
             has_scaler=self.scaler is not None,
             dtype=self.dtype,
             params=params,
+            scaling=self._scaling,
         )
+        if restored.position and self._sync.kind == "fsdp":
+            raise ValueError(
+                "AutocastStep.load_state_dict(): the state is mid-window (position "
+                f"{restored.position}), but this step trains an FSDP2 model, whose "
+                "accumulated gradients cannot be restored. Resume from a checkpoint taken at "
+                "a window boundary (step.position == 0)."
+            )
         saved_buffers = state.get("window_buffers")
         buffers = (
             self._buffers.check(saved_buffers)

@@ -99,7 +99,7 @@ def loader_kwargs(
     .. versionadded:: 0.1
     """
     fn = "loader_kwargs"
-    check_optional(
+    num_workers = check_optional(
         check_int,
         fn,
         "num_workers",

@@ -89,11 +89,17 @@ def register_container(
             expected="a function or None",
             fix=f"Pass {arg}=lambda obj: ... or leave it out for the default.",
         )
-    if (
-        issubclass(cls, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
-        or cls in _BUILTIN
-        or cls in (object, type(None))
-    ):
+    if cls in (object, type(None)):
+        fail_value(
+            fn,
+            "cls",
+            "a class of your own",
+            cls,
+            f"Registering {cls.__name__} would make every "
+            f"{'class' if cls is object else 'None'} a container. Register only your own "
+            "classes.",
+        )
+    if issubclass(cls, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) or cls in _BUILTIN:
         fail_value(
             fn,
             "cls",
@@ -107,7 +113,7 @@ def register_container(
         fail_value(
             fn,
             "cls",
-            "a class of your own",
+            "a class whose items cudakit does not walk already",
             cls,
             f"{cls.__name__} is a {base.__name__} subclass: on_device already walks its items "
             "(keeping its type and attributes). Leave it unregistered, or register it with "

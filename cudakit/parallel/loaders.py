@@ -164,9 +164,9 @@ def distributed_loader(
     """
     _check_dataset(dataset)
     if batch_size is not None:
-        check_int("distributed_loader", "batch_size", batch_size, minimum=1)
+        batch_size = check_int("distributed_loader", "batch_size", batch_size, minimum=1)
     check_bool("distributed_loader", "shuffle", shuffle)
-    check_int("distributed_loader", "seed", seed, minimum=-(2**63), maximum=2**63 - 1)
+    seed = check_int("distributed_loader", "seed", seed, minimum=-(2**63), maximum=2**63 - 1)
     check_bool("distributed_loader", "drop_last", drop_last)
     if batch_size is None and drop_last:
         raise ValueError(
@@ -175,9 +175,14 @@ def distributed_loader(
             "drop_last=False."
         )
     _check_loader_kwargs(loader_kwargs)
-    workers = loader_kwargs.get("num_workers", 0)
-    check_int("distributed_loader", "num_workers", workers, minimum=0,
-              fix="Pass 0 to load in the main process.")  # fmt: skip
+    if "num_workers" in loader_kwargs:
+        loader_kwargs["num_workers"] = check_int(
+            "distributed_loader",
+            "num_workers",
+            loader_kwargs["num_workers"],
+            minimum=0,
+            fix="Pass 0 to load in the main process.",
+        )
     generator = loader_kwargs.get("generator")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(

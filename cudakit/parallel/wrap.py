@@ -359,24 +359,18 @@ def _sharded(module: nn.Module) -> bool:
     return _get_module_state(module) is not None
 
 
-def _device_of(model: nn.Module) -> torch.device | None:
-    """The one device every parameter and buffer is on (None: several, or none)."""
-    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
-    return devices.pop() if len(devices) == 1 else None
+def _devices_of(model: nn.Module) -> set[torch.device]:
+    """The devices the model's parameters and buffers are on."""
+    return {t.device for t in itertools.chain(model.parameters(), model.buffers())}
 
 
-def _refused(exc: Exception, kind: str, partly_sharded: bool) -> Exception:
+def _refused(exc: Exception, kind: str, undone: str) -> Exception:
     """The wrapper's own TypeError/ValueError, its text naming parallelize() and the wrapper."""
     if type(exc) not in (TypeError, ValueError):
         return exc
-    undone = (
-        " Some of its blocks were already sharded: build the model again before retrying."
-        if partly_sharded
-        else " The model is as it was and no process group was left behind."
-    )
     return type(exc)(
         f"parallelize(): {_WRAPPER_NAMES[kind]} refused the model or the options passed "
-        f"through parallelize(**ddp_kwargs): {exc}{undone}"
+        f"through parallelize(**ddp_kwargs): {exc} {undone}"
     )
 
 
@@ -404,7 +398,7 @@ def _distribute(
         plan.backend, timeout, facts, plan.device, announce=False
     )  # logged once, below
     dev = plan.device
-    was_on = _device_of(model)
+    was_on = _devices_of(model)
     try:
         if dev.type == "cuda" and current_cuda_index() != dev.index:
             torch.cuda.set_device(dev)
@@ -415,12 +409,18 @@ def _distribute(
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
     except Exception as exc:
         # A refused call leaves the model where it was and no group behind it.
-        partly_sharded = any(_sharded(m) for m in model.modules())
-        if not partly_sharded and was_on is not None and was_on != dev:
-            model.to(was_on)
+        if any(_sharded(m) for m in model.modules()):
+            undone = "Some of its blocks were already sharded: build the model again."
+        elif len(was_on) > 1:
+            undone = f"Its tensors were on several devices; they are now all on {dev}."
+        else:
+            if was_on and dev not in was_on:
+                model.to(next(iter(was_on)))
+            undone = "The model is as it was."
         if info.created:
             teardown_owned_group()
-        raise _refused(exc, plan.strategy, partly_sharded) from exc
+            undone += " The process group this call started was destroyed."
+        raise _refused(exc, plan.strategy, undone) from exc
     _announce(
         "cudakit: parallelize(strategy=%r) -> %s on %s (rank %d of %d, backend %s, %s)",
         plan.request,

@@ -78,10 +78,16 @@ def example_batch(loader: Iterable[T], /) -> T:
         fail_type("example_batch", "loader", "a DataLoader or another iterable of batches", loader)
     rng = RngState(_generators(loader))
     epochs = _epoch_counters(loader)
+    # A DataLoader with persistent workers keeps the iterator its first iter() made
+    # (None until then); its first epoch must still make its own (drawing its seed).
+    dl = loader if isinstance(loader, torch.utils.data.DataLoader) else None
+    fresh = dl is not None and dl._iterator is None
     try:
         for batch in loader:
             return batch
     finally:
+        if fresh and dl is not None:
+            _drop_iterator(dl)
         rng.restore()
         for owner, epoch in epochs:  # a DistributedLoader counts iter() calls as epochs
             owner.epoch = epoch
@@ -92,6 +98,17 @@ def example_batch(loader: Iterable[T], /) -> T:
         loader,
         "Check the dataset's length and drop_last= against batch_size=.",
     )
+
+
+def _drop_iterator(loader: torch.utils.data.DataLoader[Any]) -> None:
+    """Forget (and stop the workers of) the persistent iterator this call made."""
+    made = loader._iterator
+    if made is None:
+        return
+    loader._iterator = None
+    shutdown = getattr(made, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 def _epoch_counters(loader: object) -> list[tuple[Any, int]]:

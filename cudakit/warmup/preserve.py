@@ -145,8 +145,14 @@ class _Snapshot:
         with torch.no_grad():
             # Extras first: their load_state_dict() may set tensors (AutocastStep rebinds
             # .grad mid-window) that the exact restore below must have the last word on.
+            failed: BaseException | None = None
             for obj, state in self.extra:
-                obj.load_state_dict(state)
+                # An AutocastStep puts its accumulate back too (a resume would not).
+                load = getattr(obj, "_cudakit_restore", None) or obj.load_state_dict
+                try:
+                    load(state)
+                except BaseException as exc:  # restore the rest, then raise the first
+                    failed = failed or exc
             for m, attrs, slots in self.modules:
                 _restore_dict(vars(m), attrs)
                 for target, saved_slots in slots:
@@ -172,6 +178,8 @@ class _Snapshot:
                     saved["params"] = params_obj
                     _restore_dict(g, saved)
         self.rng.restore()
+        if failed is not None:
+            raise failed
 
 
 class preserve_state(ContextDecorator):
