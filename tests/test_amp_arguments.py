@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from cudakit import autocast_step
@@ -108,8 +110,12 @@ def test_numpy_integers_are_taken_as_ints() -> None:
     assert type(step.accumulate) is int
 
 
-def _hand_written(schedule: list[int], batches: list[Any]) -> dict[str, torch.Tensor]:
-    """A hand-written fp32 loop whose accumulation changes between windows."""
+def _hand_written(
+    schedule: list[int], batches: list[Any], partial: int = 0
+) -> dict[str, torch.Tensor]:
+    """A hand-written fp32 loop whose accumulation changes between windows; a last
+    window of ``partial`` micro-steps is stepped as documented for flush(): the losses
+    divided by the window's accumulate, the gradients then rescaled by accumulate/k."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     it = iter(batches)
@@ -118,6 +124,16 @@ def _hand_written(schedule: list[int], batches: list[Any]) -> dict[str, torch.Te
         for _ in range(k):
             x, y = next(it)
             (F.cross_entropy(net(x), y) / k).backward()
+        opt.step()
+    if partial:
+        k = schedule[-1]
+        opt.zero_grad()
+        for _ in range(partial):
+            x, y = next(it)
+            (F.cross_entropy(net(x), y) / k).backward()
+        for p in net.parameters():
+            assert p.grad is not None
+            p.grad.mul_(k / partial)
         opt.step()
     return net.state_dict()
 
@@ -430,3 +446,35 @@ def test_a_scaled_checkpoint_into_a_step_whose_scaler_is_disabled_is_refused() -
     on = _fp16_step()
     with pytest.raises(ValueError, match=r"taken with a disabled GradScaler, but this step's"):
         on.load_state_dict(off.state_dict())
+
+
+# --------------------------------------------- property: any accumulation schedule
+
+
+@given(
+    schedule=st.lists(st.integers(1, 4), min_size=1, max_size=5),
+    flush_last=st.integers(0, 3),
+)
+@settings(max_examples=25)
+def test_any_accumulation_schedule_matches_the_hand_written_loop(
+    schedule: list[int], flush_last: int
+) -> None:
+    """accumulate set at every window boundary, a partial window flushed at the end."""
+    partial = min(flush_last, schedule[-1] - 1)  # micro-steps of an unfinished last window
+    batches = _batches(sum(schedule) + partial)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, dtype="fp32", accumulate=schedule[0])
+    train = step(lambda x, y: F.cross_entropy(net(x), y))
+    it = iter(batches)
+    for k in schedule:
+        step.accumulate = k
+        for _ in range(k):
+            train(*next(it))
+    for _ in range(partial):
+        train(*next(it))
+    if partial:
+        assert train.flush().stepped
+    ref = _hand_written(schedule, batches, partial=partial)
+    assert all(torch.equal(ref[k], v) for k, v in net.state_dict().items())
+    assert step.steps == len(schedule) + (1 if partial else 0)
