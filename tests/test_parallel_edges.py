@@ -267,3 +267,38 @@ def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: Non
     assert step.position == 1
     assert train(x, y).stepped
     step.load_state_dict(step.state_dict())  # at a boundary: round trip
+
+
+# -------------------------------------------------- "auto" still checks option names
+
+
+def test_auto_on_one_device_refuses_a_misspelt_ddp_option() -> None:
+    with pytest.raises(TypeError, match=r"'find_unused_paramters' that DistributedDataParallel"):
+        cp.parallelize(nn.Linear(2, 2), device="cpu", find_unused_paramters=True)
+    net = nn.Linear(2, 2)
+    assert cp.parallelize(net, device="cpu", find_unused_parameters=True) is net  # ignored
+
+
+# ------------------------------------------- main_process_first before any group
+
+
+def test_main_process_first_warns_when_launched_ranks_have_no_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    ran = []
+    warned = pytest.warns(RuntimeWarning, match=r"no process group is running yet.*process_group")
+    with warned, cp.main_process_first():
+        ran.append(True)
+    assert ran == [True]
+
+
+def test_main_process_first_is_quiet_in_one_process() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block = cp.main_process_first()
+        block.__enter__()
+        block.__exit__(None, None, None)

@@ -6,6 +6,7 @@ distributed environment.
 
 from __future__ import annotations
 
+import warnings
 from types import TracebackType
 
 import torch
@@ -102,7 +103,9 @@ class main_process_first(ContextDecorator):
     The other ranks wait in a barrier until the main process has finished the
     block (also when it raised: they are released rather than left hanging until
     the timeout). Without an initialised process group of more than one process it
-    simply runs the block. Works as ``@main_process_first()`` too.
+    simply runs the block; under a launcher with several ranks but no group yet it
+    warns that the ranks are not ordered (enter :func:`process_group` first). Works
+    as ``@main_process_first()`` too.
 
     Args:
         local: main process per node (local rank 0) instead of global rank 0; use it
@@ -124,7 +127,18 @@ class main_process_first(ContextDecorator):
         return type(self)(local=self.local)
 
     def __enter__(self) -> None:
-        self._sync = is_group_running() and group_world_size() > 1
+        running = is_group_running()
+        if not running and current_world_size() > 1:
+            warnings.warn(
+                "main_process_first(): this process is one of "
+                f"{current_world_size()} launched ranks, but no process group is running "
+                "yet, so the ranks run the block at the same time. Enter "
+                "cudakit.parallel.process_group(timeout=...) (or call parallelize()) first; "
+                "give it a timeout longer than the block takes.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._sync = running and group_world_size() > 1
         if self._sync and not is_main_process(local=self.local):
             barrier()
 

@@ -317,6 +317,9 @@ def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
     _check_not_meta(model, plan.device)
     _check_option_names(plan.strategy, plan.wrapper_kwargs)
+    # Under "auto" they are DDP's options even when this run picks no DDP: a typo must
+    # not wait for the first torchrun launch to show.
+    _check_option_names("ddp", plan.ignored)
     if plan.strategy == "fsdp":
         _check_fsdp_options(plan.wrapper_kwargs)
     if plan.strategy == "ddp" and not any(p.requires_grad for p in model.parameters()):
@@ -499,7 +502,8 @@ def parallelize(
         timeout: collective timeout in seconds or a ``timedelta`` (default 600 s).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (or to ``fully_shard``
             for ``"fsdp"``, to ``DataParallel`` for an explicit ``"dp"``). Under
-            ``"auto"`` they are ignored, with a log line, when no DDP is chosen.
+            ``"auto"`` they are ignored, with a log line, when no DDP is chosen (their
+            names are still checked against ``DistributedDataParallel``).
 
     Returns:
         The model, moved and possibly wrapped; use ``unwrap`` to get yours back.
