@@ -478,3 +478,48 @@ def test_any_accumulation_schedule_matches_the_hand_written_loop(
     ref = _hand_written(schedule, batches, partial=partial)
     assert all(torch.equal(ref[k], v) for k, v in net.state_dict().items())
     assert step.steps == len(schedule) + (1 if partial else 0)
+
+
+def test_accumulate_cannot_change_between_the_block_and_its_backward() -> None:
+    model = _PausableNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
+    ((x, y),) = _batches(1)
+    with step:  # this micro-step will not step: sync paused for its forward
+        loss = F.cross_entropy(model(x), y)
+    with pytest.raises(ValueError, match=r"between the block and its step\.backward\(\)"):
+        step.accumulate = 1
+    assert step.backward(loss).stepped is False
+    step.accumulate = 2  # unchanged value: always fine
+    with pytest.raises(RuntimeError, match="boom"), step:
+        raise RuntimeError("boom")
+    with pytest.raises(ValueError, match=r"only between windows: this window holds 1 of 2"):
+        step.accumulate = 3  # the abandoned block no longer blocks; the window does
+
+
+def test_preserve_state_keeps_the_blocks_own_exception() -> None:
+    from cudakit import preserve_state
+
+    class Broken:
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise RuntimeError("cannot restore")
+
+    net = _net()
+    weights = copy.deepcopy(net.state_dict())
+
+    def interrupted() -> None:
+        with preserve_state(net, extra=(Broken(),)):
+            with torch.no_grad():
+                net[0].weight.add_(1)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        interrupted()
+    assert any("cannot restore" in note for note in getattr(info.value, "__notes__", []))
+    assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+    clean = preserve_state(net, extra=(Broken(),))
+    with pytest.raises(RuntimeError, match="cannot restore"), clean:
+        pass  # a clean exit: the restore's error is raised

@@ -121,7 +121,7 @@ def test_already_wrapped_model_refuses_another_wrapper(one_rank: None) -> None:
         cp.parallelize(wrapped, "fsdp")
     with pytest.raises(ValueError, match=r"cudakit.parallel.unwrap\(model\)"):
         cp.parallelize(wrapped, "ddp")
-    with pytest.raises(TypeError, match=r"'bogus' that DataParallel does not accept"):
+    with pytest.raises(TypeError, match=r"'bogus' that DistributedDataParallel \(strategy='auto'"):
         cp.parallelize(wrapped, bogus=1)  # "auto": checked against the wrapper it has
     assert not dist.is_initialized()
 
@@ -302,3 +302,33 @@ def test_main_process_first_is_quiet_in_one_process() -> None:
         block = cp.main_process_first()
         block.__enter__()
         block.__exit__(None, None, None)
+
+
+def test_a_refused_ddp_on_meta_is_refused_before_anything(one_rank: None) -> None:
+    net = Net()
+    with pytest.raises(ValueError, match=r"parallelize\(device='meta'\) with DDP"):
+        cp.parallelize(net, "ddp", device="meta")
+    assert not dist.is_initialized()
+    assert all(p.device.type == "cpu" for p in net.parameters())
+
+
+def test_a_failed_move_back_still_destroys_the_group(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudakit.parallel import wrap as cp_wrap
+
+    class Refusing(nn.parallel.DistributedDataParallel):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ValueError("DDP says no")
+
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", Refusing)
+    # Where the model "was": a device it cannot go back to on this machine.
+    monkeypatch.setattr(cp_wrap, "_devices_of", lambda model: {torch.device("cuda", 7)})
+    with pytest.raises(ValueError, match=r"DDP says no.*Moving it back to cuda:7 failed too"):
+        cp.parallelize(Net(), "ddp", timeout=30)
+    assert not dist.is_initialized()
+
+
+def test_auto_checks_a_wrapped_models_options_as_ddp_options() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    assert cp.parallelize(wrapped, find_unused_parameters=True) is wrapped

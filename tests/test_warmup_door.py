@@ -464,7 +464,7 @@ def test_a_criterion_that_fails_gets_a_note_saying_how_it_was_called() -> None:
 # ----------------------------------------- example_batch with persistent workers
 
 
-def _first_epoch(take_example: bool) -> list[int]:
+def _first_epoch(take_example: bool, wrap: bool = False) -> list[int]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from cudakit.warmup import example_batch
@@ -477,10 +477,15 @@ def _first_epoch(take_example: bool) -> list[int]:
         num_workers=2,
         persistent_workers=True,
     )
+    source: Any = loader
+    if wrap:
+        from cudakit import prefetch
+
+        source = prefetch(loader, "cpu")
     if take_example:
-        example_batch(loader)
-    order = [int(i) for (batch,) in loader for i in batch]
-    second = [int(i) for (batch,) in loader for i in batch]
+        example_batch(source)
+    order = [int(i) for (batch,) in source for i in batch]
+    second = [int(i) for (batch,) in source for i in batch]
     return order + second
 
 
@@ -488,3 +493,7 @@ def test_example_batch_leaves_a_persistent_workers_loader_as_it_was() -> None:
     # The iterator example_batch made would be reused by the first epoch, which then
     # skips the draw of the workers' base seed and shuffles differently.
     assert _first_epoch(take_example=True) == _first_epoch(take_example=False)
+
+
+def test_example_batch_through_prefetch_leaves_a_persistent_loader_as_it_was() -> None:
+    assert _first_epoch(take_example=True, wrap=True) == _first_epoch(take_example=False, wrap=True)

@@ -157,6 +157,8 @@ class AutocastStep:
             | None
         ) = None
         self._warned_block_compile = False
+        # From `with step:` until its backward(): the micro-step's sync is decided.
+        self._awaiting_backward = False
         self._as_decorated = (self, "decorated")
         self._as_block = (self, "block")
 
@@ -212,12 +214,13 @@ class AutocastStep:
         if checked == self._accumulate:
             return
         active = _ACTIVE.get()
-        if self._block is not None or (active is not None and active[0] is self):
+        if self._awaiting_backward or (active is not None and active[0] is self):
             # This micro-step already decided whether it syncs and steps.
             raise ValueError(
                 "AutocastStep.accumulate cannot change inside `with step:` or the step "
-                "function: this micro-step already decided whether it syncs gradients and "
-                "steps. Set it between calls, after the window's optimizer step."
+                "function, nor between the block and its step.backward(): this micro-step "
+                "already decided whether it syncs gradients and steps. Set it between "
+                "calls, after the window's optimizer step."
             )
         position = self._window.position
         if position:
@@ -412,6 +415,7 @@ class AutocastStep:
             self._unwind(token, autocast, paused, None, None, None)
             raise
         self._block = (token, autocast, paused)
+        self._awaiting_backward = True
         return self
 
     @staticmethod
@@ -441,6 +445,8 @@ class AutocastStep:
         tb: TracebackType | None,
     ) -> None:
         block, self._block = self._block, None
+        if exc_type is not None:
+            self._awaiting_backward = False  # the micro-step was abandoned
         if block is not None:
             self._unwind(*block, exc_type, exc, tb)
 
@@ -501,6 +507,7 @@ class AutocastStep:
             self._backward(tensor, weight)
             if block is not None and block[2] is not None:
                 self._window.unsynced = True
+        self._awaiting_backward = False  # the micro-step is counted below
         return self._after_backward(tensor.detach(), loss)
 
     # ------------------------------------------------------------------ shared machinery
@@ -616,8 +623,9 @@ class AutocastStep:
                 f"AutocastStep.state_dict() mid-window ({self._window.position} of "
                 f"{self._accumulate} micro-steps) under FSDP2: the window's gradients live "
                 "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
-                "cannot be checkpointed. Take the checkpoint after the window's optimizer "
-                "step (step.position == 0), or call step.flush() first."
+                "cannot be checkpointed (preserve_state(extra=(step,)) and warmup(amp=step) "
+                "take this state too). Take it after the window's optimizer step "
+                "(step.position == 0), or call step.flush() first."
             )
         return checkpoint.capture(
             accumulate=self._accumulate,

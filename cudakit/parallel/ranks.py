@@ -22,6 +22,7 @@ from .._dist import (
     is_group_running,
     launched_local_rank,
 )
+from .._objects import user_stacklevel
 
 __all__ = [
     "barrier",
@@ -136,7 +137,7 @@ class main_process_first(ContextDecorator):
                 "cudakit.parallel.process_group(timeout=...) (or call parallelize()) first; "
                 "give it a timeout longer than the block takes.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         self._sync = running and group_world_size() > 1
         if self._sync and not is_main_process(local=self.local):

@@ -285,10 +285,16 @@ def _wrapper_target(kind: str) -> Callable[..., Any]:
     return nn.DataParallel.__init__
 
 
-def _check_option_names(kind: str, options: Mapping[str, Any]) -> None:
+def _check_option_names(kind: str, options: Mapping[str, Any], *, auto: bool = False) -> None:
     """Unknown wrapper options are a TypeError listing the valid ones."""
     if kind in _WRAPPER_NAMES and options:
-        _check_kwargs(_wrapper_target(kind), options, _WRAPPER_NAMES[kind])
+        what = _WRAPPER_NAMES[kind]
+        if auto:
+            what += (
+                " (strategy='auto' passes its options to DDP under torchrun; fully_shard()'s "
+                "need strategy='fsdp')"
+            )
+        _check_kwargs(_wrapper_target(kind), options, what)
 
 
 def _check_fsdp_options(options: Mapping[str, Any]) -> None:
@@ -319,9 +325,16 @@ def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     _check_option_names(plan.strategy, plan.wrapper_kwargs)
     # Under "auto" they are DDP's options even when this run picks no DDP: a typo must
     # not wait for the first torchrun launch to show.
-    _check_option_names("ddp", plan.ignored)
+    _check_option_names("ddp", plan.ignored, auto=True)
     if plan.strategy == "fsdp":
         _check_fsdp_options(plan.wrapper_kwargs)
+    if plan.strategy == "ddp" and plan.device.type == "meta":
+        raise ValueError(
+            "parallelize(device='meta') with DDP: DistributedDataParallel broadcasts the "
+            "weights from rank 0, and meta tensors hold no data. Pass the training device "
+            "(or None); to build a large model without memory use strategy='fsdp' on the "
+            "meta device, then model.to_empty(...) and initialise it."
+        )
     if plan.strategy == "ddp" and not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             "parallelize() with DDP needs a model with trainable parameters, but "
@@ -348,7 +361,10 @@ def _check_wrapped(model: nn.Module, kind: str, request: str, options: Mapping[s
             "two wrappers. Pass the bare model (cudakit.parallel.unwrap(model)), or "
             "strategy='auto' to keep the wrapper it has."
         )
-    _check_option_names(kind, options)
+    if request == "auto":  # the options are DDP's, as for a bare model under "auto"
+        _check_option_names("ddp", options, auto=True)
+    else:
+        _check_option_names(kind, options)
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -360,6 +376,20 @@ def _sharded(module: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - a torch without the composable registry
         return False
     return _get_module_state(module) is not None
+
+
+def _undo_move(model: nn.Module, was_on: set[torch.device], dev: torch.device) -> str:
+    """Move a model the wrapper refused back where it was; say what could be undone."""
+    if any(_sharded(m) for m in model.modules()):
+        return "Some of its blocks were already sharded: build the model again."
+    if len(was_on) > 1:
+        return f"Its tensors were on several devices; they are now all on {dev}."
+    if was_on and dev not in was_on:
+        try:
+            model.to(next(iter(was_on)))
+        except Exception as err:  # e.g. nothing to copy back from the meta device
+            return f"Moving it back to {next(iter(was_on))} failed too ({err!r})."
+    return "The model is as it was."
 
 
 def _devices_of(model: nn.Module) -> set[torch.device]:
@@ -412,16 +442,12 @@ def _distribute(
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
     except Exception as exc:
         # A refused call leaves the model where it was and no group behind it.
-        if any(_sharded(m) for m in model.modules()):
-            undone = "Some of its blocks were already sharded: build the model again."
-        elif len(was_on) > 1:
-            undone = f"Its tensors were on several devices; they are now all on {dev}."
-        else:
-            if was_on and dev not in was_on:
-                model.to(next(iter(was_on)))
-            undone = "The model is as it was."
+        try:
+            undone = _undo_move(model, was_on, dev)
+        finally:  # whatever the move back did, the group this call started goes
+            if info.created:
+                teardown_owned_group()
         if info.created:
-            teardown_owned_group()
             undone += " The process group this call started was destroyed."
         raise _refused(exc, plan.strategy, undone) from exc
     _announce(

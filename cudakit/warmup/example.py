@@ -80,7 +80,7 @@ def example_batch(loader: Iterable[T], /) -> T:
     epochs = _epoch_counters(loader)
     # A DataLoader with persistent workers keeps the iterator its first iter() made
     # (None until then); its first epoch must still make its own (drawing its seed).
-    dl = loader if isinstance(loader, torch.utils.data.DataLoader) else None
+    dl = _data_loader(loader)
     fresh = dl is not None and dl._iterator is None
     try:
         for batch in loader:
@@ -98,6 +98,18 @@ def example_batch(loader: Iterable[T], /) -> T:
         loader,
         "Check the dataset's length and drop_last= against batch_size=.",
     )
+
+
+def _data_loader(loader: object) -> torch.utils.data.DataLoader[Any] | None:
+    """The DataLoader under ``loader``: itself, or what a wrapper (``prefetch``) holds."""
+    for _ in range(4):  # wrappers of wrappers, a few deep
+        if isinstance(loader, torch.utils.data.DataLoader):
+            return loader
+        inner = getattr(loader, "loader", None)
+        if inner is None or inner is loader:
+            return None
+        loader = inner
+    return None
 
 
 def _drop_iterator(loader: torch.utils.data.DataLoader[Any]) -> None:

@@ -141,7 +141,8 @@ class _Snapshot:
             self.extra = [(obj, copy.deepcopy(obj.state_dict())) for obj in extra]
         self.rng = RngState()
 
-    def restore(self) -> None:
+    def restore(self) -> BaseException | None:
+        """Put everything back; the first error an extra's restore raised, if any."""
         with torch.no_grad():
             # Extras first: their load_state_dict() may set tensors (AutocastStep rebinds
             # .grad mid-window) that the exact restore below must have the last word on.
@@ -178,8 +179,7 @@ class _Snapshot:
                     saved["params"] = params_obj
                     _restore_dict(g, saved)
         self.rng.restore()
-        if failed is not None:
-            raise failed
+        return failed
 
 
 class preserve_state(ContextDecorator):
@@ -245,4 +245,13 @@ class preserve_state(ContextDecorator):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._snapshots.pop().restore()
+        failed = self._snapshots.pop().restore()
+        if failed is None:
+            return
+        if exc is None:
+            raise failed
+        # The block's own exception (a Ctrl-C, say) goes on; the restore's is noted on it.
+        exc.add_note(
+            f"preserve_state(): restoring an extra object also failed: {failed!r}; "
+            "everything else was put back."
+        )
