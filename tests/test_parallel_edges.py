@@ -332,3 +332,23 @@ def test_a_failed_move_back_still_destroys_the_group(
 def test_auto_checks_a_wrapped_models_options_as_ddp_options() -> None:
     wrapped = nn.DataParallel(nn.Linear(2, 2))
     assert cp.parallelize(wrapped, find_unused_parameters=True) is wrapped
+
+
+def test_preserve_state_says_when_fsdp2_keeps_a_blocks_gradients(one_rank: None) -> None:
+    import torch.nn.functional as F
+
+    from cudakit import autocast_step, preserve_state
+
+    torch.manual_seed(0)
+    model = cp.parallelize(Net(), "fsdp", timeout=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
+    train = step(lambda x, y: F.cross_entropy(model(x), y))
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    refused = pytest.raises(RuntimeError, match=r"FSDP2 keeps their gradients inside itself")
+    with refused, preserve_state(model, opt, extra=(step,)):
+        train(x, y)  # half a window, without gradient sync
+    with preserve_state(model, opt, extra=(step,)):
+        train(x, y)
+        train(x, y)  # a whole window: nothing left inside FSDP2
+    assert step.position == 0

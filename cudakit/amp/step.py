@@ -643,6 +643,9 @@ class AutocastStep:
         back exactly means taking the saved value as well, which a resume does not
         (there the step's own ``accumulate`` wins at a window boundary).
         """
+        # Micro-steps of an FSDP2 step that ran without gradient sync left their
+        # gradients inside FSDP2, which a state cannot put back.
+        leaked = self._sync.kind == "fsdp" and self._window.unsynced
         saved = state.get("accumulate") if isinstance(state, Mapping) else None
         previous = self._accumulate
         if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
@@ -652,6 +655,14 @@ class AutocastStep:
         except BaseException:
             self._accumulate = self._window.accumulate = previous
             raise
+        if leaked:
+            raise RuntimeError(
+                "preserve_state(): the block ran micro-steps of an FSDP2 autocast_step "
+                "without finishing their window; FSDP2 keeps their gradients inside itself, "
+                "where nothing can put them back, so they would be added to the next window. "
+                "End the block's windows (a full window, or step.flush()), or run the "
+                "warm-up with warmup(model, batch, ...) instead."
+            )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
