@@ -245,7 +245,8 @@ def test_numpy_integers_reach_the_loader_as_ints(monkeypatch: pytest.MonkeyPatch
 # ------------------------------------------- FSDP2 mid-window autocast_step checkpoints
 
 
-def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: None) -> None:
+def _fsdp2_step() -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    """An FSDP2 model (one rank), its optimizer, an accumulate=2 step and its decorated call."""
     import torch.nn.functional as F
 
     from cudakit import autocast_step
@@ -254,10 +255,15 @@ def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: Non
     model = cp.parallelize(Net(), "fsdp", timeout=30)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
-    train = step(lambda x, y: F.cross_entropy(model(x), y))
     x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    train = step(lambda: F.cross_entropy(model(x), y))
+    return model, opt, step, train
+
+
+def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: None) -> None:
+    model, _, step, train = _fsdp2_step()
     boundary = step.state_dict()  # position 0: fine
-    train(x, y)
+    train()
     assert step.position == 1
     with pytest.raises(RuntimeError, match=r"state_dict\(\).*FSDP2.*flush\(\)"):
         step.state_dict()
@@ -265,7 +271,7 @@ def test_fsdp2_mid_window_checkpoint_is_refused_not_silently_empty(one_rank: Non
     with pytest.raises(ValueError, match=r"mid-window.*FSDP2"):
         step.load_state_dict(mid)
     assert step.position == 1
-    assert train(x, y).stepped
+    assert train().stepped
     step.load_state_dict(step.state_dict())  # at a boundary: round trip
 
 
@@ -335,20 +341,13 @@ def test_auto_checks_a_wrapped_models_options_as_ddp_options() -> None:
 
 
 def test_preserve_state_says_when_fsdp2_keeps_a_blocks_gradients(one_rank: None) -> None:
-    import torch.nn.functional as F
+    from cudakit import preserve_state
 
-    from cudakit import autocast_step, preserve_state
-
-    torch.manual_seed(0)
-    model = cp.parallelize(Net(), "fsdp", timeout=30)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = autocast_step(opt, model=model, dtype="fp32", accumulate=2)
-    train = step(lambda x, y: F.cross_entropy(model(x), y))
-    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+    model, opt, step, train = _fsdp2_step()
     refused = pytest.raises(RuntimeError, match=r"FSDP2 keeps their gradients inside itself")
     with refused, preserve_state(model, opt, extra=(step,)):
-        train(x, y)  # half a window, without gradient sync
+        train()  # half a window, without gradient sync
     with preserve_state(model, opt, extra=(step,)):
-        train(x, y)
-        train(x, y)  # a whole window: nothing left inside FSDP2
+        train()
+        train()  # a whole window: nothing left inside FSDP2
     assert step.position == 0
