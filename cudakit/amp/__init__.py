@@ -11,7 +11,8 @@ precision decision), ``guard`` (the non-finite check, its verdict across ranks a
 the mailbox that reads it back lazily), ``window`` (the accumulation window and
 gradient sync), ``buffers`` (buffer snapshots for skipped steps), ``counters``,
 ``stepper`` (the one path that finishes a window), ``checkpoint`` (validated state
-dicts), ``options`` and ``ops``, ``step``: the :class:`AutocastStep` that composes
+dicts, saved and loaded), ``misuse`` (what misuse raises), ``options`` and ``ops``,
+``step``: the :class:`AutocastStep` that composes
 them into the decorator and the explicit form, and ``factory``: :func:`autocast_step`.
 """
 

@@ -17,9 +17,20 @@ import torch
 from .._check import describe
 from .buffers import BufferSnapshot
 from .counters import StepCounters
-from .window import Window
+from .stepper import OptimizerStep
+from .window import GradSync, Window
 
-__all__ = ["KEYS", "Restored", "apply", "capture", "validate"]
+__all__ = [
+    "KEYS",
+    "Restored",
+    "StepParts",
+    "apply",
+    "capture",
+    "load",
+    "restore_exact",
+    "save",
+    "validate",
+]
 
 KEYS = (
     "accumulate",
@@ -291,3 +302,106 @@ def apply(
     counters.steps = restored.steps
     counters.skipped = restored.skipped_steps
     counters.consecutive = restored.consecutive_skipped
+
+
+class StepParts(NamedTuple):
+    """The parts of an :class:`~cudakit.amp.AutocastStep` that its checkpoint covers."""
+
+    window: Window
+    counters: StepCounters
+    scaler: torch.amp.GradScaler | None
+    scaling: bool
+    dtype: torch.dtype
+    buffers: BufferSnapshot | None
+    stepper: OptimizerStep
+    sync: GradSync
+
+
+def save(parts: StepParts) -> dict[str, Any]:
+    """The step's state dict (``AutocastStep.state_dict``)."""
+    parts.stepper.settle()
+    window = parts.window
+    if window.position and parts.sync.kind == "fsdp":
+        raise RuntimeError(
+            f"AutocastStep.state_dict() mid-window ({window.position} of "
+            f"{window.accumulate} micro-steps) under FSDP2: the window's gradients live "
+            "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
+            "cannot be checkpointed (preserve_state(extra=(step,)) and warmup(amp=step) "
+            "take this state too). Take it after the window's optimizer step "
+            "(step.position == 0), or call step.flush() first."
+        )
+    return capture(
+        accumulate=window.accumulate,
+        window=window,
+        counters=parts.counters,
+        scaler=parts.scaler,
+        params=parts.stepper.params(),
+        buffers=parts.buffers,
+    )
+
+
+def load(parts: StepParts, state: Mapping[str, Any]) -> None:
+    """Check ``state`` whole, then apply it (``AutocastStep.load_state_dict``)."""
+    params = parts.stepper.params()
+    restored = validate(
+        state,
+        accumulate=parts.window.accumulate,
+        has_scaler=parts.scaler is not None,
+        dtype=parts.dtype,
+        params=params,
+        scaling=parts.scaling,
+    )
+    if restored.position and parts.sync.kind == "fsdp":
+        raise ValueError(
+            f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
+            "step trains an FSDP2 model, whose accumulated gradients cannot be restored. "
+            "Resume from a checkpoint taken at a window boundary (step.position == 0)."
+        )
+    saved_buffers = state.get("window_buffers")
+    buffers = parts.buffers
+    checked = (
+        buffers.check(saved_buffers)
+        if buffers is not None and saved_buffers is not None and restored.position
+        else None
+    )
+    parts.stepper.forget_pending()  # verdicts of windows the checkpoint replaces
+    apply(
+        restored,
+        window=parts.window,
+        counters=parts.counters,
+        scaler=parts.scaler,
+        params=params,
+        buffers=buffers,
+        saved_buffers=checked,
+        sync_active=parts.sync.active,
+    )
+
+
+def restore_exact(parts: StepParts, state: Mapping[str, Any]) -> None:
+    """:func:`load` with the state's ``accumulate`` too (``preserve_state``'s restore).
+
+    A warm-up block may close a window and change ``accumulate``; putting the step back
+    exactly takes the saved value as well, which a resume does not (there the step's own
+    ``accumulate`` wins at a window boundary).
+    """
+    window = parts.window
+    # Micro-steps of an FSDP2 step that ran without gradient sync left their gradients
+    # inside FSDP2, which a state cannot put back.
+    leaked = parts.sync.kind == "fsdp" and window.unsynced
+    saved = state.get("accumulate") if isinstance(state, Mapping) else None
+    previous = window.accumulate
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+        window.accumulate = saved
+    try:
+        load(parts, state)
+    except BaseException:
+        window.accumulate = previous
+        raise
+    if leaked:
+        raise RuntimeError(
+            "preserve_state(): the block ran micro-steps of an FSDP2 autocast_step "
+            "without finishing their window; FSDP2 keeps their gradients inside itself, "
+            "where nothing can put them back, so they would be added to the next window. "
+            "End the block's windows (a full window, or step.flush()), or run the "
+            "warm-up with warmup(model, batch, ...) instead."
+        )

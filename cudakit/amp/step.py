@@ -2,7 +2,8 @@
 
 The parts each own their state: the precision ``policy`` (decided once), the
 accumulation ``window`` and its gradient sync, the ``buffers`` snapshot, the
-``stepper`` that finishes a window, and the ``checkpoint`` validation. This module
+``stepper`` that finishes a window, the ``checkpoint`` (validated, saved, loaded) and
+the ``misuse`` messages. This module
 runs a call: open the window (clear the gradients of the step's parameters, where a
 hand-written loop calls ``opt.zero_grad()``), forward under autocast, backward (divided
 by ``accumulate``, or summed for token-weighted losses; scaled for fp16), and hand a
@@ -13,7 +14,6 @@ full window to the stepper. It also holds the two forms (decorator, ``with`` +
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -25,7 +25,7 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from .._check import for_attribute
-from . import checkpoint
+from . import checkpoint, misuse
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .ops import zero_grad
@@ -119,7 +119,6 @@ class AutocastStep:
         self.device_type: str = device_type
         #: Whether autocast is on (False for ``enabled=False`` and for float32).
         self.enabled: bool = precision.autocast
-        self._accumulate = options.accumulate
         #: ``torch.compile`` options when ``compile=`` is on, else None.
         self.compile_options: dict[str, Any] | None = compile_options
         self._default_max_skipped = (
@@ -145,7 +144,7 @@ class AutocastStep:
             compile_options=compile_options,
         )
         self._scaling = self._stepper.scaling
-        self._window = Window(self._accumulate)
+        self._window = Window(options.accumulate)
         self._sync = GradSync(model)
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
         self._block: (
@@ -203,7 +202,7 @@ class AutocastStep:
             ValueError: the current window has micro-steps (call :meth:`flush`, or set
                 it after the window's optimizer step).
         """
-        return self._accumulate
+        return self._window.accumulate
 
     @accumulate.setter
     def accumulate(self, value: int) -> None:
@@ -211,26 +210,15 @@ class AutocastStep:
             checked = check_accumulate("AutocastStep", value)
         except (TypeError, ValueError) as exc:
             raise for_attribute("AutocastStep", "accumulate", exc) from None
-        if checked == self._accumulate:
+        if checked == self._window.accumulate:
             return
         active = _ACTIVE.get()
         if self._awaiting_backward or (active is not None and active[0] is self):
-            # This micro-step already decided whether it syncs and steps.
-            raise ValueError(
-                "AutocastStep.accumulate cannot change inside `with step:` or the step "
-                "function, nor between the block and its step.backward(): this micro-step "
-                "already decided whether it syncs gradients and steps. Set it between "
-                "calls, after the window's optimizer step."
-            )
-        position = self._window.position
-        if position:
-            raise ValueError(
-                f"AutocastStep.accumulate can change only between windows: this window holds "
-                f"{position} of {self._accumulate} micro-steps. Set it after the window's "
-                "optimizer step (e.g. at the start of an epoch), or call step.flush() first."
-            )
-        self._accumulate = checked
-        self._window.accumulate = checked
+            raise misuse.accumulate_busy_error()  # this micro-step decided how it syncs
+        window = self._window
+        if window.position:
+            raise misuse.accumulate_mid_window_error(window.position, window.accumulate)
+        window.accumulate = checked
 
     @property
     def skipped_steps(self) -> int:
@@ -262,7 +250,7 @@ class AutocastStep:
         return (
             f"AutocastStep(dtype={self.dtype}, device_type={self.device_type!r}, "
             f"enabled={self.enabled}, scaler={'on' if self._scaling else 'off'}, "
-            f"optimizers={len(self.optimizers)}, accumulate={self._accumulate}, "
+            f"optimizers={len(self.optimizers)}, accumulate={self._window.accumulate}, "
             f"max_grad_norm={self.max_grad_norm}, skip_nonfinite={self.skip_nonfinite}, "
             f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
             f"position={self._window.position})"
@@ -288,22 +276,7 @@ class AutocastStep:
 
     def __call__(self, func: Callable[P, Any]) -> SteppedFunction[P]:
         """Decorate a loss function: every call runs a full step and returns a StepResult."""
-        if isinstance(func, torch.Tensor):
-            raise TypeError(
-                "AutocastStep called with a tensor: the step object decorates a loss "
-                "function. To step on a loss you computed yourself, call step.backward(loss)."
-            )
-        if not callable(func):
-            raise TypeError(
-                f"AutocastStep used as a decorator expects a function, got "
-                f"{type(func).__name__}; write @autocast_step(optimizer, ...) above a `def`."
-            )
-        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"autocast_step cannot decorate the generator or coroutine function "
-                f"{getattr(func, '__qualname__', func)!r}; decorate a plain function that "
-                "returns the loss."
-            )
+        misuse.check_decorated(func)
 
         compiled = self._compiled_forward(func)
 
@@ -338,24 +311,6 @@ class AutocastStep:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
             return func(*args, **kwargs)
 
-    @staticmethod
-    def _no_grad_error() -> ValueError:
-        return ValueError(
-            "autocast_step: gradients are disabled here (torch.no_grad() or "
-            "torch.inference_mode() is active), so the loss does not require grad and there "
-            "is nothing to backpropagate. Call the training step outside that block; the "
-            "gradients, weights and counters were left as they were."
-        )
-
-    def _nested_error(self, outer: AutocastStep) -> RuntimeError:
-        where = "the same" if outer is self else "another"
-        return RuntimeError(
-            f"autocast_step called inside {where} autocast_step: the outer step would "
-            "backpropagate and step the optimizer around this one. Call the two steps one "
-            "after the other (e.g. the discriminator step, then the generator step), not "
-            "nested."
-        )
-
     def _run(
         self,
         func: Callable[..., Any],
@@ -365,9 +320,9 @@ class AutocastStep:
     ) -> StepResult:
         active = _ACTIVE.get()
         if active is not None:
-            raise self._nested_error(active[0])
+            raise misuse.nested_error(active[0] is self)
         if not torch.is_grad_enabled():
-            raise self._no_grad_error()
+            raise misuse.no_grad_error()
         token = _ACTIVE.set(self._as_decorated)
         window = self._window
         try:
@@ -399,7 +354,7 @@ class AutocastStep:
         """Enter autocast (and pause gradient sync when this micro-step will not step)."""
         active = _ACTIVE.get()
         if active is not None:
-            raise self._nested_error(active[0])
+            raise misuse.nested_error(active[0] is self)
         token = _ACTIVE.set(self._as_block)
         paused: AbstractContextManager[Any] | None = None
         autocast: torch.autocast | None = None
@@ -485,7 +440,7 @@ class AutocastStep:
         """
         active = _ACTIVE.get()
         if active is not None and not (active[0] is self and active[1] == "block"):
-            raise self._nested_error(active[0])
+            raise misuse.nested_error(active[0] is self)
         tensor, weight = extract_loss(loss)
         if self.compile_options is not None and not self._warned_block_compile:
             self._warned_block_compile = True
@@ -518,14 +473,14 @@ class AutocastStep:
         weight_t: torch.Tensor | None = None
         if weight is not None:
             if window.weighted is False:
-                raise self._mixed_weights_error()
+                raise misuse.mixed_weights_error()
             weight_t = weight_tensor(weight, loss)
         elif window.weighted:
-            raise self._mixed_weights_error()
+            raise misuse.mixed_weights_error()
         if not window.cleared:
             self._clear_grads()
-        if weight_t is None and self._accumulate != 1:
-            loss = loss / self._accumulate
+        if weight_t is None and window.accumulate != 1:
+            loss = loss / window.accumulate
         if self._scaling:
             scaler = cast(torch.amp.GradScaler, self.scaler)
             loss = scaler.scale(loss)
@@ -543,21 +498,13 @@ class AutocastStep:
             zero_grad(opt)
         self._window.cleared = True
 
-    @staticmethod
-    def _mixed_weights_error() -> ValueError:
-        return ValueError(
-            "autocast_step: within one accumulation window every micro-step must return "
-            "{'loss': summed_loss, 'weight': count}, or none may; this one differs from "
-            "the window's first. Return the weight from every call of the step function."
-        )
-
     def _after_backward(self, loss: torch.Tensor, output: object) -> StepResult:
         window = self._window
         if self.skip_nonfinite:
             window.losses.append(loss)
         window.last_loss = loss
         window.position += 1
-        if window.position < self._accumulate:
+        if window.position < window.accumulate:
             return StepResult(loss, output, False, False, window.scale, None)
         return self._stepper.finish(window, loss, output, pending=None)
 
@@ -591,10 +538,7 @@ class AutocastStep:
             NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
         """
         if _ACTIVE.get() is not None:
-            raise RuntimeError(
-                "AutocastStep.flush() called inside a step: call it after the loop over "
-                "the epoch's batches, outside the decorated function or `with step:` block."
-            )
+            raise misuse.flush_inside_error()
         self._stepper.settle()
         window = self._window
         if window.position == 0:
@@ -617,52 +561,23 @@ class AutocastStep:
         >>> state["position"], state["steps"], state["scaler"]
         (0, 0, None)
         """
-        self._stepper.settle()
-        if self._window.position and self._sync.kind == "fsdp":
-            raise RuntimeError(
-                f"AutocastStep.state_dict() mid-window ({self._window.position} of "
-                f"{self._accumulate} micro-steps) under FSDP2: the window's gradients live "
-                "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
-                "cannot be checkpointed (preserve_state(extra=(step,)) and warmup(amp=step) "
-                "take this state too). Take it after the window's optimizer step "
-                "(step.position == 0), or call step.flush() first."
-            )
-        return checkpoint.capture(
-            accumulate=self._accumulate,
-            window=self._window,
-            counters=self._counts,
-            scaler=self.scaler,
-            params=self._stepper.params(),
-            buffers=self._buffers,
-        )
+        return checkpoint.save(self._parts())
 
     def _cudakit_restore(self, state: Mapping[str, Any]) -> None:
-        """:meth:`load_state_dict` with the state's ``accumulate`` too, for ``preserve_state``.
+        """:meth:`load_state_dict` with the state's ``accumulate`` too, for ``preserve_state``."""
+        checkpoint.restore_exact(self._parts(), state)
 
-        A warm-up block may close a window and change ``accumulate``; putting the step
-        back exactly means taking the saved value as well, which a resume does not
-        (there the step's own ``accumulate`` wins at a window boundary).
-        """
-        # Micro-steps of an FSDP2 step that ran without gradient sync left their
-        # gradients inside FSDP2, which a state cannot put back.
-        leaked = self._sync.kind == "fsdp" and self._window.unsynced
-        saved = state.get("accumulate") if isinstance(state, Mapping) else None
-        previous = self._accumulate
-        if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
-            self._accumulate = self._window.accumulate = saved
-        try:
-            self.load_state_dict(state)
-        except BaseException:
-            self._accumulate = self._window.accumulate = previous
-            raise
-        if leaked:
-            raise RuntimeError(
-                "preserve_state(): the block ran micro-steps of an FSDP2 autocast_step "
-                "without finishing their window; FSDP2 keeps their gradients inside itself, "
-                "where nothing can put them back, so they would be added to the next window. "
-                "End the block's windows (a full window, or step.flush()), or run the "
-                "warm-up with warmup(model, batch, ...) instead."
-            )
+    def _parts(self) -> checkpoint.StepParts:
+        return checkpoint.StepParts(
+            self._window,
+            self._counts,
+            self.scaler,
+            self._scaling,
+            self.dtype,
+            self._buffers,
+            self._stepper,
+            self._sync,
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
@@ -676,36 +591,4 @@ class AutocastStep:
             ValueError: a field is out of range, or the state is from an incompatible
                 step (other accumulate mid-window, scaler on/off, other parameters).
         """
-        params = self._stepper.params()
-        restored = checkpoint.validate(
-            state,
-            accumulate=self._accumulate,
-            has_scaler=self.scaler is not None,
-            dtype=self.dtype,
-            params=params,
-            scaling=self._scaling,
-        )
-        if restored.position and self._sync.kind == "fsdp":
-            raise ValueError(
-                "AutocastStep.load_state_dict(): the state is mid-window (position "
-                f"{restored.position}), but this step trains an FSDP2 model, whose "
-                "accumulated gradients cannot be restored. Resume from a checkpoint taken at "
-                "a window boundary (step.position == 0)."
-            )
-        saved_buffers = state.get("window_buffers")
-        buffers = (
-            self._buffers.check(saved_buffers)
-            if self._buffers is not None and saved_buffers is not None and restored.position
-            else None
-        )
-        self._stepper.forget_pending()  # verdicts of windows the checkpoint replaces
-        checkpoint.apply(
-            restored,
-            window=self._window,
-            counters=self._counts,
-            scaler=self.scaler,
-            params=params,
-            buffers=self._buffers,
-            saved_buffers=buffers,
-            sync_active=self._sync.active,
-        )
+        checkpoint.load(self._parts(), state)
