@@ -175,11 +175,7 @@ def _bounds(minimum: int | None, maximum: int | None) -> str:
 
 def for_attribute(owner: str, attr: str, exc: Exception) -> Exception:
     """``exc`` from a validator, reworded for an assignment: ``owner.attr = ... expects``."""
-    text = str(exc).replace(f"{owner}({attr}=...)", f"{owner}.{attr} = ...", 1)
-    try:
-        return type(exc)(text)
-    except Exception:  # an exception type that takes other arguments
-        return exc
+    return _retext(exc, str(exc).replace(f"{owner}({attr}=...)", f"{owner}.{attr} = ...", 1))
 
 
 def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]) -> T:
@@ -210,7 +206,12 @@ def name_error(func: str, arg: str, value: object, exc: Exception) -> Exception:
         text = f"{func}(): {text}"
     else:
         text = f"{func}({shown}): {text}"
+    return _retext(exc, text)
+
+
+def _retext(exc: Exception, text: str) -> Exception:
+    """``exc``'s type with ``text``; ``exc`` itself for a type that takes other arguments."""
     try:
         return type(exc)(text)
-    except Exception:  # an exception type that takes other arguments
+    except Exception:
         return exc
