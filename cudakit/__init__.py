@@ -11,10 +11,13 @@ Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 
 from ._version import __version__
 from .amp import AutocastStep, StepResult, autocast_step
+from .checkpoint import Checkpointer, Position, find_latest
 from .data import loader_kwargs, prefetch
 from .device import DeviceLike, on_device, register_container, resolve_device
 from .exceptions import (
     BatchSizeSearchError,
+    CheckpointError,
+    CheckpointSaveError,
     CompiledWarmupWarning,
     CudakitError,
     DeviceError,
@@ -45,6 +48,9 @@ from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmu
 __all__ = [
     "AutocastStep",
     "BatchSizeSearchError",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "Checkpointer",
     "CompiledWarmupWarning",
     "CudaDeviceInfo",
     "CudakitError",
@@ -57,6 +63,7 @@ __all__ = [
     "MemoryReserveError",
     "MemorySnapshot",
     "NonFiniteStepsError",
+    "Position",
     "ReserveIgnoredWarning",
     "StepResult",
     "TensorsLeftBehindWarning",
@@ -66,6 +73,7 @@ __all__ = [
     "choose_strategy",
     "device_info",
     "distributed_loader",
+    "find_latest",
     "find_batch_size",
     "is_main_process",
     "launch",

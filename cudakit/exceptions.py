@@ -10,6 +10,8 @@ hierarchy:
     ├── BatchSizeSearchError(RuntimeError)   not even the lower batch-size bound fits
     ├── MemoryReserveError(ValueError)       warmup(reserve=...) asked for more than is free
     ├── DistributedSetupError(RuntimeError)  a launcher environment that is incomplete
+    ├── CheckpointError(ValueError)          a checkpoint that is corrupted or does not fit
+    ├── CheckpointSaveError(OSError)         a checkpoint that could not be written
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
     ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 __all__ = [
     "BatchSizeSearchError",
+    "CheckpointError",
+    "CheckpointSaveError",
     "CompiledWarmupWarning",
     "CudakitError",
     "DeviceError",
@@ -55,6 +59,23 @@ class BatchSizeSearchError(CudakitError, RuntimeError):
 
 class DistributedSetupError(CudakitError, RuntimeError):
     """The distributed environment is incomplete or inconsistent."""
+
+
+class CheckpointError(CudakitError, ValueError):
+    """A checkpoint that cannot be loaded into this run: corrupted, incomplete, or saved
+    from other models, optimizers or world sizes. The message names what differs.
+
+    .. versionadded:: 0.1
+    """
+
+
+class CheckpointSaveError(CudakitError, OSError):
+    """A checkpoint that could not be written (an unwritable directory, a full disk).
+
+    Nothing of the failed save becomes visible; earlier checkpoints stay intact.
+
+    .. versionadded:: 0.1
+    """
 
 
 class CompiledWarmupWarning(UserWarning):

@@ -1,0 +1,20 @@
+"""Checkpoints: a run that survives crashes, preemptions and restarts.
+
+:class:`Checkpointer` saves everything the next step depends on (models, optimizers,
+the ``autocast_step`` state, schedulers, every rank's RNG, the data position and your
+extras) with ``torch.distributed.checkpoint``: each FSDP2 rank writes its own shards,
+DDP writes one copy, and a checkpoint loads at another world size. A checkpoint is
+complete or absent (a manifest written last, then an atomic rename); ``keep=`` keeps
+the newest few; ``async_save=True`` writes in the background on a process group of
+its own; SIGTERM/SIGUSR1 save at the next window boundary and exit for a requeue.
+
+The parts: ``layout`` (the directory, the manifest, which checkpoints are complete),
+``state`` (the tensor and host parts), ``data`` (the data position and RNG),
+``writer`` (synchronous and background writes), ``preemption`` (signals, agreed across
+ranks), ``arguments`` (the door) and ``checkpointer`` (the object that composes them).
+"""
+
+from .checkpointer import Checkpointer, find_latest
+from .data import Position
+
+__all__ = ["Checkpointer", "Position", "find_latest"]

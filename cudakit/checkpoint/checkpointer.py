@@ -1,0 +1,674 @@
+"""The :class:`Checkpointer`: a run that survives crashes, preemptions and restarts."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from typing_extensions import Self
+
+from .. import _dist
+from .._check import check_int, fail_type
+from ..exceptions import CheckpointError, CheckpointSaveError
+from . import arguments, layout
+from .data import (
+    Position,
+    capture_rng,
+    generators_of,
+    is_stateful,
+    restore_rng,
+    set_epoch,
+    skip_batches,
+)
+from .preemption import DEFAULT_SIGNALS, SignalWatch, StopAgreement, requeue_slurm_job
+from .state import extras_state, fresh_optimizers, mismatch, reset_fresh, tensor_state
+from .writer import Pending, Writer
+
+__all__ = ["Checkpointer", "find_latest"]
+
+log = logging.getLogger("cudakit.checkpoint")
+
+_HOST_FORMAT = 1
+
+
+def find_latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or None when there is none.
+
+    Incomplete checkpoints (a save that never finished) and corrupted ones (a file
+    missing or truncated) are skipped, with a warning that names each.
+
+    >>> import tempfile
+    >>> find_latest(tempfile.mkdtemp()) is None
+    True
+
+    .. versionadded:: 0.1
+    """
+    root = arguments.resolve_directory("find_latest", directory)
+    found = layout.list_checkpoints(root)
+    for path, why in found.broken:
+        warnings.warn(f"cudakit: skipping checkpoint {path}: {why}.", UserWarning, stacklevel=2)
+    latest = found.latest
+    return latest[0] if latest is not None else None
+
+
+class Checkpointer:
+    """Save everything the next step depends on, and pick a run up where it stopped.
+
+    Made once, on every rank, before the loop. ``epochs()`` resumes from the newest
+    complete checkpoint in ``directory`` (or starts fresh), ``batches()`` yields the
+    epoch's batches (skipping those a resumed run already consumed) and saves every
+    ``every`` optimizer steps at the end of an accumulation window. A SIGTERM or
+    SIGUSR1 saves at the next window boundary and exits with a status a scheduler
+    requeues on. Running the same command again continues the run.
+
+    >>> import tempfile, torch, cudakit
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+    >>> ckpt = cudakit.Checkpointer(tempfile.mkdtemp(), model=model, optimizer=opt,
+    ...                             loader=data, every=1, keep=2, preemption=False)
+    >>> for epoch in ckpt.epochs(2):
+    ...     for x in ckpt.batches():
+    ...         opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    >>> ckpt.position
+    Position(epoch=2, batch=0, total=4, windows=4)
+    >>> [p.name for p in sorted(ckpt.directory.iterdir())]
+    ['ckpt-0000000003', 'ckpt-0000000004']
+    >>> ckpt.close()
+
+    Args:
+        directory: where checkpoints go (made if missing; shared by every rank).
+        model: the model (DDP, FSDP2 and compiled models too), or a dict of names to
+            models. Default: the ``model=`` of ``step``.
+        optimizer: an optimizer or a list. Default: the optimizers of ``step``.
+        step: an :func:`~cudakit.autocast_step` (or the function it decorated), or a
+            list of them: its state is saved, and saves wait for its window's end.
+        scheduler: a scheduler or a list. Default: the schedulers of ``step``.
+        loader: the training ``DataLoader`` (``distributed_loader``, ``prefetch`` and
+            torchdata's ``StatefulDataLoader`` too) whose position is saved.
+        extra: a dict of names to objects with ``state_dict``/``load_state_dict``
+            (loaded in place) or plain values (put back into :attr:`extra`).
+        keep: keep only the newest ``keep`` complete checkpoints (None: all).
+        every: save every ``every`` optimizer steps (None: only on request, on a
+            stop signal and at the end of :meth:`epochs`).
+        async_save: write in the background; the loop waits only while the state is
+            copied to host memory.
+        preemption: save and exit on SIGTERM or SIGUSR1.
+        exit_code: the status to exit with after a stop signal (default ``128 +``
+            the signal's number: 143 for SIGTERM).
+        requeue: after a SIGUSR1 under SLURM, ``scontrol requeue`` the job
+            (``"auto"``: when ``scontrol`` exists), or True/False.
+
+    Raises:
+        TypeError, ValueError: a wrong argument (named, with the fix).
+        CheckpointSaveError: ``directory`` cannot be written.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        step: Any = None,
+        scheduler: Any = None,
+        loader: Any = None,
+        extra: Any = None,
+        keep: int | None = None,
+        every: int | None = None,
+        async_save: bool = False,
+        preemption: bool = True,
+        exit_code: int | None = None,
+        requeue: bool | str = "auto",
+    ) -> None:
+        options = arguments.resolve(
+            directory,
+            model=model,
+            optimizer=optimizer,
+            step=step,
+            scheduler=scheduler,
+            loader=loader,
+            extra=extra,
+            keep=keep,
+            every=every,
+            async_save=async_save,
+            preemption=preemption,
+            exit_code=exit_code,
+            requeue=requeue,
+        )
+        self._options = options
+        self._parts = options.parts
+        #: The directory checkpoints go to.
+        self.directory: Path = options.root
+        #: The extras as passed; plain values are replaced by their saved ones on load.
+        self.extra: dict[str, Any] = self._parts.extras
+        self.loader: Any = options.loader
+        self.keep = options.keep
+        self.every = options.every
+        self._distributed = _dist.is_group_running()
+        self._rank = _dist.group_rank()
+        self._world = _dist.group_world_size()
+        _probe_writable(self.directory, self._rank)
+        self._control: Any = None
+        save_group: Any = None
+        if self._distributed:
+            import torch.distributed as dist
+
+            # Made by every rank together, in the same order: gloo, so that neither the
+            # stop agreement nor a background save shares training's communicator.
+            self._control = dist.new_group(backend="gloo")
+            if options.background:
+                save_group = dist.new_group(backend="gloo")
+        self._writer = Writer(
+            self.directory,
+            rank=self._rank,
+            keep=options.keep,
+            background=options.background,
+            group=save_group,
+            distributed=self._distributed,
+            protect=self._protected,
+        )
+        self._signals = SignalWatch(DEFAULT_SIGNALS if options.preemption else ())
+        self._stop = StopAgreement(self._control)
+        self._position = Position()
+        self._epoch_rng: dict[str, Any] | None = None
+        self._skip = 0
+        self._checked_total = -1
+        self._saved_total = -1
+        self._saved_windows = 0
+        self._requested = False
+        self._resumed = False
+        self._closed = False
+        #: The checkpoint this run resumed from (None: a fresh start).
+        self.resumed_from: Path | None = None
+        _OPEN.add(self)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def position(self) -> Position:
+        """Where the run stands: epoch, batches of it consumed, totals (see :class:`Position`)."""
+        return self._position
+
+    @property
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint in :attr:`directory` (None when there is none)."""
+        latest = layout.list_checkpoints(self.directory).latest
+        return latest[0] if latest is not None else None
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this process received a stop signal (SIGTERM/SIGUSR1)."""
+        return self._signals.signum is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer({str(self.directory)!r}, position={self._position}, "
+            f"keep={self.keep}, every={self.every}, resumed_from={self.resumed_from})"
+        )
+
+    def _protected(self) -> list[Path]:
+        # The checkpoint this run resumed from stays until one of its own is complete.
+        if self.resumed_from is not None and self._writer.last is None:
+            return [self.resumed_from]
+        return []
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self) -> Position:
+        """Load the newest complete checkpoint, if any; returns where the run continues.
+
+        A collective under a process group: rank 0 chooses the checkpoint (skipping
+        incomplete and corrupted ones with a warning naming them, and removing saves a
+        crash left half-written), every rank loads it. Idempotent: a second call
+        returns the position without loading again.
+
+        Raises:
+            CheckpointError: the newest complete checkpoint does not fit this run.
+        """
+        self._check_open("resume")
+        if self._resumed:
+            return self._position
+        path: Path | None = None
+        if self._rank == 0:
+            layout.remove_stale_partials(self.directory)
+            path = find_latest(self.directory)
+        path = self._agree(path)
+        self._resumed = True
+        if path is None:
+            return self._position
+        return self.load(path)
+
+    def _agree(self, path: Path | None) -> Path | None:
+        if not self._distributed:
+            return path
+        import torch.distributed as dist
+
+        box: list[Any] = [str(path) if path is not None else None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return Path(box[0]) if box[0] is not None else None
+
+    def load(self, path: str | os.PathLike[str]) -> Position:
+        """Load one checkpoint into the models, optimizers, step, schedulers, RNG and data.
+
+        Everything is checked before anything changes: the manifest and every file's
+        size, the number of models, optimizers, schedulers and steps, the tensors'
+        names and shapes, and the world size where the data position depends on it.
+
+        Returns:
+            The position the checkpoint was taken at.
+
+        Raises:
+            CheckpointError: a corrupted or incomplete checkpoint, or one that does not
+                fit (missing and unexpected keys, another optimizer count, a mid-epoch
+                data position at another world size), naming what differs.
+        """
+        self._check_open("load")
+        root = arguments.resolve_directory("Checkpointer.load", path)
+        try:
+            manifest = layout.read_manifest(root)
+        except ValueError as exc:
+            raise CheckpointError(f"Checkpointer.load(): {exc}.") from None
+        self._check_fits(root, manifest)
+        host = self._read_host(root, manifest)
+        tensors, fresh_now = self._check_tensors(root)
+        steps, scheds = self._parts.steps, self._parts.schedulers
+        before = [s.state_dict() for s in steps], [s.state_dict() for s in scheds]
+        try:
+            for obj, state in zip(steps, host["steps"], strict=True):
+                obj.load_state_dict(state)
+            for obj, state in zip(scheds, host["schedulers"], strict=True):
+                obj.load_state_dict(state)
+            self._load_tensors(root, tensors)
+        except Exception as exc:
+            for obj, state in zip(steps, before[0], strict=True):
+                obj.load_state_dict(state)
+            for obj, state in zip(scheds, before[1], strict=True):
+                obj.load_state_dict(state)
+            reset_fresh(self._parts, fresh_now)
+            raise CheckpointError(
+                f"Checkpointer.load(): loading {root} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        reset_fresh(self._parts, host["fresh"])
+        self._load_host(host, manifest)
+        self.resumed_from = root
+        self._resumed = True
+        log.info("cudakit: resumed from %s at %s", root, self._position)
+        return self._position
+
+    def _check_fits(self, root: Path, manifest: layout.Manifest) -> None:
+        parts = self._parts
+        here = (tuple(parts.models), len(parts.optimizers), len(parts.schedulers), len(parts.steps))
+        there = (manifest.models, manifest.optimizers, manifest.schedulers, manifest.steps)
+        if here != there:
+            raise CheckpointError(
+                f"Checkpointer.load(): {root} holds models {list(manifest.models)}, "
+                f"{manifest.optimizers} optimizer(s), {manifest.schedulers} scheduler(s) and "
+                f"{manifest.steps} step(s); this run has "
+                f"{arguments.describe_parts(parts)}. Build the Checkpointer with the same "
+                "objects the checkpoint was saved from."
+            )
+        if manifest.world_size != self._world and manifest.mid_epoch_data:
+            raise CheckpointError(
+                f"Checkpointer.load(): {root} was saved mid-epoch (epoch {manifest.epoch}, "
+                f"batch {manifest.batch}) by {manifest.world_size} rank(s); its data position "
+                f"cannot be resharded to {self._world} rank(s): each rank's shard of the "
+                "epoch and its RNG differ. Resume at the same world size, or from a "
+                "checkpoint taken at an epoch boundary (the model and optimizers reshard)."
+            )
+
+    def _read_host(self, root: Path, manifest: layout.Manifest) -> dict[str, Any]:
+        own = self._rank if self._rank < manifest.world_size else 0
+        file = root / layout.rank_file(own)
+        try:
+            # Host state holds Python and NumPy RNG states: load only checkpoints you trust.
+            host = torch.load(file, weights_only=False, map_location="cpu")
+        except Exception as exc:
+            raise CheckpointError(
+                f"Checkpointer.load(): {file} cannot be read ({type(exc).__name__}: {exc}); "
+                "the checkpoint is corrupted. Remove it to resume from the one before."
+            ) from None
+        if not isinstance(host, dict) or host.get("format") != _HOST_FORMAT:
+            raise CheckpointError(
+                f"Checkpointer.load(): {file} is not a cudakit rank file of format {_HOST_FORMAT}."
+            )
+        host["own"] = own == self._rank
+        return host
+
+    def _check_tensors(self, root: Path) -> tuple[dict[str, Any], list[bool]]:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(str(root)).read_metadata()
+        except Exception as exc:
+            raise CheckpointError(
+                f"Checkpointer.load(): {root}/.metadata cannot be read ({exc}); the "
+                "checkpoint is corrupted."
+            ) from None
+        fresh_now = fresh_optimizers(self._parts)
+        tensors = tensor_state(self._parts)
+        problems = mismatch(tensors, metadata)
+        if problems:
+            reset_fresh(self._parts, fresh_now)
+            raise CheckpointError(
+                f"Checkpointer.load(): {root} does not fit this run's models and optimizers: "
+                + "; ".join(problems)
+                + ". Load a checkpoint of the same model (and optimizer type)."
+            )
+        return tensors, fresh_now
+
+    def _load_tensors(self, root: Path, tensors: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        kwargs: dict[str, Any] = {} if self._distributed else {"no_dist": True}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            load(tensors, storage_reader=FileSystemReader(str(root)), **kwargs)
+        for name, model in self._parts.models.items():
+            opts = self._parts.optimizers_of(name)
+            set_state_dict(
+                model,
+                opts,
+                model_state_dict=tensors["model"][name],
+                optim_state_dict=tensors["optim"].get(name, {}),
+            )
+
+    def _load_host(self, host: dict[str, Any], manifest: layout.Manifest) -> None:
+        for name, (kind, value) in host["extras"].items():
+            target = self.extra.get(name)
+            if kind == "state" and target is not None:
+                target.load_state_dict(value)
+            else:
+                self.extra[name] = value
+        loader = self.loader
+        if loader is not None and is_stateful(loader) and host.get("loader") is not None:
+            loader.load_state_dict(host["loader"])
+        if host["own"]:
+            gens = generators_of(loader) if loader is not None else ()
+            restore_rng(host["rng"], gens)
+            self._epoch_rng = host.get("epoch_rng")
+        else:
+            log.info(
+                "cudakit: rank %d has no RNG state in a checkpoint of %d rank(s); its "
+                "generators are left as they are",
+                self._rank,
+                manifest.world_size,
+            )
+        pos = Position(**host["position"])
+        self._position = pos
+        self._skip = pos.batch if loader is not None and not is_stateful(loader) else 0
+        self._checked_total = self._saved_total = pos.total
+        self._saved_windows = pos.windows
+
+    # ------------------------------------------------------------------ the loop
+
+    def epochs(self, stop: int) -> Iterator[int]:
+        """Yield epoch numbers from where the run stands up to ``stop``; resumes first.
+
+        When the loop finishes, a last checkpoint is saved (if anything happened since
+        the last one) and waited for, so running the command again does nothing more.
+        """
+        stop = check_int("Checkpointer.epochs", "stop", stop, minimum=0)
+        self.resume()
+        while self._position.epoch < stop:
+            epoch = self._position.epoch
+            yield epoch
+            pos = self._position
+            if pos.epoch == epoch:  # the epoch's data came from the user's own loop
+                self._position = dataclasses.replace(pos, epoch=epoch + 1, batch=0)
+            self._boundary()
+        if self._position.total != self._saved_total and self._at_window_end():
+            self.save()
+        self.wait()
+
+    def batches(self, loader: Any = None) -> Iterator[Any]:
+        """Yield this epoch's batches from ``loader`` (default: the one passed at creation).
+
+        A resumed run skips the batches its epoch already consumed, with the same order
+        and RNG as the run that saved. Between batches, after the step has run, it saves
+        when due and reacts to a stop signal.
+        """
+        if loader is None:
+            loader = self.loader
+            if loader is None:
+                fail_type(
+                    "Checkpointer.batches",
+                    "loader",
+                    "a DataLoader (here or as Checkpointer(loader=...))",
+                    loader,
+                    "Pass the loader to the Checkpointer so that its position is saved.",
+                )
+        else:
+            loader = arguments.check_loader("Checkpointer.batches", loader)
+        self.resume()
+        start = self._position
+        stateful = is_stateful(loader)
+        gens = generators_of(loader)
+        if not stateful:
+            set_epoch(loader, start.epoch)
+        skip, self._skip = self._skip, 0
+        if skip and self._epoch_rng is not None:
+            now = capture_rng(gens)
+            restore_rng(self._epoch_rng, gens)
+            iterator = iter(loader)
+            skip_batches(iterator, skip)
+            restore_rng(now, gens)
+        else:
+            self._epoch_rng = None if stateful else capture_rng(gens)
+            iterator = iter(loader)
+            if skip:
+                skip_batches(iterator, skip)
+        length = _length(loader)
+        for batch in iterator:
+            pos = self._position
+            self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+            yield batch
+            if length is None or self._position.batch < length:
+                # (The last batch's save point is the epoch's end, as (epoch + 1, 0), once
+                # the iterator is exhausted: a sampler may still draw from the RNG then.)
+                self._boundary()
+        pos = self._position
+        self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
+        self._boundary()
+
+    def maybe_save(self) -> Path | None:
+        """Save if one is due (``every``, a request, a stop signal) at a window's end.
+
+        Call it after the step, on every rank, when the loop does not use
+        :meth:`batches` (which calls it between batches). Returns the checkpoint's
+        path when it saved.
+        """
+        self._check_open("maybe_save")
+        return self._boundary()
+
+    def save(self) -> Path | None:
+        """Save now, or at the end of the current accumulation window.
+
+        A collective: every rank calls it. Mid-window (``autocast_step`` with
+        ``accumulate > 1``) the save is taken at the window's end by
+        :meth:`batches`/:meth:`maybe_save`, and this returns None. With
+        ``async_save=True`` the returned path becomes visible when the background
+        write finishes (:meth:`wait`).
+
+        Raises:
+            CheckpointSaveError: the checkpoint could not be written (a full disk):
+                nothing of it is visible, the previous one is intact.
+        """
+        self._check_open("save")
+        if not self._at_window_end():
+            self._requested = True
+            return None
+        return self._save_now()
+
+    def wait(self) -> Path | None:
+        """Finish a background save in flight; returns its path (None: nothing was in flight)."""
+        return self._writer.finish()
+
+    def close(self) -> None:
+        """Finish a background save, stop watching signals. Idempotent; also at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        try:
+            self._writer.finish()
+        finally:
+            self._stop.drain()
+            self._signals.uninstall()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ machinery
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"Checkpointer.{method}() after close(): make a new Checkpointer for another run."
+            )
+
+    def _at_window_end(self) -> bool:
+        return all(s.position == 0 for s in self._parts.steps)
+
+    def _boundary(self) -> Path | None:
+        """At most once per batch: count the window, poll the stop flag, save if due."""
+        pos = self._position
+        if pos.total == self._checked_total or not self._at_window_end():
+            return None
+        self._checked_total = pos.total
+        pos = dataclasses.replace(pos, windows=pos.windows + 1) if pos.batch or pos.total else pos
+        self._position = pos
+        if self._writer.pending is not None and self._writer.done():
+            self._writer.finish()
+        stop = self._stop.poll(self._signals.signum is not None)
+        due = self._requested or (
+            self.every is not None and pos.windows - self._saved_windows >= self.every
+        )
+        saved = self._save_now() if (due or stop) and pos.total != self._saved_total else None
+        if stop:
+            self._exit_after_stop()
+        return saved
+
+    def _save_now(self) -> Path:
+        pos = self._position
+        name = layout.checkpoint_name(pos.total)
+        partial = self.directory / (name + layout.PARTIAL)
+        final = self.directory / name
+        parts = self._parts
+        fresh = fresh_optimizers(parts)
+        try:
+            tensors = tensor_state(parts)
+            host = self._host_state(fresh)
+            fields = {
+                "total": pos.total,
+                "epoch": pos.epoch,
+                "batch": pos.batch,
+                "windows": pos.windows,
+                "world_size": self._world,
+                "models": tuple(parts.models),
+                "optimizers": len(parts.optimizers),
+                "schedulers": len(parts.schedulers),
+                "steps": len(parts.steps),
+                "mid_epoch_data": self.loader is not None and pos.batch > 0,
+            }
+            self._writer.write(tensors, host, Pending(partial, final, fields))
+        finally:
+            reset_fresh(parts, fresh)
+        self._requested = False
+        self._saved_total = pos.total
+        self._saved_windows = pos.windows
+        return final
+
+    def _host_state(self, fresh: list[bool]) -> dict[str, Any]:
+        loader = self.loader
+        gens = generators_of(loader) if loader is not None else ()
+        pos = self._position
+        return {
+            "format": _HOST_FORMAT,
+            "rank": self._rank,
+            "world_size": self._world,
+            "position": dataclasses.asdict(pos),
+            "rng": capture_rng(gens),
+            "epoch_rng": self._epoch_rng if pos.batch > 0 else None,
+            "steps": [s.state_dict() for s in self._parts.steps],
+            "schedulers": [s.state_dict() for s in self._parts.schedulers],
+            "fresh": fresh,
+            "loader": loader.state_dict() if loader is not None and is_stateful(loader) else None,
+            "extras": extras_state(self.extra),
+        }
+
+    def _exit_after_stop(self) -> None:
+        signum = self._signals.signum
+        self.wait()
+        options = self._options
+        if self._rank == 0 and options.requeue is not False:
+            usr1 = getattr(signal, "SIGUSR1", None)
+            if options.requeue is True or (signum is not None and signum == usr1):
+                done = requeue_slurm_job()
+                if done:
+                    log.warning("cudakit: %s", done)
+        code = options.exit_code
+        if code is None:
+            code = 128 + (signum if signum is not None else 15)
+        log.warning(
+            "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
+        )
+        self.close()
+        raise SystemExit(code)
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _probe_writable(root: Path, rank: int) -> None:
+    probe = root / f".cudakit-write-test-{rank}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointSaveError(
+            f"Checkpointer(directory={str(root)!r}): the directory cannot be written "
+            f"({type(exc).__name__}: {exc.strerror or exc}). Expected a directory this "
+            "process can create files in (on a file system every rank shares); choose "
+            "another one or fix its permissions."
+        ) from None
+
+
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Finish background saves still in flight when the interpreter exits."""
+    for ckpt in list(_OPEN):
+        try:
+            ckpt.close()
+        except Exception as exc:  # pragma: no cover - reported, never raised at exit
+            log.error("cudakit: finishing %s at exit failed: %s", ckpt.directory, exc)

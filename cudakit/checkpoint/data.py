@@ -1,0 +1,149 @@
+"""The data position: which epoch, how many batches of it, and how to get back there.
+
+A plain ``DataLoader`` has no state of its own: its order comes from the random
+number generators at the moment ``iter(loader)`` runs (a shuffling sampler draws its
+seed there, a multi-worker loader its workers' base seed). So the position is the
+epoch, the batches consumed in it, and the generators as they were when the epoch
+began. Resuming mid-epoch puts those generators back, makes the iterator, skips the
+consumed batches (their indices only, where the loader allows it), then puts the
+save's own generators back. A loader with its own ``state_dict`` (torchdata's
+``StatefulDataLoader``) is saved and restored by itself instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..warmup.preserve import RngState
+
+__all__ = ["Position", "capture_rng", "generators_of", "is_stateful", "restore_rng", "set_epoch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: the next epoch and batch to run, and the totals so far.
+
+    Returned by :meth:`Checkpointer.resume`: a fresh run is at ``Position(0, 0, 0, 0)``.
+
+    Attributes:
+        epoch: the epoch the run is in (or starts next).
+        batch: batches of that epoch already consumed (0 at an epoch boundary).
+        total: batches consumed since the run began, over every epoch.
+        windows: accumulation windows finished (optimizer steps, skipped ones included).
+
+    .. versionadded:: 0.1
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    total: int = 0
+    windows: int = 0
+
+
+def is_stateful(loader: object) -> bool:
+    """Whether ``loader`` saves its own position (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def _inner(loader: object) -> list[object]:
+    """``loader`` and what it wraps (a prefetcher's loader), one level down."""
+    found = [loader]
+    for name in ("loader", "_loader", "dataloader"):
+        inner = getattr(loader, name, None)
+        if inner is not None and inner is not loader:
+            found.append(inner)
+    return found
+
+
+def generators_of(loader: object) -> tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects a loader draws its order from (its own, its sampler's)."""
+    gens: list[torch.Generator] = []
+    for obj in _inner(loader):
+        for owner in (
+            obj,
+            getattr(obj, "sampler", None),
+            getattr(getattr(obj, "batch_sampler", None), "sampler", None),
+        ):
+            gen = getattr(owner, "generator", None)
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in gens):
+                gens.append(gen)
+    return tuple(gens)
+
+
+def set_epoch(loader: object, epoch: int) -> None:
+    """Tell a loader (or its ``DistributedSampler``) which epoch comes next."""
+    for obj in _inner(loader):
+        if callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)  # type: ignore[attr-defined]
+            return
+        sampler = getattr(obj, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            return
+
+
+def is_sharded(loader: object) -> bool:
+    """Whether the loader reads a per-rank shard (a ``DistributedSampler``)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    return any(
+        isinstance(getattr(obj, "sampler", None), DistributedSampler) for obj in _inner(loader)
+    )
+
+
+def capture_rng(generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
+    """Every generator's state now, as plain data that ``torch.save`` keeps."""
+    state = RngState(generators)
+    return {
+        "cpu": state.cpu,
+        "cuda": state.cuda,
+        "python": state.py,
+        "numpy": state.np,
+        "generators": [s for _, s in state.generators],
+    }
+
+
+def restore_rng(saved: dict[str, Any], generators: tuple[torch.Generator, ...] = ()) -> None:
+    """Put the generators back as :func:`capture_rng` found them.
+
+    CUDA states are restored only where CUDA runs already (a checkpoint from a GPU run
+    loaded on a CPU-only machine leaves CUDA alone). The loader's own generators are
+    restored when there are as many as were saved.
+    """
+    torch.set_rng_state(saved["cpu"])
+    cuda = saved.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(saved["python"])
+    np = sys.modules.get("numpy")
+    if np is not None and saved.get("numpy") is not None:
+        np.random.set_state(saved["numpy"])
+    states = saved.get("generators") or []
+    if len(states) == len(generators):
+        for gen, gen_state in zip(generators, states, strict=True):
+            gen.set_state(gen_state)
+
+
+def skip_batches(iterator: Iterator[Any], count: int) -> None:
+    """Advance a fresh loader iterator past ``count`` batches.
+
+    A single-process ``DataLoader`` over a map-style dataset skips indices only (no
+    batch is loaded); any other iterator fetches and drops the batches.
+    """
+    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    single = type(iterator).__name__ == "_SingleProcessDataLoaderIter"
+    if single and sampler_iter is not None and getattr(iterator, "_dataset_kind", None) == 0:
+        for _ in range(count):
+            next(sampler_iter)
+        iterator._num_yielded += count  # type: ignore[attr-defined]
+        return
+    for _ in range(count):
+        next(iterator)

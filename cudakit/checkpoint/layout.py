@@ -1,0 +1,251 @@
+"""Where checkpoints live on disk, which of them are complete, and which to remove.
+
+A checkpoint directory holds one sub-directory per checkpoint::
+
+    runs/exp/
+        ckpt-0000000400/          complete: its manifest was written last, then renamed
+            .metadata             torch.distributed.checkpoint's index of the shards
+            __0_0.distcp ...      the model and optimizer shards (one file per rank)
+            rank-00000.pt         each rank's host state (RNG, data position, step, extras)
+            cudakit.json          the manifest: position, world size, every file's size
+        ckpt-0000000600.partial/  being written (or left by a crash): never loaded
+
+A checkpoint is written under its ``.partial`` name and becomes visible only when
+rank 0, after every rank has finished, writes the manifest and renames the
+directory (an atomic rename on one file system). Everything here is a pure function
+of the file system: no process group, no torch state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MANIFEST",
+    "PARTIAL",
+    "Found",
+    "Manifest",
+    "checkpoint_name",
+    "fsync_dir",
+    "list_checkpoints",
+    "read_manifest",
+    "remove_stale_partials",
+    "to_remove",
+    "write_manifest",
+]
+
+#: The manifest's file name; written last, so its presence (and sizes) mean complete.
+MANIFEST = "cudakit.json"
+#: Suffix of a checkpoint directory that is still being written.
+PARTIAL = ".partial"
+#: Bumped when the layout changes in a way older code cannot read.
+FORMAT = 1
+
+_NAME = re.compile(r"^ckpt-(\d{10})$")
+
+
+def checkpoint_name(total: int) -> str:
+    """The directory name of the checkpoint taken after ``total`` batches."""
+    return f"ckpt-{total:010d}"
+
+
+def rank_file(rank: int) -> str:
+    """The file holding one rank's host state."""
+    return f"rank-{rank:05d}.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint says about itself (``cudakit.json``)."""
+
+    total: int
+    epoch: int
+    batch: int
+    windows: int
+    world_size: int
+    models: tuple[str, ...]
+    optimizers: int
+    schedulers: int
+    steps: int
+    mid_epoch_data: bool
+    files: dict[str, int]
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["format"] = FORMAT
+        data["models"] = list(self.models)
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("the manifest is not a JSON object")
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this cudakit reads {FORMAT}")
+        ints = ("total", "epoch", "batch", "windows", "world_size", "optimizers", "schedulers")
+        for key in (*ints, "steps"):
+            value = data.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"field {key!r} is {value!r}, not an int >= 0")
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in files.items()
+        ):
+            raise ValueError("field 'files' is not a mapping of file names to sizes")
+        models = data.get("models")
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise ValueError("field 'models' is not a list of names")
+        return cls(
+            total=data["total"],
+            epoch=data["epoch"],
+            batch=data["batch"],
+            windows=data["windows"],
+            world_size=data["world_size"],
+            models=tuple(models),
+            optimizers=data["optimizers"],
+            schedulers=data["schedulers"],
+            steps=data["steps"],
+            mid_epoch_data=bool(data.get("mid_epoch_data", False)),
+            files=dict(files),
+        )
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
+    """Finish a checkpoint: list its files, write the manifest last, rename it visible.
+
+    Runs on rank 0 only, after every rank has written its part.
+    """
+    files = {
+        str(p.relative_to(partial)): p.stat().st_size
+        for p in sorted(partial.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = Manifest(files=files, **fields)
+    tmp = partial / (MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, partial / MANIFEST)
+    fsync_dir(partial)
+    if final.exists():  # the same position saved again (an explicit save twice)
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    fsync_dir(final.parent)
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of checkpoint ``path``, checked against the files it lists.
+
+    Raises:
+        ValueError: no manifest, a malformed one, or a file missing or of another size
+            (a truncated or partly deleted checkpoint), naming what is wrong.
+    """
+    file = path / MANIFEST
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} is not a complete cudakit checkpoint: it has no {MANIFEST} (the "
+            "manifest is written last, so the save did not finish)"
+        ) from None
+    try:
+        manifest = Manifest.from_json(text)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{file} is corrupted: {exc}") from None
+    for name, size in manifest.files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{path} is corrupted: {name} is missing") from None
+        if actual != size:
+            raise ValueError(
+                f"{path} is corrupted: {name} has {actual} bytes, the manifest says {size} "
+                "(a truncated or overwritten file)"
+            )
+    return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """The checkpoints of a directory: complete ones (oldest first) and the rest."""
+
+    complete: tuple[tuple[Path, Manifest], ...]
+    broken: tuple[tuple[Path, str], ...]
+
+    @property
+    def latest(self) -> tuple[Path, Manifest] | None:
+        return self.complete[-1] if self.complete else None
+
+
+def list_checkpoints(root: Path) -> Found:
+    """Every ``ckpt-N`` directory of ``root``: the complete ones and why the others are not."""
+    complete: list[tuple[int, Path, Manifest]] = []
+    broken: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return Found((), ())
+    for entry in sorted(root.iterdir()):
+        match = _NAME.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except ValueError as exc:
+            broken.append((entry, str(exc)))
+            continue
+        complete.append((int(match.group(1)), entry, manifest))
+    complete.sort(key=lambda item: item[0])
+    return Found(tuple((p, m) for _, p, m in complete), tuple(broken))
+
+
+def remove_stale_partials(root: Path) -> list[Path]:
+    """Remove ``.partial`` directories (saves a crash interrupted); returns what went."""
+    gone: list[Path] = []
+    if not root.is_dir():
+        return gone
+    for entry in root.iterdir():
+        if entry.name.endswith(PARTIAL) and _NAME.match(entry.name[: -len(PARTIAL)]):
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry)
+    return gone
+
+
+def to_remove(complete: Sequence[Path], keep: int | None, protected: Iterable[Path]) -> list[Path]:
+    """Which complete checkpoints ``keep=k`` removes: all but the newest ``k``.
+
+    ``complete`` is ordered oldest first. The newest is never removed, and neither is
+    any ``protected`` one (the checkpoint this run resumed from, until a newer one is
+    complete: the caller stops protecting it then).
+
+    >>> to_remove([Path("a"), Path("b"), Path("c")], 2, [])
+    [PosixPath('a')]
+    >>> to_remove([Path("a"), Path("b"), Path("c")], 1, [Path("a")])
+    [PosixPath('b')]
+    """
+    if keep is None or len(complete) <= keep:
+        return []
+    keep_set = set(complete[-max(keep, 1) :]) | set(protected)
+    return [p for p in complete if p not in keep_set]

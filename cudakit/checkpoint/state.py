@@ -1,0 +1,205 @@
+"""What a checkpoint holds, gathered from the user's objects and put back into them.
+
+Two parts:
+
+* the *tensor* part, written by ``torch.distributed.checkpoint`` (DCP): every model's
+  state dict and its optimizers' state, keyed by parameter names
+  (``get_state_dict``), so DCP writes each FSDP2 rank's own shards, writes DDP's
+  replicated tensors once, and reshards them at load to any world size;
+* each rank's *host* part (``rank-NNNNN.pt``): RNG states, the data position, the
+  ``autocast_step`` and scheduler states, the loader's own state and the extras.
+
+:class:`Parts` checks what the user passed once; :func:`validate` compares a
+checkpoint's DCP metadata with the state to load into before anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._check import describe
+
+__all__ = ["Parts", "fresh_optimizers", "mismatch", "tensor_state"]
+
+
+@dataclasses.dataclass
+class Parts:
+    """The objects one :class:`~cudakit.checkpoint.Checkpointer` saves, checked."""
+
+    models: dict[str, nn.Module]
+    # each model's optimizers, in the order the user gave them overall
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    owner: tuple[str, ...]  # owner[i]: the model whose parameters optimizers[i] steps
+    schedulers: tuple[Any, ...]
+    steps: tuple[Any, ...]
+    extras: dict[str, Any]
+
+    def optimizers_of(self, name: str) -> list[torch.optim.Optimizer]:
+        return [o for o, m in zip(self.optimizers, self.owner, strict=True) if m == name]
+
+
+def _param_ids(model: nn.Module) -> set[int]:
+    return {id(p) for p in model.parameters()}
+
+
+def assign_owners(
+    func: str, models: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[str, ...]:
+    """For each optimizer, the one model holding all its parameters (else ValueError)."""
+    ids = {name: _param_ids(m) for name, m in models.items()}
+    owners: list[str] = []
+    for i, opt in enumerate(optimizers):
+        params = [id(p) for g in opt.param_groups for p in g["params"]]
+        owner = next((name for name, s in ids.items() if all(p in s for p in params)), None)
+        if owner is None:
+            names = ", ".join(repr(n) for n in models)
+            raise ValueError(
+                f"{func}(): optimizer {i} ({type(opt).__name__}) steps parameters that are "
+                f"not all in one of the models ({names}). Pass the module that owns them in "
+                "model= (a dict of several models is fine: model={'G': g, 'D': d})."
+            )
+        owners.append(owner)
+    return tuple(owners)
+
+
+@contextlib.contextmanager
+def _grads_hidden(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Hide the gradients of optimizers without state, so DCP can initialise the state."""
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for opt in optimizers:
+        if opt.state:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in hidden:
+            p.grad = g
+
+
+def fresh_optimizers(parts: Parts) -> list[bool]:
+    """Which optimizers have not stepped yet (no state): DCP would initialise theirs."""
+    return [not opt.state for opt in parts.optimizers]
+
+
+def tensor_state(parts: Parts) -> dict[str, Any]:
+    """The DCP part: ``{"model": {name: sd}, "optim": {name: osd}}``.
+
+    DCP's ``get_state_dict`` fills an optimizer without state by stepping it once with
+    zero gradients and a zero learning rate; the caller undoes that with
+    :func:`reset_fresh` once the state is saved or loaded.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    for name, model in parts.models.items():
+        opts = parts.optimizers_of(name)
+        with _grads_hidden(opts):
+            msd, osd = get_state_dict(model, opts)
+        model_sd[name] = msd
+        if opts:
+            optim_sd[name] = osd
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def reset_fresh(parts: Parts, fresh: Sequence[bool]) -> None:
+    """Empty the state of the optimizers that had none (see :func:`tensor_state`)."""
+    for opt, was_fresh in zip(parts.optimizers, fresh, strict=True):
+        if was_fresh:
+            opt.state.clear()
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        for i, v in enumerate(obj):
+            _flatten(f"{prefix}.{i}", v, out)
+    else:
+        out[prefix] = obj
+
+
+def flat_keys(state: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP's flat names (``model.net.0.weight``) for a nested state dict."""
+    out: dict[str, Any] = {}
+    _flatten("", state, out)
+    return out
+
+
+def mismatch(state: Mapping[str, Any], metadata: Any) -> list[str]:
+    """What stops ``state`` from loading the checkpoint whose DCP metadata is given.
+
+    Missing keys (the model has them, the checkpoint does not), unexpected keys (the
+    checkpoint has them, the model does not) and tensors whose shapes differ, each
+    named; empty when the checkpoint fits.
+    """
+    saved = metadata.state_dict_metadata
+    flat = flat_keys(state)
+    problems: list[str] = []
+    # Compare the model's tensors; the optimizer's keys follow from the model's
+    # parameters (a missing optimizer entry means another optimizer or hyper-params).
+    mine = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    theirs = {k for k, v in saved.items() if hasattr(v, "size")}
+    missing = sorted(k for k in mine if k not in saved)
+    unexpected = sorted(k for k in theirs if k not in flat and k.startswith("model."))
+    if missing:
+        problems.append(f"missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in this run: {_names(unexpected)}")
+    for key, tensor in mine.items():
+        meta = saved.get(key)
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            problems.append(
+                f"{key} has shape {tuple(size)} in the checkpoint, {tuple(tensor.shape)} here"
+            )
+    return problems
+
+
+def _names(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_extras(func: str, extras: object) -> dict[str, Any]:
+    """``extra=``: a mapping of names to objects with ``state_dict`` or plain values."""
+    if extras is None:
+        return {}
+    if not isinstance(extras, Mapping):
+        raise TypeError(
+            f"{func}(extra=...) expects a dict of names to objects with state_dict()/"
+            f"load_state_dict() or plain values, got {describe(extras)}. Pass e.g. "
+            "extra={'ema': ema, 'best_loss': float('inf')}."
+        )
+    for key in extras:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{func}(extra=...) keys must be str names, got {key!r} "
+                f"({type(key).__name__}). Name each extra, e.g. extra={{'ema': ema}}."
+            )
+    return dict(extras)
+
+
+def extras_state(extras: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """Each extra as ``("state", its state_dict())`` or ``("value", the value)``."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, obj in extras.items():
+        if callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            out[name] = ("state", obj.state_dict())
+        else:
+            out[name] = ("value", obj)
+    return out

@@ -1,0 +1,160 @@
+"""Writing a checkpoint: synchronously, or in the background with at most one in flight.
+
+Every rank writes its host file into the ``.partial`` directory, then calls DCP's
+``save`` (or ``async_save``), whose first collective (planning) cannot finish before
+every rank has arrived: so once DCP has written its ``.metadata`` on rank 0, every
+rank's files are on disk. Rank 0 then writes the manifest and renames the directory
+(:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old checkpoints.
+
+Background saves run DCP's ``async_save`` on a gloo group of their own (made once,
+by every rank together), so the save's collectives never interleave with training's.
+The loop waits only while DCP stages the state (a copy in host memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..exceptions import CheckpointSaveError
+from . import layout
+
+__all__ = ["Pending", "Writer"]
+
+log = logging.getLogger("cudakit.checkpoint")
+
+
+@dataclasses.dataclass
+class Pending:
+    """A save whose files are being written: finished by :meth:`Writer.finish`."""
+
+    partial: Path
+    final: Path
+    fields: dict[str, Any]
+    future: Future[Any] | None = None
+
+
+class Writer:
+    """Writes checkpoints into ``root`` and keeps the ``keep`` newest complete ones."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        keep: int | None,
+        background: bool,
+        group: Any,
+        distributed: bool,
+        protect: Callable[[], list[Path]],
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.keep = keep
+        self.background = background
+        self.group = group  # the process group DCP uses (None: the default, or no group)
+        self.distributed = distributed
+        self._protect = protect
+        self.pending: Pending | None = None
+        #: The newest checkpoint this writer completed.
+        self.last: Path | None = None
+
+    def _dcp_kwargs(self) -> dict[str, Any]:
+        if not self.distributed:
+            return {"no_dist": True}
+        return {"process_group": self.group} if self.group is not None else {}
+
+    def write(self, tensors: dict[str, Any], host: dict[str, Any], pending: Pending) -> None:
+        """Write (or start writing) one checkpoint; a background save already running is
+        finished first, so at most one is ever in flight."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+        self.finish()
+        try:
+            pending.partial.mkdir(parents=True, exist_ok=True)
+            torch.save(host, pending.partial / layout.rank_file(self.rank))
+            writer = FileSystemWriter(str(pending.partial), sync_files=True)
+            with warnings.catch_warnings():
+                # DCP warns that it assumes a single process when no group runs: we said so.
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                if self.background:
+                    result: Any = async_save(tensors, storage_writer=writer, **self._dcp_kwargs())
+                    pending.future = getattr(result, "upload_completion", result)
+                else:
+                    save(tensors, storage_writer=writer, **self._dcp_kwargs())
+        except BaseException as exc:
+            self._failed(pending, exc)
+        self.pending = pending
+        if not self.background:
+            self.finish()
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight (if any), then make it visible; returns its path."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if pending.future is not None:
+            try:
+                pending.future.result()
+            except BaseException as exc:
+                self._failed(pending, exc)
+        if self.rank == 0:
+            try:
+                layout.write_manifest(pending.partial, pending.final, pending.fields)
+            except OSError as exc:
+                self._failed(pending, exc)
+            self.prune()
+        self.last = pending.final
+        log.info("cudakit: checkpoint %s complete", pending.final)
+        return pending.final
+
+    def done(self) -> bool:
+        """Whether nothing is in flight, or the background save has finished writing."""
+        return self.pending is None or (
+            self.pending.future is not None and self.pending.future.done()
+        )
+
+    def prune(self) -> None:
+        """Remove the old complete checkpoints ``keep=`` lets go (rank 0)."""
+        if self.keep is None or self.rank != 0:
+            return
+        found = layout.list_checkpoints(self.root)
+        for path in layout.to_remove([p for p, _ in found.complete], self.keep, self._protect()):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
+
+    def _failed(self, pending: Pending, exc: BaseException) -> None:
+        if self.rank == 0:
+            shutil.rmtree(pending.partial, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise exc  # KeyboardInterrupt, SystemExit: the partial is gone, carry on
+        latest = layout.list_checkpoints(self.root).latest
+        kept = (
+            f"The previous checkpoint {latest[0]} is intact and is what resume() loads."
+            if latest is not None
+            else "No earlier checkpoint exists in this directory."
+        )
+        raise CheckpointSaveError(
+            f"Checkpointer.save(): writing {pending.final} failed: {_cause(exc)}. "
+            f"Nothing of it became visible. {kept} Free space on the disk (or choose "
+            "another directory) and save again."
+        ) from exc
+
+
+def _cause(exc: BaseException) -> str:
+    """The first underlying error of a DCP failure (it wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner_exc = inner[0] if isinstance(inner, tuple) else inner
+        return f"{type(inner_exc).__name__}: {inner_exc} (rank {rank})"
+    return f"{type(exc).__name__}: {exc}"
