@@ -135,8 +135,9 @@ class Writer:
     def _failed(self, pending: Pending, exc: BaseException) -> None:
         if self.rank == 0:
             shutil.rmtree(pending.partial, ignore_errors=True)
-        if not isinstance(exc, Exception):
-            raise exc  # KeyboardInterrupt, SystemExit: the partial is gone, carry on
+        if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise exc  # the partial is gone; the interruption carries on
+        # (DCP's CheckpointException derives from BaseException: it is a save failure.)
         latest = layout.list_checkpoints(self.root).latest
         kept = (
             f"The previous checkpoint {latest[0]} is intact and is what resume() loads."

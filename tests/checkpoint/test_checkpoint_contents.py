@@ -1,0 +1,263 @@
+"""What a checkpoint carries besides the model: extras, several models, stateful loaders;
+and the clear errors for a checkpoint that does not fit or an argument that is wrong."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cudakit
+
+
+class Ema:
+    """A user object with state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.value = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"].clone()
+
+
+def test_extras_plain_values_and_every_rng_come_back(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    ema = Ema()
+    ema.value += 5
+    ckpt = cudakit.Checkpointer(
+        tmp_path, model=model, extra={"ema": ema, "best": 0.25}, preemption=False
+    )
+    ckpt.extra["best"] = 0.125
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    path = ckpt.save()
+    expected = (torch.rand(2), random.random(), np.random.rand())
+    ckpt.close()
+
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    other_ema = Ema()
+    again = cudakit.Checkpointer(
+        tmp_path, model=torch.nn.Linear(2, 2), extra={"ema": other_ema, "best": 1.0},
+        preemption=False,
+    )  # fmt: skip
+    assert again.resume() == cudakit.Position(0, 0, 0, 0)
+    assert again.resumed_from == path
+    assert torch.equal(other_ema.value, torch.full((3,), 5.0))
+    assert again.extra["best"] == 0.125
+    got = (torch.rand(2), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0])
+    assert got[1:] == expected[1:]
+    again.close()
+
+
+def test_two_models_with_their_own_optimizers(tmp_path: Path) -> None:
+    g, d = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    opt_g, opt_d = torch.optim.Adam(g.parameters()), torch.optim.SGD(d.parameters(), lr=0.1)
+    d(g(torch.ones(2, 3))).sum().backward()
+    opt_g.step()
+    ckpt = cudakit.Checkpointer(
+        tmp_path, model={"G": g, "D": d}, optimizer=[opt_g, opt_d], preemption=False
+    )
+    ckpt.save()
+    ckpt.close()
+    g2, d2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    opt_g2, opt_d2 = torch.optim.Adam(g2.parameters()), torch.optim.SGD(d2.parameters(), lr=0.1)
+    again = cudakit.Checkpointer(
+        tmp_path, model={"G": g2, "D": d2}, optimizer=[opt_g2, opt_d2], preemption=False
+    )
+    again.resume()
+    assert torch.equal(g2.weight, g.weight)
+    assert torch.equal(d2.bias, d.bias)
+    state = opt_g2.state[g2.weight]
+    assert torch.equal(state["exp_avg"], opt_g.state[g.weight]["exp_avg"])
+    assert not opt_d2.state  # SGD without momentum had no state, and still has none
+    again.close()
+
+
+def test_an_optimizer_saved_before_its_first_step_resumes_fresh(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters())
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    ckpt.save()
+    assert not opt.state  # saving did not step it
+    ckpt.close()
+    m2 = torch.nn.Linear(2, 1)
+    o2 = torch.optim.Adam(m2.parameters())
+    again = cudakit.Checkpointer(tmp_path, model=m2, optimizer=o2, preemption=False)
+    again.resume()
+    assert not o2.state
+    again.close()
+
+
+class StatefulLoader:
+    """Like torchdata's StatefulDataLoader: resumes by itself from its state_dict."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next = n, 0
+
+    def __iter__(self) -> Any:
+        while self.next < self.n:
+            self.next += 1
+            yield torch.tensor([float(self.next)])
+        self.next = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next = state["next"]
+
+
+def test_a_stateful_loader_keeps_its_own_position(tmp_path: Path) -> None:
+    model = torch.nn.Linear(1, 1)
+    loader = StatefulLoader(6)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, loader=loader, every=1, preemption=False)
+    seen: list[int] = []
+
+    def crash_at_the_fourth() -> None:
+        for _ in ckpt.epochs(1):
+            for batch in ckpt.batches():
+                seen.append(int(batch))
+                if len(seen) == 4:
+                    raise KeyError("crash")  # a crash while the fourth batch is in hand
+
+    with pytest.raises(KeyError):
+        crash_at_the_fourth()
+    loader2 = StatefulLoader(6)
+    again = cudakit.Checkpointer(
+        tmp_path, model=torch.nn.Linear(1, 1), loader=loader2, every=1, preemption=False
+    )
+    rest = [int(b) for _ in again.epochs(1) for b in again.batches()]
+    assert seen == [1, 2, 3, 4]
+    assert rest == [4, 5, 6]  # the fourth batch was handed out but its save point not reached
+    again.close()
+
+
+def _saved(tmp_path: Path) -> Path:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+    return path
+
+
+def test_a_checkpoint_of_another_model_names_missing_and_unexpected_keys(
+    tmp_path: Path,
+) -> None:
+    path = _saved(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(other.parameters())
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=other, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    text = str(info.value)
+    assert "missing from the checkpoint: model.model.2.bias, model.model.2.weight" in text
+    assert "in the checkpoint but not in this run: model.model.1.bias, model.model.1." in text
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert not opt.state  # the optimizer is as it was: never stepped
+    ckpt.close()
+
+
+def test_a_checkpoint_with_other_shapes_names_them(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(other.parameters())
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=other, optimizer=opt, preemption=False)
+    with pytest.raises(
+        cudakit.CheckpointError, match=r"shape \(3, 2\) in the checkpoint, \(4, 2\)"
+    ):
+        ckpt.load(path)
+    ckpt.close()
+
+
+def test_another_number_of_optimizers_or_schedulers_is_refused(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    ckpt = cudakit.Checkpointer(
+        tmp_path / "x", model=model, optimizer=opt, scheduler=sched, preemption=False
+    )
+    with pytest.raises(cudakit.CheckpointError, match=r"1 optimizer\(s\), 0 scheduler\(s\)"):
+        ckpt.load(path)
+    ckpt.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"directory": 3}, TypeError, r"Checkpointer\(directory=...\) expects a path"),
+        ({"directory": ""}, ValueError, r"expects a non-empty path"),
+        ({"model": "net"}, TypeError, r"Checkpointer\(model=...\) expects an nn.Module"),
+        ({"model": None}, TypeError, r"build the step with autocast_step\(..., model=model\)"),
+        ({"model": {"a.b": torch.nn.Linear(1, 1)}}, ValueError, r"names without dots"),
+        ({"optimizer": "adam"}, TypeError, r"expects a torch.optim.Optimizer"),
+        ({"scheduler": torch.optim.lr_scheduler.StepLR}, TypeError, r"scheduler instance"),
+        ({"step": 3}, TypeError, r"Checkpointer\(step=...\) expects an autocast_step"),
+        ({"loader": iter([1, 2])}, TypeError, r"re-iterable loader"),
+        ({"loader": 5}, TypeError, r"re-iterable of batches"),
+        ({"extra": [1]}, TypeError, r"extra=\.\.\.\) expects a dict"),
+        ({"extra": {1: 2}}, TypeError, r"keys must be str names"),
+        ({"keep": 0}, ValueError, r"Checkpointer\(keep=...\) expects an int >= 1"),
+        ({"keep": 1.5}, TypeError, r"Checkpointer\(keep=...\) expects an int"),
+        ({"every": -1}, ValueError, r"Checkpointer\(every=...\) expects an int >= 1"),
+        ({"async_save": "yes"}, TypeError, r"async_save=...\) expects True or False"),
+        ({"preemption": 1}, TypeError, r"preemption=...\) expects True or False"),
+        ({"exit_code": 300}, ValueError, r"exit_code=...\) expects an int"),
+        ({"requeue": "sometimes"}, TypeError, r"'auto', True or False"),
+    ],
+)
+def test_every_bad_argument_is_refused_clearly(
+    tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    model = torch.nn.Linear(1, 1)
+    args: dict[str, Any] = {"directory": tmp_path / "c", "model": model, "preemption": False}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        cudakit.Checkpointer(args.pop("directory"), **args)
+    assert not (tmp_path / "c").exists()  # refused before anything was made
+
+
+def test_an_optimizer_of_parameters_outside_the_model_is_refused(tmp_path: Path) -> None:
+    model, stray = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match=r"optimizer 0 \(SGD\) steps parameters that are not"):
+        cudakit.Checkpointer(
+            tmp_path, model=model, optimizer=torch.optim.SGD(stray.parameters(), lr=1)
+        )
+
+
+def test_calls_after_close_are_a_clear_error(tmp_path: Path) -> None:
+    ckpt = cudakit.Checkpointer(tmp_path, model=torch.nn.Linear(1, 1), preemption=False)
+    ckpt.close()
+    ckpt.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"Checkpointer.save\(\) after close\(\)"):
+        ckpt.save()
+
+
+def test_batches_without_a_loader_says_where_to_pass_it(tmp_path: Path) -> None:
+    ckpt = cudakit.Checkpointer(tmp_path, model=torch.nn.Linear(1, 1), preemption=False)
+    with pytest.raises(TypeError, match=r"Checkpointer\(loader=...\)"):
+        next(ckpt.batches())
+    with pytest.raises(TypeError, match=r"Checkpointer.batches\(loader=...\) expects a re-it"):
+        next(ckpt.batches(iter([1])))
+    with pytest.raises(ValueError, match=r"epochs\(stop=...\) expects an int >= 0"):
+        next(ckpt.epochs(-1))
+    ckpt.close()

@@ -1,0 +1,165 @@
+"""Complete or absent: the manifest written last, keep=k, finding the latest, faults on disk."""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cudakit
+from cudakit.checkpoint import layout
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ckpt_training import Crash, run, same_state
+
+
+def _dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("ckpt-"))
+
+
+def test_every_saves_at_window_ends_and_keep_removes_the_oldest(tmp_path: Path) -> None:
+    run(tmp_path, accumulate=2, every=2, keep=2)
+    # 20 batches, windows of 2: a save every 2 windows (4 batches); the last two kept.
+    assert _dirs(tmp_path) == ["ckpt-0000000016", "ckpt-0000000020"]
+    manifest = layout.read_manifest(tmp_path / "ckpt-0000000020")
+    assert (manifest.epoch, manifest.batch, manifest.total, manifest.windows) == (2, 0, 20, 10)
+    assert {".metadata", "rank-00000.pt"} <= set(manifest.files)
+
+
+def test_keep_never_removes_the_checkpoint_a_run_resumed_from_before_a_newer_one(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(Crash):
+        run(tmp_path, accumulate=1, every=5, keep=1, crash_at=8)
+    assert _dirs(tmp_path) == ["ckpt-0000000005"]
+    resumed = run(tmp_path, accumulate=1, every=5, keep=1)
+    assert resumed["ckpt"].resumed_from == tmp_path / "ckpt-0000000005"
+    assert _dirs(tmp_path) == ["ckpt-0000000020"]
+
+
+def test_to_remove_protects_the_newest_and_the_resumed_one() -> None:
+    paths = [Path(f"c{i}") for i in range(5)]
+    assert layout.to_remove(paths, 2, []) == paths[:3]
+    assert layout.to_remove(paths, 2, [paths[0]]) == paths[1:3]
+    assert layout.to_remove(paths, 1, []) == paths[:4]
+    assert layout.to_remove(paths, None, []) == []
+    assert layout.to_remove(paths[:1], 1, []) == []
+
+
+def test_latest_skips_incomplete_and_corrupted_checkpoints_naming_them(tmp_path: Path) -> None:
+    run(tmp_path, accumulate=1, every=5)  # ckpt-5, 10, 15, 20
+    # A save a crash interrupted (no manifest yet), a truncated file, a missing one.
+    (tmp_path / "ckpt-0000000020" / layout.MANIFEST).unlink()
+    data = next(p for p in (tmp_path / "ckpt-0000000015").iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:10])
+    (tmp_path / "ckpt-0000000010" / "rank-00000.pt").unlink()
+    with pytest.warns(UserWarning, match="skipping checkpoint") as caught:
+        latest = cudakit.find_latest(tmp_path)
+    assert latest == tmp_path / "ckpt-0000000005"
+    text = " ".join(str(w.message) for w in caught)
+    assert "ckpt-0000000020" in text
+    assert "no cudakit.json" in text
+    assert "ckpt-0000000015" in text
+    assert "truncated" in text
+    assert "ckpt-0000000010" in text
+    assert "rank-00000.pt is missing" in text
+
+
+def test_resume_skips_a_partial_save_and_removes_it(tmp_path: Path) -> None:
+    run(tmp_path, accumulate=1, every=10)
+    partial = tmp_path / ("ckpt-0000000030" + layout.PARTIAL)
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    again = run(tmp_path, accumulate=1, every=10, epochs=2)
+    assert again["ckpt"].resumed_from == tmp_path / "ckpt-0000000020"
+    assert not partial.exists()
+
+
+def test_loading_a_truncated_checkpoint_is_a_clear_error_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path, accumulate=1, every=20)
+    target = tmp_path / "ckpt-0000000020"
+    data = next(p for p in target.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:-7])
+    model = torch.nn.Linear(6, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = cudakit.Checkpointer(tmp_path / "other", model=model, preemption=False)
+    with pytest.raises(cudakit.CheckpointError, match=r"corrupted: __0_0\.distcp has \d+ bytes"):
+        ckpt.load(target)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ckpt.close()
+
+
+def _fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesystem, "_write_item", full)
+
+
+def test_a_disk_that_fills_up_mid_save_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = run(tmp_path, accumulate=1, every=20, epochs=1)  # ckpt-10 complete
+    model, _opt = first["model"], first["opt"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = cudakit.Checkpointer(tmp_path, step=first["step"], preemption=False)
+    ckpt.resume()
+    ckpt._position = cudakit.Position(1, 0, 11, 11)  # pretend a batch ran
+    _fill_disk(monkeypatch)
+    with pytest.raises(cudakit.CheckpointSaveError, match="No space left on device") as info:
+        ckpt.save()
+    message = str(info.value)
+    assert "ckpt-0000000011" in message
+    assert "ckpt-0000000010 is intact" in message
+    assert isinstance(info.value, OSError)
+    assert not (tmp_path / "ckpt-0000000011.partial").exists()
+    assert not (tmp_path / "ckpt-0000000011").exists()
+    assert cudakit.find_latest(tmp_path) == tmp_path / "ckpt-0000000010"
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    ckpt.close()
+
+
+def test_an_unwritable_directory_is_refused_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(cudakit.CheckpointSaveError, match=r"directory cannot be written"):
+        cudakit.Checkpointer(blocker / "ckpts", model=torch.nn.Linear(1, 1))
+
+
+def test_the_async_save_stages_a_copy_and_finishes_on_wait(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = cudakit.Checkpointer(
+        tmp_path, model=model, optimizer=opt, async_save=True, preemption=False
+    )
+    path = ckpt.save()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the loop goes on while the save is written
+    assert ckpt.wait() == path
+    assert cudakit.find_latest(tmp_path) == path
+    ckpt.close()
+    fresh = torch.nn.Linear(4, 3)
+    other = cudakit.Checkpointer(
+        tmp_path, model=fresh, optimizer=torch.optim.Adam(fresh.parameters()), preemption=False
+    )
+    other.resume()
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+    other.close()
+
+
+def test_a_background_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    ref = run(None, accumulate=2)
+    with pytest.raises(Crash):
+        run(tmp_path, accumulate=2, every=1, async_save=True, crash_at=13)
+    resumed = run(tmp_path, accumulate=2, every=1, async_save=True, noise=7)
+    assert same_state(resumed, ref)
