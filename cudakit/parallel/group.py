@@ -241,7 +241,10 @@ def _group_store(env: DistributedEnv, timeout: datetime.timedelta) -> Store:
         _state.store = (key, store)
     base = _state.store[1]
     base.set_timeout(timeout)
-    prefix = f"cudakit/{_state.generation}"  # PrefixStore adds the "/"
+    # torchrun's agent store also outlives a restart (--max-restarts): the restarted
+    # ranks count their groups from 0 again, so the attempt is part of the prefix.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"cudakit/{attempt}/{_state.generation}"  # PrefixStore adds the "/"
     _state.generation += 1
     return PrefixStore(prefix, base)
 

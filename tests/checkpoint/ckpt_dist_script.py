@@ -1,0 +1,111 @@
+"""A multi-rank training script for the checkpoint tests, started by torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 ckpt_dist_script.py \
+        train --dir D --out O --strategy fsdp [--kill-at K] [--sigterm-at K]
+    ... ckpt_dist_script.py load --dir D --out O --strategy fsdp
+
+``train`` runs 2 epochs of a small MLP (dropout, AdamW, a scheduler, accumulate=2,
+clipping) over ``distributed_loader`` with a ``Checkpointer`` (every 2 windows), and
+writes the full weights and optimizer state and every loss to ``O`` on rank 0.
+``--kill-at K`` SIGKILLs rank 1 when batch K is handed out, on torchrun's first attempt
+only; ``--sigterm-at K`` sends rank 1 a SIGTERM there. ``load`` resumes a checkpoint
+and writes what it loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import cudakit
+import cudakit.parallel as cp
+
+
+def build(strategy: str, lr: float = 1e-2) -> tuple[Any, Any, Any, Any]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1),
+    )  # fmt: skip
+    model = cp.parallelize(net, strategy) if strategy != "none" else net
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    step = cudakit.autocast_step(
+        opt, model=model, dtype=torch.float32, accumulate=2, scheduler=sched, max_grad_norm=1.0
+    )
+    return model, opt, sched, step
+
+
+def data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(4)
+    return torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+    )
+
+
+def full_state(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    return {"model": msd, "optim": osd}
+
+
+def train(args: argparse.Namespace) -> None:
+    model, opt, _sched, step = build(args.strategy)
+
+    @step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    loader = cp.distributed_loader(data(), batch_size=4, shuffle=True)
+    ckpt = cudakit.Checkpointer(args.dir, step=train_step, loader=loader, every=2, keep=2)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    losses: dict[int, float] = {}
+    for _ in ckpt.epochs(2):
+        for x, y in ckpt.batches():
+            total = ckpt.position.total
+            if cp.rank() == 1 and total == args.kill_at and first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if cp.rank() == 1 and total == args.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            losses[total] = float(train_step(x, y).loss)
+    ckpt.close()
+    state = full_state(model, opt)
+    if cp.rank() == 0:
+        torch.save(
+            {"state": state, "losses": losses, "resumed_from": str(ckpt.resumed_from)}, args.out
+        )
+
+
+def load(args: argparse.Namespace) -> None:
+    model, opt, _, step = build(args.strategy, lr=0.5)  # another lr: the checkpoint's wins
+    ckpt = cudakit.Checkpointer(args.dir, step=step, preemption=False)
+    position = ckpt.resume()
+    ckpt.close()
+    state = full_state(model, opt)
+    if cp.rank() == 0:
+        torch.save({"state": state, "position": position}, args.out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "load"])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--sigterm-at", type=int, default=-1)
+    args = parser.parse_args()
+    with cudakit.process_group(timeout=datetime.timedelta(seconds=60)):
+        (train if args.mode == "train" else load)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Checkpoints across ranks (gloo, CPU): FSDP2 shards, resharding to 1 and 4 ranks, a rank
+killed under torchrun --max-restarts, and a SIGTERM seen by one rank only.
+
+Each scenario is one torchrun launch of ``ckpt_dist_script.py`` (a free rendezvous port,
+finite timeouts, the whole process group killed if it overruns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cudakit
+
+pytestmark = pytest.mark.distributed
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "ckpt_dist_script.py"
+sys.path.insert(0, str(HERE))
+
+
+def torchrun(*args: str, nproc: int = 2, restarts: int = 0, timeout: float = 240) -> int:
+    """Run the script under torchrun; returns its exit status (the whole group is killed
+    if it runs past ``timeout``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(name, None)
+    env.pop("MASTER_PORT", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", str(SCRIPT), *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun {args} ran past {timeout} s:\n{out.decode()[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # nothing of the group outlives the test
+            os.killpg(proc.pid, signal.SIGKILL)
+    torchrun.last_output = out.decode(errors="replace")  # type: ignore[attr-defined]
+    return proc.returncode
+
+
+def equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """An uninterrupted FSDP2 run over 2 ranks, and its checkpoint directory."""
+    root = tmp_path_factory.mktemp("fsdp_ref")
+    out = root / "ref.pt"
+    code = torchrun("train", "--dir", str(root / "ckpt"), "--out", str(out), "--strategy", "fsdp")
+    assert code == 0, torchrun.last_output[-3000:]  # type: ignore[attr-defined]
+    return root / "ckpt", torch.load(out, weights_only=False)
+
+
+def test_fsdp2_writes_each_ranks_own_shards(fsdp_reference: tuple[Path, Any]) -> None:
+    ckpt_dir, _ = fsdp_reference
+    latest = cudakit.find_latest(ckpt_dir)
+    assert latest is not None
+    assert latest.name == "ckpt-0000000016"
+    files = {p.name for p in latest.iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt"} <= files
+    sizes = [(latest / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert min(sizes) > 0.3 * max(sizes)  # both ranks hold a real share
+
+
+def test_a_rank_killed_under_torchrun_restarts_and_ends_bit_for_bit(
+    tmp_path: Path, fsdp_reference: tuple[Path, dict[str, Any]]
+) -> None:
+    _, ref = fsdp_reference
+    out = tmp_path / "killed.pt"
+    code = torchrun(
+        "train", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--strategy", "fsdp",
+        "--kill-at", "7", restarts=1,
+    )  # fmt: skip
+    assert code == 0, torchrun.last_output[-3000:]  # type: ignore[attr-defined]
+    got = torch.load(out, weights_only=False)
+    assert got["resumed_from"].endswith("ckpt-0000000004")
+    assert equal(got["state"]["model"], ref["state"]["model"])
+    assert equal(got["state"]["optim"], ref["state"]["optim"])
+    assert got["losses"] == {k: v for k, v in ref["losses"].items() if k >= 5}
+
+
+def test_an_fsdp2_checkpoint_of_2_ranks_loads_in_one_process(
+    fsdp_reference: tuple[Path, dict[str, Any]],
+) -> None:
+    from ckpt_dist_script import build, full_state
+
+    ckpt_dir, ref = fsdp_reference
+    model, opt, _, step = build("none", lr=0.5)
+    ckpt = cudakit.Checkpointer(ckpt_dir, step=step, preemption=False)
+    assert ckpt.resume() == cudakit.Position(2, 0, 16, 8)
+    ckpt.close()
+    state = full_state(model, opt)
+    assert equal(state["model"], ref["state"]["model"])
+    assert equal(state["optim"], ref["state"]["optim"])
+
+
+def test_an_fsdp2_checkpoint_of_2_ranks_loads_on_4(
+    tmp_path: Path, fsdp_reference: tuple[Path, dict[str, Any]]
+) -> None:
+    ckpt_dir, ref = fsdp_reference
+    out = tmp_path / "four.pt"
+    code = torchrun(
+        "load", "--dir", str(ckpt_dir), "--out", str(out), "--strategy", "fsdp", nproc=4
+    )
+    assert code == 0, torchrun.last_output[-3000:]  # type: ignore[attr-defined]
+    got = torch.load(out, weights_only=False)
+    assert got["position"] == cudakit.Position(2, 0, 16, 8)
+    assert equal(got["state"]["model"], ref["state"]["model"])
+    assert equal(got["state"]["optim"], ref["state"]["optim"])
+
+
+def test_a_sigterm_on_one_rank_saves_on_both_and_exits_for_a_requeue(tmp_path: Path) -> None:
+    ref_out = tmp_path / "ref.pt"
+    assert torchrun("train", "--dir", str(tmp_path / "ref"), "--out", str(ref_out)) == 0
+    ref = torch.load(ref_out, weights_only=False)
+    ckpt_dir, out = tmp_path / "ckpt", tmp_path / "stopped.pt"
+    code = torchrun("train", "--dir", str(ckpt_dir), "--out", str(out), "--sigterm-at", "5")
+    log = torchrun.last_output  # type: ignore[attr-defined]
+    assert code != 0, log[-3000:]
+    assert "exitcode  : 143" in log, log[-3000:]
+    # A clean exit on both ranks: each saved and said so, neither raised.
+    assert log.count("exiting with status 143") == 2, log[-3000:]
+    assert "[rank0]:" not in log, log[-3000:]
+    assert "[rank1]:" not in log, log[-3000:]
+    latest = cudakit.find_latest(ckpt_dir)
+    # The signal arrived while batch 5 was in hand (mid-window): both ranks agreed one
+    # window boundary later and saved there.
+    assert latest is not None
+    assert latest.name == "ckpt-0000000008"
+    assert not out.exists()
+    # The same command again (the requeued job) finishes the run, as if never stopped.
+    assert torchrun("train", "--dir", str(ckpt_dir), "--out", str(out)) == 0
+    got = torch.load(out, weights_only=False)
+    assert equal(got["state"]["model"], ref["state"]["model"])
+    assert got["losses"] == {k: v for k, v in ref["losses"].items() if k > 8}
+
+
+def test_a_mid_epoch_checkpoint_of_2_ranks_is_refused_on_1(tmp_path: Path) -> None:
+    from ckpt_dist_script import build, data
+
+    ckpt_dir = tmp_path / "ckpt"
+    code = torchrun(
+        "train", "--dir", str(ckpt_dir), "--out", str(tmp_path / "o.pt"), "--sigterm-at", "2"
+    )
+    assert code != 0
+    latest = cudakit.find_latest(ckpt_dir)
+    assert latest is not None
+    assert latest.name == "ckpt-0000000004"
+    model, _opt, _, step = build("none")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = torch.utils.data.DataLoader(data(), batch_size=4)
+    ckpt = cudakit.Checkpointer(ckpt_dir, step=step, loader=loader, preemption=False)
+    with pytest.raises(cudakit.CheckpointError, match=r"saved mid-epoch .* by 2 rank\(s\)"):
+        ckpt.resume()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ckpt.close()
