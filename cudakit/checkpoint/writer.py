@@ -13,12 +13,12 @@ The loop waits only while DCP stages the state (a copy in host memory).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import shutil
-import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,35 +67,44 @@ class Writer:
         #: The newest checkpoint this writer completed.
         self.last: Path | None = None
 
-    def _dcp_kwargs(self) -> dict[str, Any]:
-        if not self.distributed:
-            return {"no_dist": True}
-        return {"process_group": self.group} if self.group is not None else {}
-
     def write(self, tensors: dict[str, Any], host: dict[str, Any], pending: Pending) -> None:
         """Write (or start writing) one checkpoint; a background save already running is
         finished first, so at most one is ever in flight."""
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
         self.finish()
         try:
             pending.partial.mkdir(parents=True, exist_ok=True)
             torch.save(host, pending.partial / layout.rank_file(self.rank))
             writer = FileSystemWriter(str(pending.partial), sync_files=True)
-            with warnings.catch_warnings():
-                # DCP warns that it assumes a single process when no group runs: we said so.
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                if self.background:
-                    result: Any = async_save(tensors, storage_writer=writer, **self._dcp_kwargs())
-                    pending.future = getattr(result, "upload_completion", result)
-                else:
-                    save(tensors, storage_writer=writer, **self._dcp_kwargs())
+            if not self.background:
+                self._save(tensors, writer)
+            elif self.distributed:
+                from torch.distributed.checkpoint.state_dict_saver import async_save
+
+                result: Any = async_save(tensors, storage_writer=writer, process_group=self.group)
+                pending.future = getattr(result, "upload_completion", result)
+            else:
+                staged = _staged(tensors)  # the loop waits only for this copy
+                pending.future = _executor().submit(self._save, staged, writer)
         except BaseException as exc:
             self._failed(pending, exc)
         self.pending = pending
         if not self.background:
             self.finish()
+
+    def _save(self, tensors: dict[str, Any], writer: Any) -> None:
+        """DCP's save; in one process through its inner function, which does not warn that
+        no process group runs (a warning in a background thread cannot be filtered)."""
+        from torch.distributed.checkpoint import state_dict_saver
+
+        inner = getattr(state_dict_saver, "_save_state_dict", None)
+        if self.distributed:
+            state_dict_saver.save(tensors, storage_writer=writer, process_group=self.group)
+        elif inner is not None:
+            inner(state_dict=tensors, storage_writer=writer, no_dist=True)
+        else:  # pragma: no cover - a torch without the inner function
+            state_dict_saver.save(tensors, storage_writer=writer, no_dist=True)
 
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
@@ -149,6 +158,27 @@ class Writer:
             f"Nothing of it became visible. {kept} Free space on the disk (or choose "
             "another directory) and save again."
         ) from exc
+
+
+def _staged(tree: Any) -> Any:
+    """A host copy of a nested state dict: its tensors copied, the rest as it is."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _staged(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_staged(v) for v in tree]
+    return copy.deepcopy(tree)
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The one background thread of single-process saves (made on first use)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudakit-ckpt"))
+    return _POOL[0]
 
 
 def _cause(exc: BaseException) -> str:

@@ -8,8 +8,8 @@
 clipping) over ``distributed_loader`` with a ``Checkpointer`` (every 2 windows), and
 writes the full weights and optimizer state and every loss to ``O`` on rank 0.
 ``--kill-at K`` SIGKILLs rank 1 when batch K is handed out, on torchrun's first attempt
-only; ``--sigterm-at K`` sends rank 1 a SIGTERM there. ``load`` resumes a checkpoint
-and writes what it loaded.
+only; ``--sigterm-at K`` sends rank 1 a SIGTERM there; ``--async-save`` writes in the
+background. ``load`` resumes a checkpoint and writes what it loaded.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def train(args: argparse.Namespace) -> None:
         return F.mse_loss(model(x), y)
 
     loader = cp.distributed_loader(data(), batch_size=4, shuffle=True)
-    ckpt = cudakit.Checkpointer(args.dir, step=train_step, loader=loader, every=2, keep=2)
+    ckpt = cudakit.Checkpointer(
+        args.dir, step=train_step, loader=loader, every=2, keep=2, async_save=args.async_save
+    )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     losses: dict[int, float] = {}
     for _ in ckpt.epochs(2):
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sigterm-at", type=int, default=-1)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     with cudakit.process_group(timeout=datetime.timedelta(seconds=60)):
         (train if args.mode == "train" else load)(args)
