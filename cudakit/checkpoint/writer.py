@@ -64,6 +64,7 @@ class Writer:
         self.distributed = distributed
         self._protect = protect
         self.pending: Pending | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # reused host buffers of background saves
         #: The newest checkpoint this writer completed.
         self.last: Path | None = None
 
@@ -85,7 +86,7 @@ class Writer:
                 result: Any = async_save(tensors, storage_writer=writer, process_group=self.group)
                 pending.future = getattr(result, "upload_completion", result)
             else:
-                staged = _staged(tensors)  # the loop waits only for this copy
+                staged = _staged(tensors, self._staging)  # the loop waits only for this
                 pending.future = _executor().submit(self._save, staged, writer)
         except BaseException as exc:
             self._failed(pending, exc)
@@ -160,14 +161,26 @@ class Writer:
         ) from exc
 
 
-def _staged(tree: Any) -> Any:
-    """A host copy of a nested state dict: its tensors copied, the rest as it is."""
+def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> Any:
+    """A host copy of a nested state dict: its tensors copied, the rest as it is.
+
+    The copies go into the buffers of the previous save where shapes and dtypes match
+    (at most one save is in flight, so they are free again): after the first save the
+    loop waits for a memory copy only, not for the allocation and first touch of
+    fresh pages.
+    """
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        src = tree.detach()
+        buf = cache.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            cache[path] = buf
+        buf.copy_(src)
+        return buf
     if isinstance(tree, dict):
-        return {k: _staged(v) for k, v in tree.items()}
+        return {k: _staged(v, cache, f"{path}.{k}") for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_staged(v) for v in tree]
+        return [_staged(v, cache, f"{path}.{i}") for i, v in enumerate(tree)]
     return copy.deepcopy(tree)
 
 
