@@ -45,6 +45,7 @@ def run(
     async_save: bool = False,
     keep: int | None = None,
     loader_generator: bool = False,
+    kind: str = "plain",
 ) -> dict[str, Any]:
     """Train; returns the final weights, optimizer state, the losses by batch and the ckpt."""
     model = make_net()
@@ -60,12 +61,16 @@ def run(
         return F.mse_loss(model(x), y)
 
     gen = torch.Generator().manual_seed(11) if loader_generator else None
-    loader = DataLoader(make_data(), batch_size=4, shuffle=True, generator=gen)
+    loader: Any = DataLoader(make_data(), batch_size=4, shuffle=True, generator=gen)
+    if kind == "distributed":  # one rank of one: the sampler shuffles by seed and epoch
+        loader = cudakit.distributed_loader(make_data(), batch_size=4, seed=5)
+    elif kind == "prefetch":
+        loader = cudakit.prefetch(loader, "cpu")
     losses: dict[int, float] = {}
-    if directory is None:  # the hand-written loop, no checkpointer
+    if directory is None:  # the hand-written loop, no checkpointer (a DistributedLoader
+        # counts its epochs by itself; a DataLoader's order comes from the global RNG)
         for _ in range(epochs):
-            for i, (x, y) in enumerate(loader):
-                del i
+            for x, y in loader:
                 losses[len(losses) + 1] = float(train_step(x, y).loss)
         return {"model": model, "opt": opt, "losses": losses, "step": step, "sched": sched}
     ckpt = cudakit.Checkpointer(

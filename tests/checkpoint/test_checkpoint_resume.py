@@ -51,6 +51,16 @@ def test_resume_keeps_the_loaders_own_generator(tmp_path: Path) -> None:
     assert same_state(resumed, ref)
 
 
+@pytest.mark.parametrize("kind", ["distributed", "prefetch"])
+def test_resume_through_distributed_loader_and_prefetch(tmp_path: Path, kind: str) -> None:
+    ref = run(None, accumulate=2, kind=kind)
+    with pytest.raises(Crash):
+        run(tmp_path, accumulate=2, crash_at=15, kind=kind)
+    resumed = run(tmp_path, accumulate=2, noise=3, kind=kind)
+    assert resumed["ckpt"].resumed_from is not None
+    assert same_state(resumed, ref)
+
+
 def test_a_finished_run_started_again_does_nothing_more(tmp_path: Path) -> None:
     first = run(tmp_path, accumulate=2)
     again = run(tmp_path, accumulate=2, noise=5)
