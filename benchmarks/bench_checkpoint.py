@@ -193,6 +193,24 @@ def fsdp_memory(width: int, layers: int) -> list[dict[str, Any]]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def figure_data(result: dict[str, Any], machine: str, measured: str) -> dict[str, Any]:
+    """The chart data ``scripts/make_figures.py`` draws (docs/figures/bench_checkpoint.json)."""
+    rows = []
+    for name, med in result["table"].items():
+        for series in ("save", "load"):
+            rows.append({"group": name, "series": series, "value": round(med[series], 3)})
+    blocked = result["table"]["Checkpointer async"]["blocked"]
+    rows.append({"group": "async: loop blocked", "series": "save", "value": round(blocked, 3)})
+    return {
+        "title": "Checkpointer: save and load of 100M parameters with AdamW state",
+        "script": "benchmarks/bench_checkpoint.py",
+        "measured": measured,
+        "machine": machine,
+        "unit": "seconds",
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
@@ -200,6 +218,9 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="also FSDP2 memory over 2 ranks")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
+    parser.add_argument(
+        "--figure", default=None, help="write the chart data (docs/figures/bench_checkpoint.json)"
+    )
     args = parser.parse_args()
     width, layers = (256, 4) if args.quick else (2048, 24)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -254,6 +275,13 @@ def main() -> None:
             )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.figure:
+        machine = (
+            f"{os.cpu_count()}-core {platform.machine()}, torch {torch.__version__}, Python "
+            f"{platform.python_version()}, {rounds} rounds, wall time"
+        )
+        data = figure_data(result, machine, time.strftime("%Y-%m-%d"))
+        Path(args.figure).write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

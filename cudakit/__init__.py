@@ -1,12 +1,13 @@
 """cudakit: fast, correct PyTorch training on NVIDIA GPUs without rewriting the loop.
 
-Six composable utilities, each a plain call, a decorator or a ``with`` block:
+Composable utilities, each a plain call, a decorator or a ``with`` block:
 :func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`,
-:func:`parallelize` and :func:`prefetch`, plus device detection
+:func:`parallelize`, :func:`prefetch` and :class:`Checkpointer`, plus device detection
 (:func:`device_info`) and DataLoader settings (:func:`loader_kwargs`).
 
 Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
-``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``.
+``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``,
+``cudakit.checkpoint``.
 """
 
 from ._version import __version__
@@ -73,8 +74,8 @@ __all__ = [
     "choose_strategy",
     "device_info",
     "distributed_loader",
-    "find_latest",
     "find_batch_size",
+    "find_latest",
     "is_main_process",
     "launch",
     "loader_kwargs",

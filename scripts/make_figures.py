@@ -18,6 +18,7 @@ bench_autocast_step.json    bench_autocast_step.png      ratios to the hand-writ
 bench_memory_report.json    bench_memory_report.png      time per report
 bench_warmup.json           bench_warmup.png             pass times with and without warmup
 bench_prefetch.json         bench_prefetch.png           time per batch with and without it
+bench_checkpoint.json       bench_checkpoint.png         save and load time; the time blocked
 ==========================  ===========================  =================================
 
 The benchmark data files hold the figures of the tables on docs/benchmarks.md, with the
@@ -303,6 +304,7 @@ def make_all(out: Path, figures: Path = FIGURES) -> list[Path]:
         bars_figure(figures / "bench_memory_report.json", out),
         bars_figure(figures / "bench_warmup.json", out),
         bars_figure(figures / "bench_prefetch.json", out),
+        bars_figure(figures / "bench_checkpoint.json", out),
     ]
 
 

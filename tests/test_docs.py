@@ -335,6 +335,7 @@ BENCHMARKS = {
     "bench_memory_report.py": "memory.md",
     "bench_warmup.py": "warmup.md",
     "bench_prefetch.py": "data.md",
+    "bench_checkpoint.py": "checkpoint.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")

@@ -25,7 +25,7 @@ FIGURES = DOCS / "figures"
 
 pytestmark = pytest.mark.docs
 
-API_PAGES = ("device", "precision", "memory", "parallel", "data", "other")
+API_PAGES = ("device", "precision", "memory", "parallel", "data", "checkpoint", "other")
 
 
 class Site:
