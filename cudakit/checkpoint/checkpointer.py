@@ -14,13 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
 from typing_extensions import Self
 
-from .. import _dist
 from .._check import check_int, fail_type
-from ..exceptions import CheckpointError, CheckpointSaveError
-from . import arguments, layout
+from .._dist import group_rank, group_world_size, is_group_running
+from ..exceptions import CheckpointSaveError
+from . import arguments, layout, reader
 from .data import (
     Position,
     capture_rng,
@@ -31,14 +30,12 @@ from .data import (
     skip_batches,
 )
 from .preemption import DEFAULT_SIGNALS, SignalWatch, StopAgreement, requeue_slurm_job
-from .state import extras_state, fresh_optimizers, mismatch, reset_fresh, tensor_state
+from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
 from .writer import Pending, Writer
 
 __all__ = ["Checkpointer", "find_latest"]
 
 log = logging.getLogger("cudakit.checkpoint")
-
-_HOST_FORMAT = 1
 
 
 def find_latest(directory: str | os.PathLike[str]) -> Path | None:
@@ -157,9 +154,9 @@ class Checkpointer:
         self.loader: Any = options.loader
         self.keep = options.keep
         self.every = options.every
-        self._distributed = _dist.is_group_running()
-        self._rank = _dist.group_rank()
-        self._world = _dist.group_world_size()
+        self._distributed = is_group_running()
+        self._rank = group_rank()
+        self._world = group_world_size()
         _probe_writable(self.directory, self._rank)
         self._control: Any = None
         save_group: Any = None
@@ -277,142 +274,20 @@ class Checkpointer:
         """
         self._check_open("load")
         root = arguments.resolve_directory("Checkpointer.load", path)
-        try:
-            manifest = layout.read_manifest(root)
-        except ValueError as exc:
-            raise CheckpointError(f"Checkpointer.load(): {exc}.") from None
-        self._check_fits(root, manifest)
-        host = self._read_host(root, manifest)
-        tensors, fresh_now = self._check_tensors(root)
-        steps, scheds = self._parts.steps, self._parts.schedulers
-        before = [s.state_dict() for s in steps], [s.state_dict() for s in scheds]
-        try:
-            for obj, state in zip(steps, host["steps"], strict=True):
-                obj.load_state_dict(state)
-            for obj, state in zip(scheds, host["schedulers"], strict=True):
-                obj.load_state_dict(state)
-            self._load_tensors(root, tensors)
-        except Exception as exc:
-            for obj, state in zip(steps, before[0], strict=True):
-                obj.load_state_dict(state)
-            for obj, state in zip(scheds, before[1], strict=True):
-                obj.load_state_dict(state)
-            reset_fresh(self._parts, fresh_now)
-            raise CheckpointError(
-                f"Checkpointer.load(): loading {root} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        reset_fresh(self._parts, host["fresh"])
-        self._load_host(host, manifest)
+        host, manifest = reader.read(root, self._parts, self._rank, self._world, self._distributed)
+        self._epoch_rng = reader.apply_host(
+            host, manifest, extras=self.extra, loader=self.loader, rank=self._rank
+        )
+        pos = Position(**host["position"])
+        self._position = pos
+        loader = self.loader
+        self._skip = pos.batch if loader is not None and not is_stateful(loader) else 0
+        self._checked_total = self._saved_total = pos.total
+        self._saved_windows = pos.windows
         self.resumed_from = root
         self._resumed = True
         log.info("cudakit: resumed from %s at %s", root, self._position)
         return self._position
-
-    def _check_fits(self, root: Path, manifest: layout.Manifest) -> None:
-        parts = self._parts
-        here = (tuple(parts.models), len(parts.optimizers), len(parts.schedulers), len(parts.steps))
-        there = (manifest.models, manifest.optimizers, manifest.schedulers, manifest.steps)
-        if here != there:
-            raise CheckpointError(
-                f"Checkpointer.load(): {root} holds models {list(manifest.models)}, "
-                f"{manifest.optimizers} optimizer(s), {manifest.schedulers} scheduler(s) and "
-                f"{manifest.steps} step(s); this run has "
-                f"{arguments.describe_parts(parts)}. Build the Checkpointer with the same "
-                "objects the checkpoint was saved from."
-            )
-        if manifest.world_size != self._world and manifest.mid_epoch_data:
-            raise CheckpointError(
-                f"Checkpointer.load(): {root} was saved mid-epoch (epoch {manifest.epoch}, "
-                f"batch {manifest.batch}) by {manifest.world_size} rank(s); its data position "
-                f"cannot be resharded to {self._world} rank(s): each rank's shard of the "
-                "epoch and its RNG differ. Resume at the same world size, or from a "
-                "checkpoint taken at an epoch boundary (the model and optimizers reshard)."
-            )
-
-    def _read_host(self, root: Path, manifest: layout.Manifest) -> dict[str, Any]:
-        own = self._rank if self._rank < manifest.world_size else 0
-        file = root / layout.rank_file(own)
-        try:
-            # Host state holds Python and NumPy RNG states: load only checkpoints you trust.
-            host = torch.load(file, weights_only=False, map_location="cpu")
-        except Exception as exc:
-            raise CheckpointError(
-                f"Checkpointer.load(): {file} cannot be read ({type(exc).__name__}: {exc}); "
-                "the checkpoint is corrupted. Remove it to resume from the one before."
-            ) from None
-        if not isinstance(host, dict) or host.get("format") != _HOST_FORMAT:
-            raise CheckpointError(
-                f"Checkpointer.load(): {file} is not a cudakit rank file of format {_HOST_FORMAT}."
-            )
-        host["own"] = own == self._rank
-        return host
-
-    def _check_tensors(self, root: Path) -> tuple[dict[str, Any], list[bool]]:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-        try:
-            metadata = FileSystemReader(str(root)).read_metadata()
-        except Exception as exc:
-            raise CheckpointError(
-                f"Checkpointer.load(): {root}/.metadata cannot be read ({exc}); the "
-                "checkpoint is corrupted."
-            ) from None
-        fresh_now = fresh_optimizers(self._parts)
-        tensors = tensor_state(self._parts)
-        problems = mismatch(tensors, metadata)
-        if problems:
-            reset_fresh(self._parts, fresh_now)
-            raise CheckpointError(
-                f"Checkpointer.load(): {root} does not fit this run's models and optimizers: "
-                + "; ".join(problems)
-                + ". Load a checkpoint of the same model (and optimizer type)."
-            )
-        return tensors, fresh_now
-
-    def _load_tensors(self, root: Path, tensors: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-        from torch.distributed.checkpoint.state_dict_loader import load
-
-        kwargs: dict[str, Any] = {} if self._distributed else {"no_dist": True}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            load(tensors, storage_reader=FileSystemReader(str(root)), **kwargs)
-        for name, model in self._parts.models.items():
-            opts = self._parts.optimizers_of(name)
-            set_state_dict(
-                model,
-                opts,
-                model_state_dict=tensors["model"][name],
-                optim_state_dict=tensors["optim"].get(name, {}),
-            )
-
-    def _load_host(self, host: dict[str, Any], manifest: layout.Manifest) -> None:
-        for name, (kind, value) in host["extras"].items():
-            target = self.extra.get(name)
-            if kind == "state" and target is not None:
-                target.load_state_dict(value)
-            else:
-                self.extra[name] = value
-        loader = self.loader
-        if loader is not None and is_stateful(loader) and host.get("loader") is not None:
-            loader.load_state_dict(host["loader"])
-        if host["own"]:
-            gens = generators_of(loader) if loader is not None else ()
-            restore_rng(host["rng"], gens)
-            self._epoch_rng = host.get("epoch_rng")
-        else:
-            log.info(
-                "cudakit: rank %d has no RNG state in a checkpoint of %d rank(s); its "
-                "generators are left as they are",
-                self._rank,
-                manifest.world_size,
-            )
-        pos = Position(**host["position"])
-        self._position = pos
-        self._skip = pos.batch if loader is not None and not is_stateful(loader) else 0
-        self._checked_total = self._saved_total = pos.total
-        self._saved_windows = pos.windows
 
     # ------------------------------------------------------------------ the loop
 
@@ -606,7 +481,7 @@ class Checkpointer:
         gens = generators_of(loader) if loader is not None else ()
         pos = self._position
         return {
-            "format": _HOST_FORMAT,
+            "format": layout.HOST_FORMAT,
             "rank": self._rank,
             "world_size": self._world,
             "position": dataclasses.asdict(pos),

@@ -47,6 +47,8 @@ MANIFEST = "cudakit.json"
 PARTIAL = ".partial"
 #: Bumped when the layout changes in a way older code cannot read.
 FORMAT = 1
+#: The format of the rank files (``rank-NNNNN.pt``), bumped likewise.
+HOST_FORMAT = 1
 
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 
