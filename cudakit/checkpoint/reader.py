@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..exceptions import CheckpointError
+from ..parallel import unwrap
 from . import layout
 from .arguments import describe_parts
 from .data import generators_of, is_stateful, restore_rng
@@ -140,7 +141,7 @@ def _load_tensors(root: Path, tensors: dict[str, Any], parts: Parts, distributed
         load(tensors, storage_reader=FileSystemReader(str(root)), **kwargs)
     for name, model in parts.models.items():
         set_state_dict(
-            model,
+            unwrap(model),
             parts.optimizers_of(name),
             model_state_dict=tensors["model"][name],
             optim_state_dict=tensors["optim"].get(name, {}),

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .._check import describe
+from ..parallel import unwrap
 
 __all__ = ["Parts", "fresh_optimizers", "mismatch", "tensor_state"]
 
@@ -106,7 +107,9 @@ def tensor_state(parts: Parts) -> dict[str, Any]:
     for name, model in parts.models.items():
         opts = parts.optimizers_of(name)
         with _grads_hidden(opts):
-            msd, osd = get_state_dict(model, opts)
+            # Names without DataParallel's, DDP's or torch.compile's prefixes, so that a
+            # checkpoint loads into the model however it is wrapped.
+            msd, osd = get_state_dict(unwrap(model), opts)
         model_sd[name] = msd
         if opts:
             optim_sd[name] = osd

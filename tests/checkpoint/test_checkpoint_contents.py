@@ -261,3 +261,28 @@ def test_batches_without_a_loader_says_where_to_pass_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"epochs\(stop=...\) expects an int >= 0"):
         next(ckpt.epochs(-1))
     ckpt.close()
+
+
+def test_a_checkpoint_loads_into_the_model_however_it_is_wrapped(tmp_path: Path) -> None:
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+
+    model = net()
+    compiled = torch.compile(model)
+    opt = torch.optim.Adam(compiled.parameters())
+    compiled(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    ckpt = cudakit.Checkpointer(tmp_path, model=compiled, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    for wrap in (lambda m: m, torch.nn.DataParallel):
+        target = wrap(net())
+        target_opt = torch.optim.Adam(target.parameters())
+        again = cudakit.Checkpointer(tmp_path, model=target, optimizer=target_opt, preemption=False)
+        again.resume()
+        again.close()
+        bare = cudakit.unwrap(target)
+        assert torch.equal(bare[0].weight, model[0].weight)
+        assert torch.equal(
+            target_opt.state[bare[0].weight]["exp_avg"], opt.state[model[0].weight]["exp_avg"]
+        )
