@@ -1,12 +1,13 @@
 """Checkpoint save and load time, and the time a background save blocks the loop.
 
 Run ``python benchmarks/bench_checkpoint.py`` (``--quick`` for a smoke run with a small
-model; ``--fsdp`` adds the FSDP2 memory measurement over 2 processes). One process; the
-variants take turns in a rotating order for ``--rounds`` rounds, so machine noise hits
-them alike; the table shows the median wall time and its ratio to ``torch.save`` of the
-full state dicts (goals: a synchronous ``Checkpointer.save()`` within 1.1x, a background
-save blocking the loop at most 10 % of a synchronous one; the background save timed is a
-loop's second, whose host buffers exist already).
+model; ``--device cuda`` with the model on the GPU, where a background save's staging is
+a device-to-host copy; ``--fsdp`` adds the FSDP2 memory measurement over 2 processes).
+One process; the variants take turns in a rotating order for ``--rounds`` rounds, so
+machine noise hits them alike; the table shows the median wall time and its ratio to
+``torch.save`` of the full state dicts (goals: a synchronous ``Checkpointer.save()``
+within 1.1x, a background save blocking the loop at most 10 % of a synchronous one; the
+background save timed is a loop's second, whose host buffers exist already).
 
 The model is ~100M parameters (24 linear layers of 2048x2048, fp32) with AdamW state
 (1.2 GB in all). Every variant makes its file durable (``os.fsync``), as DCP does, so
@@ -41,11 +42,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 import cudakit
 
 
-def make(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make(
+    width: int, layers: int, device: str = "cpu"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, width)).sum().backward()
+    model(torch.randn(2, width, device=device)).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return model, opt
@@ -214,6 +218,7 @@ def figure_data(result: dict[str, Any], machine: str, measured: str) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
+    parser.add_argument("--device", default="cpu", help="where the model lives (cpu, cuda)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--fsdp", action="store_true", help="also FSDP2 memory over 2 ranks")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
@@ -224,12 +229,13 @@ def main() -> None:
     args = parser.parse_args()
     width, layers = (256, 4) if args.quick else (2048, 24)
     rounds = args.rounds or (1 if args.quick else 3)
-    model, opt = make(width, layers)
+    model, opt = make(width, layers, args.device)
     params = sum(p.numel() for p in model.parameters())
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt", dir=args.dir))
     print(
         f"bench_checkpoint: {params / 1e6:.1f}M parameters + AdamW state, torch "
-        f"{torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, {rounds} round(s), "
+        f"{torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, model on "
+        f"{args.device}, {rounds} round(s), "
         f"writing to {root}"
     )
     impls = variants(model, opt, root)
