@@ -244,7 +244,8 @@ def _group_store(env: DistributedEnv, timeout: datetime.timedelta) -> Store:
     # torchrun's agent store also outlives a restart (--max-restarts): the restarted
     # ranks count their groups from 0 again, so the attempt is part of the prefix.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"cudakit/{attempt}/{_state.generation}"  # PrefixStore adds the "/"
+    restart = f"-restart{attempt}" if attempt not in ("", "0") else ""
+    prefix = f"cudakit/{_state.generation}{restart}"  # PrefixStore adds the "/"
     _state.generation += 1
     return PrefixStore(prefix, base)
 
