@@ -2,9 +2,11 @@
 
 Two sources, each read here and nowhere else:
 
-* what a launcher (torchrun, ``cudakit.parallel.launch``, SLURM) promised through
-  environment variables: ``launched_*`` and :func:`read_env` (strict parsing, for
-  the callers that set a process group up from them);
+* what a launcher (torchrun, ``cudakit.parallel.launch``, SLURM's ``srun``) promised
+  through environment variables: ``launched_*`` and :func:`read_env` (strict parsing,
+  for the callers that set a process group up from them). A task ``srun`` started has
+  SLURM's variables only; :func:`launcher_view` derives torchrun's from them (rank,
+  world size, local rank, and the rendezvous at the node list's first host);
 * the process group actually running: ``group_*`` and :func:`is_group_running`.
 
 ``current_rank``/``current_world_size`` prefer the running group and fall back to
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -25,10 +28,12 @@ from .exceptions import DistributedSetupError
 
 __all__ = [
     "LAUNCHER_VARS",
+    "SLURM_VARS",
     "DistributedEnv",
     "check_env",
     "current_rank",
     "current_world_size",
+    "expand_hostlist",
     "group_rank",
     "group_world_size",
     "is_group_running",
@@ -37,8 +42,11 @@ __all__ = [
     "launched_local_world_size",
     "launched_rank",
     "launched_world_size",
+    "launcher_view",
     "read_env",
     "read_launcher_env",
+    "slurm_launcher_vars",
+    "slurm_port",
 ]
 
 #: The variables torchrun sets in every process, all needed to build a process group.
@@ -46,7 +54,142 @@ LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 
 
 def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if env is None else env
+    """The launcher's variables: ``env`` (default ``os.environ``), with torchrun's
+    variables derived from SLURM's where ``srun`` started the process."""
+    return launcher_view(os.environ if env is None else env)
+
+
+# --------------------------------------------------------------------------- SLURM
+
+#: What ``srun`` sets in every task, from which torchrun's variables are derived.
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODELIST")
+
+_BRACKETED = re.compile(r"\[([^\]]*)\]")
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list, compressed forms expanded, in order.
+
+    >>> expand_hostlist("node[01-03,07],gpu-a[1-2]b,login")
+    ['node01', 'node02', 'node03', 'node07', 'gpu-a1b', 'gpu-a2b', 'login']
+    >>> expand_hostlist("rack[1-2]-n[8-9]")
+    ['rack1-n8', 'rack1-n9', 'rack2-n8', 'rack2-n9']
+
+    Zero padding is kept (``[08-10]`` gives ``08, 09, 10``); several bracket groups in
+    one name expand as a product, the first group varying slowest, as SLURM does.
+
+    Raises:
+        ValueError: an unbalanced bracket or a range that is not ``lo-hi`` with lo <= hi.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        parts = _BRACKETED.split(item)  # text, ranges, text, ranges, ..., text
+        if "[" in "".join(parts[::2]) or "]" in "".join(parts[::2]):
+            raise ValueError(f"unbalanced brackets in the SLURM node list {nodelist!r}")
+        names = [parts[0]]
+        for ranges, text in zip(parts[1::2], parts[2::2], strict=True):
+            names = [n + value + text for n in names for value in _expand_ranges(ranges)]
+        hosts.extend(names)
+    return hosts
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    items.append(nodelist[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    values: list[str] = []
+    for part in ranges.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a number or a range lo-hi in [{ranges}]")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"the range {part!r} in [{ranges}] runs backwards")
+        width = len(lo)
+        values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return values
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """``"2(x3),1"`` (SLURM's tasks-per-node form) as ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return []
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a SLURM job without ``MASTER_PORT``: one per job.
+
+    ``15000 + SLURM_JOB_ID % 5000``, below Linux's ephemeral ports, the same on every
+    task of the job; 29500 (torchrun's default) without a job id.
+    """
+    job = env.get("SLURM_JOB_ID", "")
+    return 15000 + int(job) % 5000 if job.isdigit() else 29500
+
+
+def slurm_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for a task ``srun`` started; ``{}`` for anything else.
+
+    Only when torchrun's own (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) are absent:
+    torchrun inside a SLURM job wins. The interactive shell of ``salloc``
+    (``SLURM_JOB_NAME`` ``bash``/``interactive``) is not a launch. The rendezvous address
+    is ``MASTER_ADDR``/``MASTER_PORT`` when set, else the first host of the node list and
+    :func:`slurm_port`.
+    """
+    if any(env.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return {}
+    procid, ntasks = env.get("SLURM_PROCID", ""), env.get("SLURM_NTASKS", "")
+    if not (procid and ntasks) or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return {}
+    out = {
+        "RANK": procid,
+        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", "") or ntasks,
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "") or "0",
+    }
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST", "")
+        or env.get("SLURM_NODELIST", "")
+        or env.get("SLURM_JOB_NODELIST", "")
+    )
+    per_node = _tasks_per_node(
+        env.get("SLURM_STEP_TASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "")
+    )
+    node = env.get("SLURM_NODEID", "")
+    if per_node and node.isdigit() and int(node) < len(per_node):
+        out["LOCAL_WORLD_SIZE"] = str(per_node[int(node)])
+    elif env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        out["LOCAL_WORLD_SIZE"] = env["SLURM_NTASKS_PER_NODE"]
+    addr = env.get("MASTER_ADDR", "")
+    if not addr and nodelist:
+        try:
+            hosts = expand_hostlist(nodelist)
+        except ValueError:
+            hosts = []
+        addr = hosts[0] if hosts else ""
+    if addr:
+        out["MASTER_ADDR"] = addr
+    out["MASTER_PORT"] = env.get("MASTER_PORT", "") or str(slurm_port(env))
+    return out
+
+
+def launcher_view(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` as a launcher would have set it: SLURM's variables turned into torchrun's."""
+    derived = slurm_launcher_vars(env)
+    return {**env, **derived} if derived else env
 
 
 # --------------------------------------------------------------------------- running group
@@ -222,6 +365,7 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
 
 def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv | None:
     """:func:`read_env`; with ``strict=True`` any partial environment is an error."""
+    env = launcher_view(env)
     present = [k for k in LAUNCHER_VARS if env.get(k, "") != ""]
     if not present:
         return None

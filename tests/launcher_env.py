@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -42,6 +43,9 @@ def torchrun_env(world: int, rank: int = 0, port: int = 29500) -> dict[str, str]
 def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variables from outside; no process group left behind (import it)."""
     for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    # A test run inside a SLURM job must not look like a task srun launched.
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name, raising=False)
     yield
     cp_group.teardown_owned_group()

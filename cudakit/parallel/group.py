@@ -234,8 +234,13 @@ def _group_store(env: DistributedEnv, timeout: datetime.timedelta) -> Store:
     )
     if _state.store is None or _state.store[0] != key:
         _state.store = None  # a rank 0 releases the old server before it binds the port again
+        # torchrun's variables are in the environment (env://, which also finds
+        # torchrun's agent store); a task srun started has them only as derived from
+        # SLURM's (tcp:// to the address cudakit worked out).
+        from_env = all(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT"))
+        url = "env://" if from_env else f"tcp://{env.master_addr}:{env.master_port}"
         rendezvous = dist.rendezvous(  # type: ignore[attr-defined]
-            "env://", env.rank, env.world_size, timeout=timeout
+            url, env.rank, env.world_size, timeout=timeout
         )
         store, _, _ = next(rendezvous)
         _state.store = (key, store)
