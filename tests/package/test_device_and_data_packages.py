@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "cudakit"
+ROOT = Path(__file__).resolve().parents[2] / "cudakit"
 PACKAGES = ["cudakit.device", "cudakit.data"]
 # The modules of this concern: the two packages and the walker they share.
 MINE = ("cudakit.device", "cudakit.data", "cudakit._tree")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "cudakit"
+ROOT = Path(__file__).resolve().parents[2] / "cudakit"
 
 
 def _name(path: Path) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # An opening fence: up to any indentation (blocks inside admonitions and tabs are
 # indented), three or more backticks or tildes, then the info string.

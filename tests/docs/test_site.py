@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 FIGURES = DOCS / "figures"
 
@@ -213,7 +213,7 @@ def test_no_returns_section_starts_with_a_role() -> None:
     import ast
 
     bad = []
-    for path in sorted((Path(__file__).resolve().parent.parent / "cudakit").rglob("*.py")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "cudakit").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             doc = (
                 ast.get_docstring(node, clean=True)

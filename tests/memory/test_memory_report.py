@@ -1186,7 +1186,7 @@ def test_cuda_real_report_never_starts_cuda() -> None:
         "memory_snapshot('all')\n"
         "print(torch.cuda.is_initialized(), rep.devices[0].cuda_started)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu-check"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bash") is None or shutil.which("timeout") is None,
