@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 import cudakit.amp.stepper as amp_stepper
+
+# The tests live in one folder per concern (tests/amp/, tests/device/, ...); the helpers
+# they share (launcher_env.py, strategies.py) stay here, imported by name from every folder
+# whatever pytest's import mode. Helpers of one concern sit beside its tests (ports/).
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # Derandomized in CI so a red build is reproducible; no deadline anywhere because
 # torch's first calls (kernel loading, allocator growth) are slow and uneven.

@@ -11,22 +11,6 @@ import torch
 from cudakit.demo import main as demo_main
 from cudakit.info import device_info
 
-FIGURES = (
-    "device",
-    "peak_allocated",
-    "peak_reserved",
-    "allocated_before",
-    "allocated_after",
-    "allocated_delta",
-    "reserved_before",
-    "reserved_after",
-    "reserved_delta",
-    "peak_increase",
-    "free",
-    "total",
-)
-
-
 # --------------------------------------------------------------------------- device_info
 
 

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from cudakit.demo import main as demo_main
 from cudakit.exceptions import DeviceError
 from cudakit.memory import MemoryReporter, memory_report, memory_snapshot
 from cudakit.warmup import warmup
@@ -104,14 +103,7 @@ def test_device_errors_name_the_function(call: Any, exc: type[Exception], match:
         call()
 
 
-# --------------------------------------------------------------------------- cudakit demo
-
-
-def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    with pytest.raises(SystemExit) as info:
-        demo_main(list(argv))
-    assert info.value.code == 2
-    return capsys.readouterr().err
+# --------------------------------------------------------------------------- other arguments
 
 
 def test_bare_decorator_form_checks_the_other_arguments_too() -> None:

@@ -5,24 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudakit.demo import main as demo_main
 from cudakit.exceptions import DeviceError
 from cudakit.warmup import warmup
-
-FIGURES = (
-    "device",
-    "peak_allocated",
-    "peak_reserved",
-    "allocated_before",
-    "allocated_after",
-    "allocated_delta",
-    "reserved_before",
-    "reserved_after",
-    "reserved_delta",
-    "peak_increase",
-    "free",
-    "total",
-)
 
 
 def test_a_refused_warmup_device_changes_nothing() -> None:
@@ -34,13 +18,3 @@ def test_a_refused_warmup_device_changes_nothing() -> None:
     assert torch.equal(model.weight, weight)
     assert model.weight.grad is None
     assert torch.equal(torch.get_rng_state(), rng)
-
-
-# --------------------------------------------------------------------------- cudakit demo
-
-
-def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    with pytest.raises(SystemExit) as info:
-        demo_main(list(argv))
-    assert info.value.code == 2
-    return capsys.readouterr().err
