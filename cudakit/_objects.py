@@ -18,6 +18,7 @@ import itertools
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, cast
 
@@ -26,6 +27,7 @@ import torch
 from ._walk import BUSY as _BUSY
 from ._walk import Bad, Ctx, Handler, located
 from ._walk import busy_or_done as _busy_or_done
+from .exceptions import TensorsLeftBehindWarning
 
 __all__ = [
     "LEAVES",
@@ -253,14 +255,23 @@ Unflatten = Callable[[Any, dict[Any, Any]], Any]
 
 
 class Registered:
-    """The handler of a type registered with :func:`register`."""
+    """The handler of a type registered with :func:`register`.
 
-    __slots__ = ("flatten", "unflatten", "walk")
+    A ``flatten`` of the user's own may miss a field (a typo, a forgotten key): until it
+    has warned once, each object it takes apart is checked for attributes that hold
+    tensors away from the target and that flatten did not return (:meth:`left_behind`).
+    The default flatten returns every attribute, so it is never checked.
+    """
 
-    def __init__(self, flatten: Flatten, unflatten: Unflatten, walk: Handler) -> None:
+    __slots__ = ("check", "flatten", "unflatten", "walk")
+
+    def __init__(
+        self, flatten: Flatten, unflatten: Unflatten, walk: Handler, *, check: bool
+    ) -> None:
         self.flatten = flatten
         self.unflatten = unflatten
         self.walk = walk  # the walker's dispatch, for the children
+        self.check = check  # look for tensors flatten missed (until warned once)
 
     def __call__(self, x: Any, c: Ctx) -> Any:
         hit = _busy_or_done(x, c)
@@ -292,15 +303,70 @@ class Registered:
             step = f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
             raise located(e, step, id(x), c) from None
         if not changed:
-            return unchanged(x, c)
-        return rebuilt(x, c, "the unflatten registered for it", lambda: self.unflatten(x, moved))
+            res = unchanged(x, c)
+        else:
+            res = rebuilt(x, c, "the unflatten registered for it", lambda: self.unflatten(x, moved))
+            if res is None:
+                raise Bad(
+                    TypeError,
+                    f"on_device() moved the tensors inside the {name} at {{where}} but the "
+                    f"unflatten registered for {name} returned None. unflatten(obj, moved) must "
+                    "return the new object, e.g. `return copy` at the end of a function that "
+                    f"sets the moved values on a copy, or `lambda obj, moved: {name}(**moved)`.",
+                )
+        if self.check:
+            self.left_behind(type(x), res, moved, c)
+        return res
+
+    def left_behind(self, tp: type, res: Any, moved: Mapping[Any, Any], c: Ctx) -> None:
+        """Warn (once per registration) when ``res`` holds tensors flatten did not return.
+
+        Only attributes that are not among the moved values are probed, for a tensor
+        that is not on the target: the ones the walk moved, or kept as themselves
+        (modules moved in place), do not count.
+        """
+        done = {id(v) for v in moved.values()}
+        seen = c.memo
+        device = c.device
+        missed = sorted(
+            str(name)
+            for name, v in attributes(res).items()
+            if id(v) not in done and holds_tensor(v, PROBE_DEPTH, seen, away_from=device)
+        )
+        if missed:
+            self.check = False
+            c.pending.append(lambda: _warn_missed(tp, missed))
+
+
+def _warn_missed(tp: type, missed: list[str]) -> None:
+    name = tp.__name__
+    which = ", ".join(map(repr, missed))
+    head = f"attribute {which} holds" if len(missed) == 1 else f"attributes {which} hold"
+    warnings.warn(
+        TensorsLeftBehindWarning(
+            f"on_device() left tensors behind inside a {tp.__module__}.{tp.__qualname__}: its "
+            f"{head} tensors that the flatten registered for {name} does not return, so they "
+            "stayed where they were. If that is a mistake (a typo, a forgotten key), add them "
+            "to flatten's dict (and let unflatten set them); if it is on purpose, silence this "
+            "with warnings.filterwarnings('ignore', category=cudakit.TensorsLeftBehindWarning). "
+            "This warning is shown once per type."
+        ),
+        stacklevel=user_stacklevel(),
+    )
 
 
 PROBE_DEPTH = 6
 
 
-def holds_tensor(x: object, depth: int, seen: Mapping[int, Any] | None = None) -> bool:
-    """Whether a tensor is reachable from ``x`` within ``depth`` levels.
+def holds_tensor(
+    x: object,
+    depth: int,
+    seen: Mapping[int, Any] | None = None,
+    *,
+    away_from: torch.device | None = None,
+) -> bool:
+    """Whether a tensor (one not on ``away_from``, if given) is reachable from ``x``
+    within ``depth`` levels.
 
     A cheap probe, bounded to the first ``_PROBE_WIDTH`` values at each level, so an
     unknown object that holds a large structure (a logger's registry) costs little.
@@ -311,7 +377,7 @@ def holds_tensor(x: object, depth: int, seen: Mapping[int, Any] | None = None) -
     if seen is not None and seen.get(id(x)) is x:
         return False
     if isinstance(x, _Tensor):
-        return True
+        return away_from is None or x.device != away_from
     if depth == 0 or isinstance(x, LEAVES):
         return False
     if isinstance(x, Mapping):
@@ -320,7 +386,10 @@ def holds_tensor(x: object, depth: int, seen: Mapping[int, Any] | None = None) -
         values = x
     else:
         values = attributes(x).values()
-    return any(holds_tensor(v, depth - 1, seen) for v in itertools.islice(values, _PROBE_WIDTH))
+    return any(
+        holds_tensor(v, depth - 1, seen, away_from=away_from)
+        for v in itertools.islice(values, _PROBE_WIDTH)
+    )
 
 
 _PROBE_WIDTH = 64

@@ -410,7 +410,9 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
     Defaults: the instance attributes (``__dict__`` and ``__slots__``) in, a shallow
     copy with the moved attributes set out.
     """
-    _REGISTERED[tp] = _Registered(flatten or _attributes, unflatten or _set_attributes, move)
+    _REGISTERED[tp] = _Registered(
+        flatten or _attributes, unflatten or _set_attributes, move, check=flatten is not None
+    )
     _WARNED.discard(tp)
     _forget_cached_handlers()
 
@@ -421,6 +423,8 @@ _WARNED: set[type] = set()
 def forget_warnings() -> None:
     """Warn again for every type (tests: each starts as a fresh process would)."""
     _WARNED.clear()
+    for registered in _REGISTERED.values():
+        registered.check = registered.flatten is not _attributes
     _forget_cached_handlers()
 
 

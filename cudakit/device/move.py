@@ -217,8 +217,8 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
 
     Raises:
         TypeError: a generator, iterator or ``DataLoader`` (use
-            ``cudakit.data.prefetch``), a container that cannot be rebuilt, or a bad
-            ``non_blocking``.
+            ``cudakit.data.prefetch``), a container that cannot be rebuilt (a registered
+            ``unflatten`` that raises or returns ``None``), or a bad ``non_blocking``.
         ValueError: a module with parameters on the ``meta`` device (use
             ``module.to_empty``), or a reference cycle (the message names where).
         DeviceError: the device does not exist here or is misspelt.

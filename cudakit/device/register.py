@@ -40,6 +40,12 @@ def register_container(
     ``flatten`` and ``unflatten`` for a class that must be taken apart or rebuilt
     another way.
 
+    ``unflatten`` must return the new object: ``None`` is a ``TypeError`` from
+    ``on_device``. A ``flatten`` of your own that misses an attribute holding tensors
+    away from the target (a typo, a forgotten key) leaves them behind with a
+    :class:`~cudakit.exceptions.TensorsLeftBehindWarning` that names the attributes,
+    once per type.
+
     >>> import torch
     >>> import cudakit
     >>> class Sample:

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from .._check import check_bool, check_int, describe, fail_type
+from .._check import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_optional,
+    describe,
+    fail_type,
+)
 from .ranks import rank, world_size
 
 if TYPE_CHECKING:
@@ -83,6 +91,30 @@ def _check_dataset(dataset: object) -> None:
             f"the IterableDataset {type(dataset).__name__}, which a sampler cannot shard. Shard "
             "inside its __iter__ with cudakit.parallel.rank() and world_size() instead."
         )
+    if isinstance(dataset, (str, bytes)):
+        fail_type(
+            "distributed_loader",
+            "dataset",
+            "a map-style dataset (with __getitem__ and __len__)",
+            dataset,
+            "A path is not a dataset: build a Dataset that reads the files there (its "
+            "__getitem__(i) returns sample i), and pass that.",
+        )
+    if (
+        isinstance(dataset, Mapping)
+        and not isinstance(dataset, Dataset)
+        and not all(i in dataset for i in range(len(dataset)))
+    ):
+        # A sampler draws the ints 0..len-1: a dict keyed otherwise fails at the first batch.
+        fail_type(
+            "distributed_loader",
+            "dataset",
+            "a map-style dataset whose __getitem__ takes the int indices 0..len-1 that a "
+            "sampler draws",
+            dataset,
+            "A dict is read by its keys: pass list(d.values()) for a dict of samples, or "
+            "TensorDataset(d['x'], d['y']) for a dict of columns.",
+        )
     kind = type(dataset)
     if not (hasattr(kind, "__getitem__") and hasattr(kind, "__len__")):
         fail_type(
@@ -105,6 +137,16 @@ def _check_loader_kwargs(loader_kwargs: dict[str, Any]) -> None:
                 "passed. Build DataLoader(dataset, sampler=DistributedSampler(...)) yourself and "
                 "call sampler.set_epoch(epoch) every epoch if you need a custom sampler."
             )
+    for arg in ("collate_fn", "worker_init_fn"):
+        check_optional(
+            check_callable,
+            "distributed_loader",
+            arg,
+            loader_kwargs.get(arg),
+            expected="a function or None",
+            fix=f"Pass {arg}=my_function (a def or a lambda), or leave it out for "
+            "DataLoader's default.",
+        )
     params = inspect.signature(DataLoader.__init__).parameters
     valid = [p for p in params if p not in ("self", *_OWN)]
     unknown = [k for k in loader_kwargs if k not in valid]
@@ -156,7 +198,9 @@ def distributed_loader(
 
     Raises:
         TypeError: a dataset that is not map-style (an ``IterableDataset``, a
-            generator, ``None``), an argument of the wrong kind, a
+            generator, ``None``, a path) or that the sampler's indices ``0..len-1``
+            cannot read (a ``dict`` keyed otherwise), an argument of the wrong kind (a
+            ``collate_fn`` or ``worker_init_fn`` that is not callable), a
             ``sampler``/``batch_sampler`` argument or an option ``DataLoader`` lacks.
         ValueError: ``batch_size`` < 1, or a ``seed`` out of the 64-bit range.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -60,11 +61,15 @@ def example_batch(loader: Iterable[T], /) -> T:
         The first batch, as the loader yields it (move it with ``on_device``).
 
     Raises:
-        TypeError: ``loader`` is an iterator or generator, or not iterable.
+        TypeError: ``loader`` is an iterator or generator, or not iterable; or it iterates
+            into something other than batches: a path (``str``, ``bytes``,
+            ``os.PathLike``), a tensor or numpy array (its rows), a dict (its keys: of a
+            dict of loaders, pass one of them).
         ValueError: ``loader`` yields nothing.
 
     .. versionadded:: 0.2
     """
+    _refuse_non_loaders(loader)
     if isinstance(loader, Iterator):
         fail_type(
             "example_batch",
@@ -75,7 +80,7 @@ def example_batch(loader: Iterable[T], /) -> T:
             "DataLoader (or list) itself.",
         )
     if not isinstance(loader, Iterable):
-        fail_type("example_batch", "loader", "a DataLoader or another iterable of batches", loader)
+        fail_type("example_batch", "loader", _EXPECTED, loader)
     rng = RngState(_generators(loader))
     epochs = _epoch_counters(loader)
     # A DataLoader with persistent workers keeps the iterator its first iter() made
@@ -98,6 +103,40 @@ def example_batch(loader: Iterable[T], /) -> T:
         loader,
         "Check the dataset's length and drop_last= against batch_size=.",
     )
+
+
+_EXPECTED = "a DataLoader or an iterable of batches (a list of batches, say)"
+
+
+def _refuse_non_loaders(loader: object) -> None:
+    """Refuse what iterates, but not into batches: a path, a tensor or array, a mapping."""
+    if isinstance(loader, (str, bytes, os.PathLike)):
+        fix = (
+            "A path is not a loader: build a Dataset that reads the files there and pass "
+            "DataLoader(dataset, batch_size=...)."
+        )
+    elif isinstance(loader, torch.Tensor):
+        fix = (
+            "A tensor is one batch, not a loader (iterating it gives its first row): use it "
+            "as the example batch as it is, or pass DataLoader(TensorDataset(x), "
+            "batch_size=...) to take a batch of its rows."
+        )
+    elif hasattr(type(loader), "__array_interface__"):  # numpy's ndarray, without numpy
+        fix = (
+            "A numpy array is one batch, not a loader (iterating it gives its first row): use "
+            "it as the example batch as it is, or pass DataLoader(TensorDataset("
+            "torch.from_numpy(x)), batch_size=...) to take a batch of its rows."
+        )
+    elif isinstance(loader, Mapping):
+        key = next(iter(loader), "train")
+        fix = (
+            "Iterating a dict gives its keys, not batches: pass one of its loaders, e.g. "
+            f"example_batch(loaders[{key!r}]), or, if it is a batch already, use it as the "
+            "example batch as it is."
+        )
+    else:
+        return
+    fail_type("example_batch", "loader", _EXPECTED, loader, fix)
 
 
 def _data_loader(loader: object) -> torch.utils.data.DataLoader[Any] | None:
