@@ -14,12 +14,12 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
 
 from .._accel import current_cuda_index
-from .._check import describe
+from .._check import check_bool, describe, fail_type, fail_value
 from .._dist import (
     LAUNCHER_VARS,
     DistributedEnv,
@@ -31,6 +31,7 @@ from .._dist import (
 )
 from ..device import DeviceLike, resolve_device
 from ..exceptions import DeviceError, DistributedSetupError
+from .options import check_options, cuda_index
 
 __all__ = [
     "REQUESTS",
@@ -38,11 +39,13 @@ __all__ = [
     "ParallelPlan",
     "Strategy",
     "StrategyRequest",
+    "check_backend_serves",
     "check_strategy",
     "choose_strategy",
     "decide_strategy",
     "default_backend",
     "gather_facts",
+    "make_plan",
     "plan_parallel",
     "rank_device",
     "requested_device",
@@ -241,9 +244,45 @@ class ParallelFacts:
     group_world_size: int | None  # the running default group's size; None without one
     cuda_available: bool
     device_count: int  # visible CUDA devices (0 without CUDA)
-    current_cuda_index: int  # the current CUDA device (0 before CUDA starts)
+    current_cuda_index: int | None  # the current CUDA device (0 before CUDA starts)
     requested_device: torch.device | None  # an explicit device, checked; None: the rank's own
     best_device: torch.device  # what device="auto" gives outside a launcher
+
+    def __post_init__(self) -> None:
+        # Facts built by hand (as docs/parallel.md shows) are checked like any argument.
+        if self.env is not None and not isinstance(self.env, DistributedEnv):
+            _fail_field("env", "a cudakit.parallel.DistributedEnv or None", self.env)
+        _check_count("group_world_size", self.group_world_size, minimum=1, optional=True)
+        check_bool("ParallelFacts", "cuda_available", self.cuda_available)
+        _check_count("device_count", self.device_count, minimum=0, optional=False)
+        _check_count("current_cuda_index", self.current_cuda_index, minimum=0, optional=True)
+        if self.requested_device is not None and not isinstance(
+            self.requested_device, torch.device
+        ):
+            _fail_field("requested_device", "a torch.device or None", self.requested_device)
+        if not isinstance(self.best_device, torch.device):
+            _fail_field("best_device", "a torch.device", self.best_device)
+
+
+def _fail_field(name: str, expected: str, value: object) -> NoReturn:
+    fail_type(
+        "ParallelFacts",
+        name,
+        expected,
+        value,
+        "Read the facts with cudakit.parallel.strategy.gather_facts(device, strict_env=False, "
+        "func='...'), or build them as docs/parallel.md shows.",
+    )
+
+
+def _check_count(name: str, value: object, *, minimum: int, optional: bool) -> None:
+    if optional and value is None:
+        return
+    expected = f"an int >= {minimum}" + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail_field(name, expected, value)
+    elif value < minimum:
+        fail_value("ParallelFacts", name, expected, value, "")
 
 
 def requested_device(func: str, device: DeviceLike, *, cuda_available: bool) -> torch.device | None:
@@ -316,7 +355,7 @@ def rank_device(facts: ParallelFacts) -> torch.device:
     if not facts.cuda_available:
         return facts.best_device
     local = facts.env.local_rank if facts.env is not None else facts.current_cuda_index
-    return torch.device("cuda", _cuda_index_for(local, facts.device_count))
+    return torch.device("cuda", _cuda_index_for(local or 0, facts.device_count))
 
 
 def default_backend(backend: str | None, device: torch.device) -> str:
@@ -324,6 +363,33 @@ def default_backend(backend: str | None, device: torch.device) -> str:
     if backend is not None:
         return backend
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_backend_serves(func: str, backend: str | None, device: torch.device) -> None:
+    """``backend`` must give ``device`` a backend that runs collectives on its tensors.
+
+    A bare name serves every device but ``"nccl"``, which serves CUDA only; a map
+    (``"cpu:gloo,cuda:nccl"``) serves the device types it names.
+    """
+    if backend is None:
+        return
+    parts = [p.strip().lower() for p in backend.split(",") if p.strip()]
+    if parts and all(":" in p for p in parts):
+        served = dict(p.split(":", 1) for p in parts)
+        chosen = served.get(device.type)
+        reason = f"the map has no entry for {device.type!r}"
+    else:
+        chosen = backend.strip().lower()
+        reason = "NCCL runs collectives on CUDA tensors only"
+    if chosen is not None and (chosen != "nccl" or device.type == "cuda"):
+        return
+    default = default_backend(None, device)
+    where = "on CUDA" if device.type == "cuda" else "on the CPU"
+    raise ValueError(
+        f"{func}(backend=...): {backend!r} gives the plan's device {device.type} no backend it "
+        f"can run collectives with: {reason}. Pass backend={default!r} (or None, which picks "
+        f"{default} {where}), or a device map such as 'cpu:gloo,cuda:nccl'."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,21 +424,71 @@ def plan_parallel(
     >>> plan = plan_parallel("auto", facts, options={"find_unused_parameters": True})
     >>> plan.strategy, plan.device, plan.ignored
     ('none', device(type='cpu'), {'find_unused_parameters': True})
+    >>> plan_parallel("DDP", facts)
+    Traceback (most recent call last):
+    ...
+    ValueError: plan_parallel(): unknown strategy 'DDP'; did you mean 'ddp'? ...
+
+    Every argument gets the door :func:`~cudakit.parallel.parallelize` has: the
+    request, the kind of ``facts``, the backend (``"nccl"`` for a CPU plan is refused)
+    and the wrapper options (names and values; under ``"auto"`` they are DDP's).
 
     Args:
-        request: a checked strategy request (``"auto"``, ``"none"``, ...).
-        facts: from :func:`gather_facts`.
+        request: ``"auto"``, ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
+        facts: from :func:`gather_facts`, or built by hand.
         backend: the backend asked for, ``None`` to pick from the device.
         options: the wrapper options (``parallelize``'s ``**ddp_kwargs``).
 
     Raises:
+        TypeError: a request, facts, backend or options of the wrong kind; unknown
+            wrapper options; wrapper options for ``strategy="none"``.
+        ValueError: an unknown request (with a suggestion), a backend that cannot
+            serve the plan's device, a bad option value (``device_ids=[]``,
+            ``bucket_cap_mb=-1``, ...).
         DeviceError, DistributedSetupError: as :func:`choose_strategy`.
-        TypeError: wrapper options for ``strategy="none"``.
 
     .. versionadded:: 0.1
     """
-    opts = dict(options or {})
+    return make_plan(request, facts, backend=backend, options=options, func="plan_parallel")
+
+
+def make_plan(
+    request: object,
+    facts: object,
+    *,
+    backend: object,
+    options: object,
+    func: str,
+) -> ParallelPlan:
+    """:func:`plan_parallel`, its errors naming ``func`` (``parallelize`` calls it too)."""
+    request = check_strategy(request, func=func)
+    if not isinstance(facts, ParallelFacts):
+        fail_type(
+            func,
+            "facts",
+            "a ParallelFacts",
+            facts,
+            "Read them with cudakit.parallel.strategy.gather_facts(device, strict_env=False, "
+            "func='plan_parallel'), or build them by hand: ParallelFacts(env=..., "
+            "group_world_size=..., cuda_available=..., device_count=..., current_cuda_index=..., "
+            "requested_device=..., best_device=...) (a dict d: ParallelFacts(**d)).",
+        )
+    if backend is not None and not isinstance(backend, str):
+        fail_type(
+            func,
+            "backend",
+            "a string such as 'nccl' or 'gloo', or None",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    # The options are checked before the decision: for an explicit request against its
+    # wrapper, under "auto" against DDP's (a typo must not wait for the first torchrun).
+    kind = "ddp" if request == "auto" else request
+    opts = check_options(
+        func, kind, options, device_count=facts.device_count, auto=request == "auto"
+    )
     device = rank_device(facts)
+    check_backend_serves(func, backend, device)
     world = (
         facts.group_world_size
         if facts.group_world_size is not None
@@ -399,15 +515,16 @@ def plan_parallel(
     if chosen == "dp":
         ignored: dict[str, Any] = opts if request == "auto" else {}
         kwargs = {} if request == "auto" else opts
-        ids = kwargs.pop("device_ids", None)
-        if ids is None:
+        given = kwargs.pop("device_ids", None)
+        if given is None:
             n = facts.device_count
             ids = [device.index, *(i for i in range(n) if i != device.index)]
-        first = ids[0] if isinstance(ids[0], int) else device.index
+        else:  # checked: CUDA devices with an index, each once, all visible
+            ids = [cast(int, cuda_index(i)) for i in given]
         return ParallelPlan(
             request,
             "dp",
-            torch.device("cuda", first),
+            torch.device("cuda", ids[0]),
             create_group=False,
             backend=None,
             device_ids=tuple(ids),
@@ -416,7 +533,7 @@ def plan_parallel(
         )
     if opts and request != "auto":
         raise TypeError(
-            f"parallelize(strategy='none') takes no wrapper options, got {sorted(opts)}. "
+            f"{func}(strategy='none') takes no wrapper options, got {sorted(opts)}. "
             "Drop them, or use strategy='ddp' under torchrun."
         )
     return ParallelPlan(

@@ -9,22 +9,20 @@ group if the plan says so, moves the model, wraps it and logs the decision once.
 from __future__ import annotations
 
 import datetime
-import inspect
 import itertools
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
 from .._accel import current_cuda_index
-from .._check import check_bool, check_callable, check_type
+from .._check import check_bool
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
-from ..exceptions import DistributedSetupError
 from .group import (
     ProcessGroupInfo,
     check_backend,
@@ -32,8 +30,9 @@ from .group import (
     ensure_group,
     teardown_owned_group,
 )
+from .options import WRAPPER_NAMES, check_option_names, fully_shard
 from .ranks import is_main_process
-from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, plan_parallel
+from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, make_plan
 
 __all__ = ["is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
@@ -233,28 +232,6 @@ def load_state_dict(
 # --------------------------------------------------------------------------- parallelize
 
 
-def _check_kwargs(target: Callable[..., Any], kwargs: Mapping[str, Any], what: str) -> None:
-    params = inspect.signature(target).parameters
-    unknown = [k for k in kwargs if k not in params or k in ("self", "module")]
-    if unknown:
-        valid = ", ".join(p for p in params if p not in ("self", "module"))
-        raise TypeError(
-            f"parallelize() got keyword argument(s) {', '.join(map(repr, unknown))} that "
-            f"{what} does not accept. Valid: {valid}."
-        )
-
-
-def _fully_shard() -> Callable[..., Any]:
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # pragma: no cover - torch < 2.6
-        raise DistributedSetupError(
-            "strategy='fsdp' needs torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6); "
-            f"this is torch {torch.__version__}. Upgrade torch or use strategy='ddp'."
-        ) from None
-    return cast("Callable[..., Any]", fully_shard)
-
-
 def _check_not_meta(model: nn.Module, device: torch.device) -> None:
     if device.type == "meta":
         return
@@ -270,64 +247,10 @@ def _check_not_meta(model: nn.Module, device: torch.device) -> None:
                 )
 
 
-_WRAPPER_NAMES = {
-    "ddp": "DistributedDataParallel",
-    "fsdp": "fully_shard()",
-    "dp": "DataParallel",
-}
-
-
-def _wrapper_target(kind: str) -> Callable[..., Any]:
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel.__init__
-    if kind == "fsdp":
-        return _fully_shard()
-    return nn.DataParallel.__init__
-
-
-def _check_option_names(kind: str, options: Mapping[str, Any], *, auto: bool = False) -> None:
-    """Unknown wrapper options are a TypeError listing the valid ones."""
-    if kind in _WRAPPER_NAMES and options:
-        what = _WRAPPER_NAMES[kind]
-        if auto:
-            what += (
-                " (strategy='auto' passes its options to DDP under torchrun; fully_shard()'s "
-                "need strategy='fsdp')"
-            )
-        _check_kwargs(_wrapper_target(kind), options, what)
-
-
-def _check_fsdp_options(options: Mapping[str, Any]) -> None:
-    """The kinds of fully_shard()'s options: it records a module before it checks them."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
-    kinds: dict[str, tuple[tuple[type[Any], ...], str]] = {
-        "reshard_after_forward": ((bool, int), "True, False or an int (the group size)"),
-        "mp_policy": ((MixedPrecisionPolicy,), "a torch.distributed.fsdp.MixedPrecisionPolicy"),
-        "offload_policy": ((OffloadPolicy,), "a torch.distributed.fsdp.OffloadPolicy"),
-        "ignored_params": ((set, frozenset), "a set of parameters"),
-    }
-    for name, value in options.items():
-        if value is None or name not in kinds:
-            continue
-        types, expected = kinds[name]
-        check_type("parallelize", name, value, types, expected=expected)
-    fn = options.get("shard_placement_fn")
-    if fn is not None:
-        check_callable(
-            "parallelize", "shard_placement_fn", fn, expected="a function of a parameter"
-        )
-
-
 def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
+    # The options' names and values were checked by the plan (make_plan).
     _check_not_meta(model, plan.device)
-    _check_option_names(plan.strategy, plan.wrapper_kwargs)
-    # Under "auto" they are DDP's options even when this run picks no DDP: a typo must
-    # not wait for the first torchrun launch to show.
-    _check_option_names("ddp", plan.ignored, auto=True)
-    if plan.strategy == "fsdp":
-        _check_fsdp_options(plan.wrapper_kwargs)
     if plan.strategy == "ddp" and plan.device.type == "meta":
         raise ValueError(
             "parallelize(device='meta') with DDP: DistributedDataParallel broadcasts the "
@@ -354,17 +277,17 @@ def _wrapped_kind(model: nn.Module) -> str | None:
 
 def _check_wrapped(model: nn.Module, kind: str, request: str, options: Mapping[str, Any]) -> None:
     """An already wrapped model: its options are still checked, another wrapper refused."""
-    if request in _WRAPPER_NAMES and request != kind:
+    if request in WRAPPER_NAMES and request != kind:
         raise ValueError(
             f"parallelize(strategy={request!r}): the model is already wrapped in "
-            f"{type(model).__name__}; wrapping it in {_WRAPPER_NAMES[request]} too would nest "
+            f"{type(model).__name__}; wrapping it in {WRAPPER_NAMES[request]} too would nest "
             "two wrappers. Pass the bare model (cudakit.parallel.unwrap(model)), or "
             "strategy='auto' to keep the wrapper it has."
         )
     if request == "auto":  # the options are DDP's, as for a bare model under "auto"
-        _check_option_names("ddp", options, auto=True)
+        check_option_names("parallelize", "ddp", options, auto=True)
     else:
-        _check_option_names(kind, options)
+        check_option_names("parallelize", kind, options)
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -402,21 +325,21 @@ def _refused(exc: Exception, kind: str, undone: str) -> Exception:
     if type(exc) not in (TypeError, ValueError):
         return exc
     return type(exc)(
-        f"parallelize(): {_WRAPPER_NAMES[kind]} refused the model or the options passed "
+        f"parallelize(): {WRAPPER_NAMES[kind]} refused the model or the options passed "
         f"through parallelize(**ddp_kwargs): {exc} {undone}"
     )
 
 
 def _shard(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
-    fully_shard = _fully_shard()
+    shard = fully_shard()
     # Shard every block of every ModuleList (a transformer's layers) as its own unit,
     # so parameters are gathered one block at a time, then the root for the rest.
     for sub in list(model.modules()):
         if isinstance(sub, nn.ModuleList):
             for block in sub:
                 if any(p.requires_grad for p in block.parameters()) and not is_fsdp2(block):
-                    fully_shard(block, **kwargs)
-    return cast(nn.Module, fully_shard(model, **kwargs))
+                    shard(block, **kwargs)
+    return cast(nn.Module, shard(model, **kwargs))
 
 
 def _announce(message: str, *args: object) -> None:
@@ -564,7 +487,7 @@ def parallelize(
     td = check_timeout("parallelize", timeout)
     backend = check_backend("parallelize", backend)
     facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
-    plan = plan_parallel(request, facts, backend=backend, options=ddp_kwargs)
+    plan = make_plan(request, facts, backend=backend, options=ddp_kwargs, func="parallelize")
     kind = _wrapped_kind(model)
     if kind is not None:
         # A wrapped model is no reason to accept typos, nor a second wrapper.

@@ -1,0 +1,132 @@
+"""``plan_parallel`` and ``ParallelFacts`` (offered in docs/parallel.md) get the same door as
+``parallelize``: an unknown request, a backend the plan's device cannot use, or facts of
+the wrong kind are clear errors, never a silent ``'none'`` or an ``AttributeError``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import cudakit.parallel as cp
+from cudakit.parallel.strategy import ParallelFacts, plan_parallel
+
+CPU = ParallelFacts(
+    env=None,
+    group_world_size=None,
+    cuda_available=False,
+    device_count=0,
+    current_cuda_index=0,
+    requested_device=None,
+    best_device=torch.device("cpu"),
+)
+TORCHRUN_CPU = dataclasses.replace(CPU, env=cp.DistributedEnv(1, 2, 1, 2, "127.0.0.1", 29500))
+TORCHRUN_GPUS = dataclasses.replace(
+    TORCHRUN_CPU, cuda_available=True, device_count=2, best_device=torch.device("cuda", 0)
+)
+
+
+@pytest.mark.parametrize(
+    ("request_", "guess"),
+    [("DDP", "ddp"), ("Auto", "auto"), ("fsdp2", "fsdp"), ("FSDP", "fsdp"), ("dataparallel", "dp")],
+)
+def test_an_unknown_request_is_refused_with_a_suggestion(request_: str, guess: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"plan_parallel\(\): unknown strategy {request_!r}; did you mean {guess!r}\? "
+        r"Valid strategies: 'auto', 'none', 'dp', 'ddp', 'fsdp'\.",
+    ):
+        plan_parallel(request_, TORCHRUN_CPU)
+
+
+@pytest.mark.parametrize("request_", [3, None, b"ddp", ["ddp"]])
+def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"plan_parallel\(\): strategy must be one of 'auto', 'none', 'dp', 'ddp', 'fsdp', "
+        r"got .*Pass strategy='auto'",
+    ):
+        plan_parallel(request_, CPU)
+
+
+@pytest.mark.parametrize("facts", [CPU, TORCHRUN_CPU])
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [
+        ("nccl", "NCCL runs collectives on CUDA tensors only"),
+        ("NCCL", "NCCL runs collectives on CUDA tensors only"),
+        ("cuda:nccl", "the map has no entry for 'cpu'"),
+    ],
+)
+def test_nccl_on_a_cpu_plan_is_refused(facts: ParallelFacts, backend: str, reason: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"plan_parallel\(backend=\.\.\.\): {backend!r} gives the plan's device cpu no "
+        rf"backend it can run collectives with: {reason}\. Pass backend='gloo' \(or None, "
+        r"which picks gloo on the CPU\)",
+    ):
+        plan_parallel("auto", facts, backend=backend)
+
+
+def test_backends_that_serve_the_device_are_planned() -> None:
+    assert plan_parallel("ddp", TORCHRUN_CPU, backend="gloo").backend == "gloo"
+    mapped = plan_parallel("ddp", TORCHRUN_CPU, backend="cpu:gloo,cuda:nccl")
+    assert mapped.backend == "cpu:gloo,cuda:nccl"
+    assert plan_parallel("ddp", TORCHRUN_GPUS, backend="nccl").backend == "nccl"
+    assert plan_parallel("ddp", TORCHRUN_GPUS).backend == "nccl"
+    assert plan_parallel("ddp", TORCHRUN_CPU).backend == "gloo"
+
+
+def test_a_backend_of_the_wrong_kind_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"plan_parallel\(backend=\.\.\.\) expects a string"):
+        plan_parallel("auto", CPU, backend=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("facts", "shown"),
+    [
+        (None, "NoneType None"),
+        ({"env": None, "cuda_available": False}, "dict {'env': None"),
+        ("cpu", "str 'cpu'"),
+    ],
+)
+def test_facts_of_the_wrong_kind_are_a_type_error(facts: Any, shown: str) -> None:
+    with pytest.raises(TypeError) as info:
+        plan_parallel("auto", facts)
+    text = str(info.value)
+    assert text.startswith("plan_parallel(facts=...) expects a ParallelFacts")
+    assert shown in text
+    assert "gather_facts(device" in text  # the fix: read them, or build them by hand
+    assert "ParallelFacts(env=" in text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "expected"),
+    [
+        ("env", {"RANK": "0"}, TypeError, r"a cudakit\.parallel\.DistributedEnv or None"),
+        ("group_world_size", 0, ValueError, r"an int >= 1 or None"),
+        ("group_world_size", "2", TypeError, r"an int >= 1 or None"),
+        ("cuda_available", 1, TypeError, r"True or False"),
+        ("device_count", -1, ValueError, r"an int >= 0"),
+        ("device_count", 2.0, TypeError, r"an int >= 0"),
+        ("current_cuda_index", -1, ValueError, r"an int >= 0 or None"),
+        ("requested_device", "cpu", TypeError, r"a torch\.device or None"),
+        ("best_device", None, TypeError, r"a torch\.device"),
+    ],
+)
+def test_parallel_facts_check_their_fields(
+    field: str, value: Any, error: type[Exception], expected: str
+) -> None:
+    with pytest.raises(error, match=rf"ParallelFacts\({field}=\.\.\.\) expects {expected}, got "):
+        dataclasses.replace(CPU, **{field: value})
+
+
+def test_the_documented_facts_still_plan() -> None:
+    plan = plan_parallel("auto", CPU, options={"find_unused_parameters": True})
+    assert (plan.strategy, plan.device, plan.ignored) == (
+        "none",
+        torch.device("cpu"),
+        {"find_unused_parameters": True},
+    )
