@@ -38,6 +38,7 @@ from ..exceptions import DistributedSetupError
 from .ranks import barrier
 from .strategy import (
     ParallelFacts,
+    check_backend_serves,
     default_backend,
     gather_facts,
     rank_device,
@@ -271,11 +272,13 @@ def ensure_group(
     device: torch.device,
     *,
     announce: bool = True,
+    func: str = "process_group",
 ) -> ProcessGroupInfo:
     """The running default group, or one initialised from ``facts.env`` on ``device``.
 
     ``device`` and ``backend`` were decided by the caller (``backend=None`` picks from
-    the device). A group created here is owned by cudakit: :func:`teardown_owned_group`
+    the device; one that cannot serve ``device`` is refused, naming ``func``). A group
+    created here is owned by cudakit: :func:`teardown_owned_group`
     destroys it, and an ``atexit`` hook does if the process ends first.
     """
     require_distributed()
@@ -302,6 +305,7 @@ def ensure_group(
                 "backend='nccl' is not available in this torch build (CPU-only or no NCCL). "
                 "Use backend='gloo', or install a CUDA build of PyTorch."
             )
+        check_backend_serves(func, chosen, device)
         if device.type == "cuda":
             # Before anything else touches CUDA: otherwise every rank allocates on GPU 0.
             torch.cuda.set_device(device)

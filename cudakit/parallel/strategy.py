@@ -386,7 +386,7 @@ def check_backend_serves(func: str, backend: str | None, device: torch.device) -
     default = default_backend(None, device)
     where = "on CUDA" if device.type == "cuda" else "on the CPU"
     raise ValueError(
-        f"{func}(backend=...): {backend!r} gives the plan's device {device.type} no backend it "
+        f"{func}(backend=...): {backend!r} gives the device {device.type} no backend it "
         f"can run collectives with: {reason}. Pass backend={default!r} (or None, which picks "
         f"{default} {where}), or a device map such as 'cpu:gloo,cuda:nccl'."
     )

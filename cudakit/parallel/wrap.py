@@ -351,7 +351,7 @@ def _distribute(
     model: nn.Module, plan: ParallelPlan, facts: ParallelFacts, timeout: datetime.timedelta
 ) -> nn.Module:
     info: ProcessGroupInfo = ensure_group(
-        plan.backend, timeout, facts, plan.device, announce=False
+        plan.backend, timeout, facts, plan.device, announce=False, func="parallelize"
     )  # logged once, below
     dev = plan.device
     was_on = _devices_of(model)

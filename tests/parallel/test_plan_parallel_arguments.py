@@ -63,7 +63,7 @@ def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
 def test_nccl_on_a_cpu_plan_is_refused(facts: ParallelFacts, backend: str, reason: str) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"plan_parallel\(backend=\.\.\.\): {backend!r} gives the plan's device cpu no "
+        match=rf"plan_parallel\(backend=\.\.\.\): {backend!r} gives the device cpu no "
         rf"backend it can run collectives with: {reason}\. Pass backend='gloo' \(or None, "
         r"which picks gloo on the CPU\)",
     ):
@@ -130,3 +130,18 @@ def test_the_documented_facts_still_plan() -> None:
         torch.device("cpu"),
         {"find_unused_parameters": True},
     )
+
+
+def test_process_group_refuses_nccl_for_a_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+    from launcher_env import free_port, torchrun_env
+
+    for k, v in torchrun_env(1, 0, free_port()).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # as on a CUDA build
+    with pytest.raises(
+        ValueError,
+        match=r"process_group\(backend=\.\.\.\): 'nccl' gives the device cpu no backend",
+    ):
+        cp.process_group("nccl", device="cpu").__enter__()
+    assert not dist.is_initialized()
