@@ -72,23 +72,23 @@ def rerun_demo(data: Path) -> None:
     ``--json`` leaves out the per-step series the plot is drawn from, so the summary
     is taken from the demo's own plot function as it is called.
     """
-    import cudakit.demo as demo
+    import cudakit.demo.command as demo
 
     captured: list[Any] = []
-    plot = demo._plot
+    plot = demo.plot_summary
 
     def capture(summary: Any, path: str) -> None:
         captured.append(summary)
         plot(summary, path)
 
-    demo._plot = capture
+    demo.plot_summary = capture
     load_before = os.getloadavg()[0]
     out = io.StringIO()
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(out):
             status = demo.main(["--no-progress", "--json", "--plot", str(Path(tmp) / "d.png")])
     finally:
-        demo._plot = plot
+        demo.plot_summary = plot
     if status != 0 or not captured:
         raise SystemExit(f"cudakit demo failed (exit {status}):\n{out.getvalue()}")
     summary = captured[0]
@@ -120,10 +120,10 @@ def demo_figure(data: Path, out: Path) -> Path:
     summary = DemoSummary(
         **fields, step_losses=record["step_losses"], step_memory=record["step_memory"]
     )
-    import cudakit.demo as demo
+    from cudakit.demo._plot import plot_summary
 
     path = out / "demo.png"
-    demo._plot(summary, str(path))
+    plot_summary(summary, str(path))
     return path
 
 

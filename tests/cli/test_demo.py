@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from cudakit import demo
-from cudakit.demo import DemoSummary, EpochStats, _Progress, main, make_dataset, make_model
+from cudakit.demo import DemoSummary, EpochStats, _args, command, main, make_dataset, make_model
+from cudakit.demo._evaluation import evaluate
+from cudakit.demo._progress import Progress
 from cudakit.parallel import launch
 
 # One short epoch: 256 images in batches of 32 -> 8 micro-steps, 4 optimizer steps.
@@ -107,7 +108,7 @@ def test_plot_is_announced_after_the_table(
 ) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "demo.png"
-    monkeypatch.setattr(demo, "_train", lambda args: _summary(step_memory=[2**20, 2**21]))
+    monkeypatch.setattr(command, "train", lambda args: _summary(step_memory=[2**20, 2**21]))
     assert main(["--plot", str(target)]) == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
@@ -123,12 +124,12 @@ def test_nprocs_2_trains_with_ddp_and_agrees_on_the_auto_batch_size(
     bn_checks: list[list[float]] = []
 
     def launch_checked(fn: Any, args: Any, *, nprocs: int) -> list[DemoSummary]:
-        assert fn is demo._launched
+        assert fn is command.launched
         results = launch(_bn_check_then_train, args, nprocs=nprocs, timeout=180)
         bn_checks.extend(bn for bn, _ in results)
         return [summary for _, summary in results]
 
-    monkeypatch.setattr(demo, "launch", launch_checked)
+    monkeypatch.setattr(command, "launch", launch_checked)
     # The later --batch-size wins over SHORT's; each rank searches, the smallest is used.
     s = _run_json(capsys, "--nprocs", "2", "--batch-size", "auto", "--device", "cpu")
     assert (s["strategy"], s["world_size"]) == ("DistributedDataParallel", 2)
@@ -160,9 +161,9 @@ def _bn_check_then_train(args: Any) -> tuple[list[float], DemoSummary]:
         step = autocast_step(torch.optim.SGD(model.parameters(), lr=0.0), dtype="fp32")
         images, labels = make_dataset(8, seed=0, split="val")
         r, w = group.rank, group.world_size
-        demo._evaluate(model, nn.CrossEntropyLoss(), step, images[r::w], labels[r::w], w)
+        evaluate(model, nn.CrossEntropyLoss(), step, images[r::w], labels[r::w], w)
         bn = [float(v) for v in model[1].running_mean]
-        return bn, demo._launched(args)
+        return bn, command.launched(args)
 
 
 @pytest.mark.cuda
@@ -291,8 +292,8 @@ def _no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("the demo started before rejecting its arguments")
 
-    monkeypatch.setattr(demo, "_train", boom)
-    monkeypatch.setattr(demo, "launch", boom)
+    monkeypatch.setattr(command, "train", boom)
+    monkeypatch.setattr(command, "launch", boom)
 
 
 @pytest.mark.parametrize(
@@ -333,8 +334,8 @@ def test_batch_larger_than_the_data_is_refused_before_anything_starts(
 
 def test_a_batch_equal_to_the_data_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[int] = []
-    monkeypatch.setattr(demo, "_train", lambda args: ran.append(args.batch_size))
-    monkeypatch.setattr(demo, "_finish", lambda summary, args: None)
+    monkeypatch.setattr(command, "train", lambda args: ran.append(args.batch_size))
+    monkeypatch.setattr(command, "finish", lambda summary, args: None)
     assert main(["--train-size", "64", "--batch-size", "64"]) == 0
     assert ran == [64]
 
@@ -343,7 +344,7 @@ def test_one_gpu_index_for_several_processes_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As on a 2-GPU machine: cuda:1 exists, but 2 processes cannot share it.
-    monkeypatch.setattr(demo, "resolve_device", lambda spec: torch.device("cuda", 1))
+    monkeypatch.setattr(_args, "resolve_device", lambda spec: torch.device("cuda", 1))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     _no_training(monkeypatch)
     err = _error(capsys, "--nprocs", "2", "--device", "cuda:1")
@@ -392,8 +393,8 @@ def test_the_summary_is_printed_before_the_plot(
     def failing_plot(summary: DemoSummary, path: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(demo, "_train", lambda args: _summary())
-    monkeypatch.setattr(demo, "_plot", failing_plot)
+    monkeypatch.setattr(command, "train", lambda args: _summary())
+    monkeypatch.setattr(command, "plot_summary", failing_plot)
     with pytest.raises(OSError, match="disk full"):
         main(["--plot", str(tmp_path / "demo.png")])
     assert "loss fell: 2.3000 -> 1.2000" in capsys.readouterr().out  # not lost with the plot
@@ -496,15 +497,15 @@ def test_plain_progress_prints_one_line_per_epoch(
 ) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the "progress" extra missing
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
-    bar = _Progress(10, "epoch 1/2", enabled=True)
+    bar = Progress(10, "epoch 1/2", enabled=True)
     assert bar.bar is None
     bar.update(10, loss=1.0, samples_per_s=5.0)
     bar.close("train loss 1.0")
     assert capsys.readouterr().err == "epoch 1/2: train loss 1.0\n"
-    no_bar = _Progress(10, "epoch 1/2", enabled=True, bar=False)  # --no-progress
+    no_bar = Progress(10, "epoch 1/2", enabled=True, bar=False)  # --no-progress
     assert no_bar.bar is None
     no_bar.close("x")
     assert capsys.readouterr().err == "epoch 1/2: x\n"
-    silent = _Progress(10, "epoch 1/2", enabled=False)  # ranks other than 0
+    silent = Progress(10, "epoch 1/2", enabled=False)  # ranks other than 0
     silent.close("x")
     assert capsys.readouterr().err == ""

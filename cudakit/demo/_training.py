@@ -1,0 +1,237 @@
+"""The demo's training loop: one process's run, from the data to the :class:`DemoSummary`."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._accel import synchronize
+from ..amp import AutocastStep, autocast_step
+from ..data import loader_kwargs, prefetch
+from ..device import on_device, resolve_device
+from ..memory import memory_report, memory_snapshot
+from ..parallel import distributed_loader, parallelize, process_group, read_env, unwrap
+from ..warmup import find_batch_size, warmup
+from ._args import DTYPES, default_train_size
+from ._evaluation import all_reduce, evaluate
+from ._progress import Progress
+from .data import NUM_CLASSES, make_dataset
+from .model import make_model
+from .summary import DemoSummary, EpochStats
+
+__all__ = ["ACCUMULATE", "MAX_GRAD_NORM", "train"]
+
+ACCUMULATE = 2
+MAX_GRAD_NORM = 1.0
+
+
+def _schedule(total_steps: int) -> Any:
+    """Linear warm-up over 10% of the steps, then cosine decay to 5%."""
+    warm = max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def train(args: argparse.Namespace) -> DemoSummary:
+    """Train the demo in this process (one rank under a launcher); return its summary."""
+    # Under torchrun or --nprocs, join the process group first: set_device(LOCAL_RANK)
+    # must run before anything touches CUDA. The group is torn down when the block ends.
+    env = read_env()
+    if env is not None and env.world_size > 1:
+        spec = None if args.device in ("auto", "cuda") else args.device
+        with process_group(device=spec) as group:
+            return _run(args, group.device, group.world_size, group.rank)
+    return _run(args, resolve_device(args.device), 1, 0)
+
+
+def _find_batch_size(
+    model: nn.Module, loss_fn: nn.Module, step: AutocastStep, device: torch.device, cap: int
+) -> int:
+    """``--batch-size auto``: the largest batch (multiple of 8) a training step fits in."""
+    probe = copy.deepcopy(model)  # trials train a throwaway copy: the real model is untouched
+
+    def trial(batch_size: int) -> None:
+        x = torch.randn(batch_size, 3, 32, 32, device=device)
+        y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
+        with step.autocast():
+            loss = loss_fn(probe(x), y)
+        loss.backward()
+        probe.zero_grad(set_to_none=True)
+
+    return find_batch_size(trial, start=64, lower=8, upper=cap, multiple_of=8, margin=0.1)
+
+
+def _run(args: argparse.Namespace, device: torch.device, world: int, rank: int) -> DemoSummary:
+    """Train with the global RNGs and ``cudnn.benchmark`` put back afterwards.
+
+    ``main()`` may be called from Python (a notebook, the tests): the demo seeds torch
+    and turns on cuDNN autotuning, and must not leave either behind.
+    """
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    benchmark = torch.backends.cudnn.benchmark
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            if device.type == "cuda":
+                torch.backends.cudnn.benchmark = True  # warmup() autotunes up front
+            return _train_loop(args, device, world, rank)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
+
+
+def _train_loop(
+    args: argparse.Namespace, device: torch.device, world: int, rank: int
+) -> DemoSummary:
+    main_rank = rank == 0
+    n_train = args.train_size or default_train_size(device)
+    n_val = max(256, n_train // 4)
+
+    # Data: made in memory on the CPU (identically on every rank); each rank trains on
+    # its own shard and scores its own share of the held-out split.
+    train_x, train_y = make_dataset(n_train, seed=args.seed, split="train")
+    val_x, val_y = make_dataset(n_val, seed=args.seed, split="val")
+    val_x, val_y = on_device(val_x[rank::world], val_y[rank::world], device=device)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model: nn.Module = make_model().to(device)
+    loss_fn = on_device(nn.CrossEntropyLoss(), device=device)
+    dtype = DTYPES[args.dtype]
+
+    batch_size: int
+    if args.batch_size != "auto":
+        batch_size = args.batch_size
+    else:
+        probe_opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        probe_step = autocast_step(probe_opt, dtype=dtype)
+        cap = max(8, min(1024, n_train // (world * 8)) // 8 * 8)
+        found = _find_batch_size(model, loss_fn, probe_step, device, cap)
+        # Every rank must use the same size: take the smallest any rank found.
+        batch_size = int(all_reduce([float(found)], device, world, op="min")[0])
+
+    model = parallelize(model, device=device)
+    lr = 2e-3 * math.sqrt(batch_size * ACCUMULATE * world / 128)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
+    loader = distributed_loader(
+        torch.utils.data.TensorDataset(train_x, train_y),
+        batch_size=batch_size,
+        shuffle=True,
+        seed=args.seed,
+        drop_last=True,
+        # The images already sit in memory: worker processes would only add start-up
+        # time, so keep them at 0 and take pinning from loader_kwargs().
+        **loader_kwargs(device, num_workers=0),
+    )
+    micro_steps = len(loader)
+    total_steps = args.epochs * math.ceil(micro_steps / ACCUMULATE)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total_steps))
+    step = autocast_step(
+        optimizer,
+        model=model,
+        dtype=dtype,
+        accumulate=ACCUMULATE,
+        max_grad_norm=MAX_GRAD_NORM,
+        scheduler=scheduler,
+    )
+
+    @step
+    def train_step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = loss_fn(model(images), labels)
+        return loss
+
+    # Warm-up: the first passes pick kernels and grow the allocator; warmup() puts the
+    # weights, BatchNorm statistics, optimizer state and RNGs back exactly afterwards.
+    example = on_device(train_x[:batch_size], train_y[:batch_size], device=device)
+    warm = warmup(
+        model,
+        example,
+        loss_fn=loss_fn,  # the criterion, called as loss_fn(model(images), labels)
+        steps=2,
+        optimizer=optimizer,
+        amp=step,
+    )
+    del example
+
+    record_memory = args.plot is not None
+    step_losses: list[torch.Tensor] = []
+    step_memory: list[int] = []
+    epochs: list[EpochStats] = []
+    for epoch in range(1, args.epochs + 1):
+        progress = Progress(
+            micro_steps, f"epoch {epoch}/{args.epochs}", enabled=main_rank, bar=not args.no_progress
+        )
+        steps_before, skipped_before = step.steps, step.skipped_steps
+        epoch_losses: list[torch.Tensor] = []
+        synchronize(device)
+        start = time.perf_counter()
+        with memory_report(f"epoch {epoch}", device=device, file=None) as mem:
+            for i, (images, labels) in enumerate(prefetch(loader, device), start=1):
+                result = train_step(images, labels)
+                epoch_losses.append(result.loss)
+                if record_memory:
+                    step_memory.append(memory_snapshot(device).allocated)
+                if i % 10 == 0 or i == micro_steps:  # .item() syncs: not on every step
+                    elapsed = time.perf_counter() - start
+                    progress.update(
+                        10 if i % 10 == 0 else i % 10,
+                        loss=float(result.loss),
+                        samples_per_s=i * batch_size * world / elapsed,
+                    )
+            step.flush()  # a partial accumulation window still updates the weights
+            synchronize(device)
+        seconds = time.perf_counter() - start
+        losses = torch.stack(epoch_losses).float().cpu()  # one sync per epoch
+        step_losses.extend(losses)
+        train_loss = all_reduce([float(losses.mean())], device, world)[0] / world
+        val_loss, val_acc = evaluate(unwrap(model), loss_fn, step, val_x, val_y, world)
+        stats = EpochStats(
+            epoch=epoch,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            val_accuracy=val_acc,
+            samples_per_s=micro_steps * batch_size * world / seconds,
+            seconds=seconds,
+            optimizer_steps=step.steps - steps_before,
+            skipped_steps=step.skipped_steps - skipped_before,
+            peak_memory=mem.peak_allocated,
+            memory_kind="rss" if device.type == "cpu" else "allocated",
+        )
+        epochs.append(stats)
+        progress.close(
+            f"train loss {stats.train_loss:.4f}, held-out loss {val_loss:.4f}, "
+            f"accuracy {val_acc:.1%}, {stats.samples_per_s:,.0f} samples/s, "
+            f"{seconds:.1f} s"
+        )
+
+    k = max(1, min(8, micro_steps // 4))
+    all_losses = [float(v) for v in step_losses]
+    return DemoSummary(
+        device=str(device),
+        dtype=str(step.dtype).removeprefix("torch.") if step.enabled else "float32",
+        strategy=type(model).__name__ if model is not unwrap(model) else "none",
+        world_size=world,
+        batch_size=batch_size,
+        accumulate=ACCUMULATE,
+        max_grad_norm=MAX_GRAD_NORM,
+        train_samples=n_train,
+        val_samples=n_val,
+        seed=args.seed,
+        warmup_first_pass_s=warm.first_pass_s,
+        warmup_last_pass_s=warm.last_pass_s,
+        first_loss=sum(all_losses[:k]) / k,
+        final_loss=sum(all_losses[-k:]) / k,
+        final_accuracy=epochs[-1].val_accuracy,
+        epochs=epochs,
+        step_losses=all_losses,
+        step_memory=step_memory,
+    )

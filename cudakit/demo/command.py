@@ -1,0 +1,69 @@
+"""``cudakit demo``'s entry point: parse, check, train (N processes with ``--nprocs``), report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from .._dist import launched_local_world_size
+from ..parallel import is_main_process, launch
+from ._args import build_parser, check_args
+from ._plot import plot_summary
+from ._training import train
+from .summary import DemoSummary
+
+__all__ = ["finish", "launched", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``cudakit demo``: train the demo CNN and print a summary; return the exit status.
+
+    >>> from cudakit.demo import main
+    >>> main(["--help"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: 0
+
+    Args:
+        argv: the arguments after ``demo`` (default ``sys.argv[1:]``); see ``--help``.
+
+    Returns:
+        0 when training ran (the summary says whether the loss fell).
+
+    Raises:
+        SystemExit: bad arguments (status 2, with a message saying what to change),
+            or ``--help`` (status 0).
+
+    .. versionadded:: 0.1
+    """
+    p = build_parser()
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    check_args(p, args)
+    # --nprocs N: N local DDP processes; rank 0's summary comes back here.
+    summary = launch(launched, args, nprocs=args.nprocs)[0] if args.nprocs > 1 else train(args)
+    if is_main_process():
+        finish(summary, args)
+    return 0
+
+
+def launched(args: argparse.Namespace) -> DemoSummary:
+    """One rank of ``--nprocs N`` (module level so that spawn can pickle it)."""
+    # N processes share the cores: give each its share instead of all of them.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // launched_local_world_size()))
+    return train(args)
+
+
+def finish(summary: DemoSummary, args: argparse.Namespace) -> None:
+    """Print the summary (a table, or JSON with ``--json``), then write the ``--plot`` PNG."""
+    # The summary first: a plot that fails to save must not take the results with it.
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary, flush=True)
+    if args.plot is not None:
+        plot_summary(summary, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")

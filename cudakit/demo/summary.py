@@ -1,0 +1,130 @@
+"""What the demo measured: :class:`EpochStats` per epoch and the :class:`DemoSummary` table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._units import format_bytes
+from .data import NUM_CLASSES
+
+__all__ = ["DemoSummary", "EpochStats"]
+
+
+@dataclass
+class EpochStats:
+    """What one epoch of the demo measured (on this rank, samples/s for all ranks).
+
+    .. versionadded:: 0.1
+    """
+
+    epoch: int
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    samples_per_s: float
+    seconds: float
+    optimizer_steps: int
+    skipped_steps: int
+    peak_memory: int | None
+    memory_kind: str
+
+
+@dataclass
+class DemoSummary:
+    """The demo's result: the set-up it chose and one :class:`EpochStats` per epoch.
+
+    ``str(summary)`` is the table ``cudakit demo`` prints; ``to_dict()`` is what
+    ``--json`` prints.
+
+    .. versionadded:: 0.1
+    """
+
+    device: str
+    dtype: str
+    strategy: str
+    world_size: int
+    batch_size: int
+    accumulate: int
+    max_grad_norm: float
+    train_samples: int
+    val_samples: int
+    seed: int
+    warmup_first_pass_s: float | None
+    warmup_last_pass_s: float | None
+    first_loss: float
+    final_loss: float
+    final_accuracy: float
+    epochs: list[EpochStats] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list, repr=False)
+    step_memory: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def loss_fell(self) -> bool:
+        """Whether training lowered the loss (last steps against the first ones)."""
+        return self.final_loss < self.first_loss
+
+    @property
+    def steps_skipped(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient, all epochs."""
+        return sum(e.skipped_steps for e in self.epochs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON-ready data (per-step series omitted)."""
+        out = asdict(self)
+        del out["step_losses"], out["step_memory"]
+        out["loss_fell"] = self.loss_fell
+        out["steps_skipped"] = self.steps_skipped
+        return out
+
+    def __str__(self) -> str:
+        warm = (
+            f"{self.warmup_first_pass_s * 1e3:.1f} ms first pass, "
+            f"{self.warmup_last_pass_s * 1e3:.1f} ms last pass"
+            if self.warmup_first_pass_s is not None and self.warmup_last_pass_s is not None
+            else "skipped"
+        )
+        head = [
+            ("device", self.device),
+            ("dtype", self.dtype),
+            ("parallel", f"{self.strategy} ({_plural(self.world_size, 'process')})"),
+            (
+                "batch",
+                f"{self.batch_size} per process x {self.accumulate} accumulated, "
+                f"clip {self.max_grad_norm}",
+            ),
+            ("data", f"{self.train_samples} train / {self.val_samples} held-out images"),
+            ("warm-up", warm),
+            ("steps skipped", str(self.steps_skipped)),
+        ]
+        width = max(len(k) for k, _ in head)
+        lines = [f"{k:<{width}}  {v}" for k, v in head]
+        cols = ("epoch", "train loss", "val loss", "val acc", "samples/s", "peak mem", "skipped")
+        rows = [
+            (
+                str(e.epoch),
+                f"{e.train_loss:.4f}",
+                f"{e.val_loss:.4f}",
+                f"{e.val_accuracy:.1%}",
+                f"{e.samples_per_s:,.0f}",
+                format_bytes(e.peak_memory) + (" RSS" if e.memory_kind == "rss" else ""),
+                str(e.skipped_steps),
+            )
+            for e in self.epochs
+        ]
+        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
+        lines.append("")
+        lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines.extend("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
+        lines.append("")
+        verdict = "fell" if self.loss_fell else "did NOT fall"
+        lines.append(
+            f"loss {verdict}: {self.first_loss:.4f} -> {self.final_loss:.4f}; "
+            f"final held-out accuracy {self.final_accuracy:.1%} (chance: {1 / NUM_CLASSES:.0%})"
+        )
+        return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
