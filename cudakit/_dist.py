@@ -37,6 +37,7 @@ __all__ = [
     "group_rank",
     "group_world_size",
     "is_group_running",
+    "is_srun_task",
     "launch_hint",
     "launched_local_rank",
     "launched_local_world_size",
@@ -47,6 +48,7 @@ __all__ = [
     "read_launcher_env",
     "slurm_launcher_vars",
     "slurm_port",
+    "slurm_sources",
 ]
 
 #: The variables torchrun sets in every process, all needed to build a process group.
@@ -141,49 +143,75 @@ def slurm_port(env: Mapping[str, str]) -> int:
     return 15000 + int(job) % 5000 if job.isdigit() else 29500
 
 
+def is_srun_task(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` is a task ``srun`` started (and torchrun's variables are absent).
+
+    ``SLURM_PROCID`` and ``SLURM_NTASKS`` mark a task. The interactive shell of
+    ``salloc`` (``SLURM_JOB_NAME`` ``bash``/``interactive``) has them too but is no
+    launch, unless ``srun`` started this process inside it (``SLURM_STEP_ID``).
+    """
+    if any(env.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return False  # torchrun (or launch()) inside a SLURM job wins
+    if not (env.get("SLURM_PROCID", "") and env.get("SLURM_NTASKS", "")):
+        return False
+    in_step = bool(env.get("SLURM_STEP_ID", "") or env.get("SLURM_STEPID", ""))
+    return in_step or env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+def _first(env: Mapping[str, str], *names: str) -> tuple[str, str]:
+    """The first of ``names`` set in ``env``: (value, name); ("", "") for none."""
+    for name in names:
+        if env.get(name, ""):
+            return env[name], name
+    return "", ""
+
+
+def slurm_sources(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """torchrun's variables derived from SLURM's: name -> (value, where it came from).
+
+    Empty unless :func:`is_srun_task`. ``MASTER_ADDR`` is missing when the node list
+    cannot be read (the strict reader then says why).
+    """
+    if not is_srun_task(env):
+        return {}
+    out = {
+        "RANK": (env["SLURM_PROCID"], "SLURM_PROCID"),
+        "WORLD_SIZE": _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+        "LOCAL_RANK": _first(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else ("0", ""),
+    }
+    per_node_spec, per_node_name = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    per_node = _tasks_per_node(per_node_spec) if per_node_spec else []
+    node = env.get("SLURM_NODEID", "")
+    if per_node and node.isdigit() and int(node) < len(per_node):
+        out["LOCAL_WORLD_SIZE"] = (str(per_node[int(node)]), per_node_name)
+    elif env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        out["LOCAL_WORLD_SIZE"] = (env["SLURM_NTASKS_PER_NODE"], "SLURM_NTASKS_PER_NODE")
+    if env.get("MASTER_ADDR", ""):
+        out["MASTER_ADDR"] = (env["MASTER_ADDR"], "MASTER_ADDR")
+    else:
+        nodelist, name = _first(env, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+        try:
+            hosts = expand_hostlist(nodelist) if nodelist else []
+        except ValueError:
+            hosts = []
+        if hosts:
+            out["MASTER_ADDR"] = (hosts[0], f"the first host of {name}")
+    if env.get("MASTER_PORT", ""):
+        out["MASTER_PORT"] = (env["MASTER_PORT"], "MASTER_PORT")
+    else:
+        out["MASTER_PORT"] = (str(slurm_port(env)), "SLURM_JOB_ID")
+    return out
+
+
 def slurm_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
     """torchrun's variables for a task ``srun`` started; ``{}`` for anything else.
 
     Only when torchrun's own (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) are absent:
-    torchrun inside a SLURM job wins. The interactive shell of ``salloc``
-    (``SLURM_JOB_NAME`` ``bash``/``interactive``) is not a launch. The rendezvous address
-    is ``MASTER_ADDR``/``MASTER_PORT`` when set, else the first host of the node list and
-    :func:`slurm_port`.
+    torchrun inside a SLURM job wins. The interactive shell of ``salloc`` is not a
+    launch (:func:`is_srun_task`). The rendezvous address is ``MASTER_ADDR``/``MASTER_PORT``
+    when set, else the first host of the node list and :func:`slurm_port`.
     """
-    if any(env.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return {}
-    procid, ntasks = env.get("SLURM_PROCID", ""), env.get("SLURM_NTASKS", "")
-    if not (procid and ntasks) or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
-        return {}
-    out = {
-        "RANK": procid,
-        "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", "") or ntasks,
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "") or "0",
-    }
-    nodelist = (
-        env.get("SLURM_STEP_NODELIST", "")
-        or env.get("SLURM_NODELIST", "")
-        or env.get("SLURM_JOB_NODELIST", "")
-    )
-    per_node = _tasks_per_node(
-        env.get("SLURM_STEP_TASKS_PER_NODE", "") or env.get("SLURM_TASKS_PER_NODE", "")
-    )
-    node = env.get("SLURM_NODEID", "")
-    if per_node and node.isdigit() and int(node) < len(per_node):
-        out["LOCAL_WORLD_SIZE"] = str(per_node[int(node)])
-    elif env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
-        out["LOCAL_WORLD_SIZE"] = env["SLURM_NTASKS_PER_NODE"]
-    addr = env.get("MASTER_ADDR", "")
-    if not addr and nodelist:
-        try:
-            hosts = expand_hostlist(nodelist)
-        except ValueError:
-            hosts = []
-        addr = hosts[0] if hosts else ""
-    if addr:
-        out["MASTER_ADDR"] = addr
-    out["MASTER_PORT"] = env.get("MASTER_PORT", "") or str(slurm_port(env))
-    return out
+    return {name: value for name, (value, _) in slurm_sources(env).items()}
 
 
 def launcher_view(env: Mapping[str, str]) -> Mapping[str, str]:
@@ -339,6 +367,10 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
     ...
     cudakit.exceptions.DistributedSetupError: incomplete launcher environment: ...
 
+    A task ``srun`` started without torchrun has SLURM's variables only; they stand in
+    for torchrun's (``SLURM_PROCID`` for ``RANK``, ...; see docs/parallel.md, "SLURM
+    without torchrun"). torchrun's win when both are set.
+
     A partial environment is an error when it claims more than one process (or
     ``strict=True`` in the callers that need a launcher); one that claims a single
     process (``WORLD_SIZE`` unset or ``1``) with some variables missing is treated
@@ -351,8 +383,11 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
         A ``DistributedEnv``, or ``None`` when no launcher set the variables.
 
     Raises:
-        DistributedSetupError: variables are missing although ``WORLD_SIZE`` > 1, or
-            a value is not an integer, or ``RANK``/``LOCAL_RANK`` is out of range.
+        DistributedSetupError: variables are missing although ``WORLD_SIZE`` > 1, a
+            value is not an integer, or the values contradict each other (``RANK`` >=
+            ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` > ``WORLD_SIZE``, ``LOCAL_RANK`` >=
+            ``LOCAL_WORLD_SIZE`` or > ``RANK``); the message names the variables, and for
+            a task ``srun`` started the SLURM variable each came from.
 
         TypeError: ``env`` is not a mapping of strings.
 
@@ -360,12 +395,14 @@ def read_env(env: Mapping[str, str] | None = None) -> DistributedEnv | None:
     """
     if env is not None:
         check_env("read_env", env)
-    return read_launcher_env(_environ(env), strict=False)
+    return read_launcher_env(os.environ if env is None else env, strict=False)
 
 
 def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv | None:
     """:func:`read_env`; with ``strict=True`` any partial environment is an error."""
-    env = launcher_view(env)
+    sources = slurm_sources(env)
+    if sources:
+        env = {**env, **{name: value for name, (value, _) in sources.items()}}
     present = [k for k in LAUNCHER_VARS if env.get(k, "") != ""]
     if not present:
         return None
@@ -374,12 +411,27 @@ def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv
         world = _parse_int(env, "WORLD_SIZE", 1) if "WORLD_SIZE" in present else None
         if not strict and (world is None or world == 1):
             return None
+        if sources and missing == ["MASTER_ADDR"]:
+            nodelist, name = _first(
+                env, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST"
+            )
+            raise DistributedSetupError(
+                f"a task srun started, but no rendezvous address: {name or 'SLURM_NODELIST'}="
+                f"{nodelist!r} names no host cudakit can read. Set MASTER_ADDR to the first "
+                "node's host name (e.g. `export MASTER_ADDR=$(scontrol show hostnames "
+                '"$SLURM_JOB_NODELIST" | head -n 1)` in the batch script).'
+            )
         raise DistributedSetupError(
             f"incomplete launcher environment: {', '.join(present)} set but "
             f"{', '.join(missing)} missing. {launch_hint(world)}, which sets all of "
             f"{', '.join(LAUNCHER_VARS)}; for several nodes add --nnodes, --node-rank and "
             "--rdzv-endpoint (see the cudakit parallel docs)."
         )
+
+    def shown(name: str, value: int) -> str:
+        source = sources.get(name, ("", ""))[1]
+        return f"{name}={value}" + (f" (from {source})" if source and source != name else "")
+
     world = _parse_int(env, "WORLD_SIZE", 1)
     rank_ = _parse_int(env, "RANK", 0)
     local = _parse_int(env, "LOCAL_RANK", 0)
@@ -387,19 +439,43 @@ def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv
     local_world = (
         _parse_int(env, "LOCAL_WORLD_SIZE", 1) if env.get("LOCAL_WORLD_SIZE", "") else world
     )
+    fix = (
+        f"{_SLURM_FIX}"
+        if sources
+        else f"{launch_hint(world)} instead of setting the variables by hand."
+    )
     if rank_ >= world:
         raise DistributedSetupError(
-            f"RANK={rank_} but WORLD_SIZE={world}: ranks run from 0 to WORLD_SIZE-1. "
-            f"{launch_hint(world)} instead of setting the variables by hand."
+            f"{shown('RANK', rank_)} but {shown('WORLD_SIZE', world)}: ranks run from 0 to "
+            f"WORLD_SIZE-1. {fix}"
+        )
+    if local_world > world:
+        raise DistributedSetupError(
+            f"{shown('LOCAL_WORLD_SIZE', local_world)} but {shown('WORLD_SIZE', world)}: a node "
+            f"cannot run more processes than the whole job. {fix}"
         )
     if local >= local_world:
         raise DistributedSetupError(
-            f"LOCAL_RANK={local} but LOCAL_WORLD_SIZE={local_world}: local ranks run from 0 to "
-            f"LOCAL_WORLD_SIZE-1. {launch_hint(world)} instead of setting the variables by hand."
+            f"{shown('LOCAL_RANK', local)} but {shown('LOCAL_WORLD_SIZE', local_world)}: local "
+            f"ranks run from 0 to LOCAL_WORLD_SIZE-1. {fix}"
+        )
+    if local > rank_:
+        raise DistributedSetupError(
+            f"{shown('LOCAL_RANK', local)} but {shown('RANK', rank_)}: a local rank counts the "
+            "processes on this node before this one, each with a lower global rank, so it "
+            f"cannot exceed RANK. {fix}"
         )
     if port > 65535:
         raise DistributedSetupError(
-            f"MASTER_PORT={port} is not a TCP port (1-65535). Pick a free port, e.g. "
+            f"{shown('MASTER_PORT', port)} is not a TCP port (1-65535). Pick a free port, e.g. "
             "`torchrun --master-port 29500 ...`, or let torchrun choose with --standalone."
         )
     return DistributedEnv(rank_, world, local, local_world, env["MASTER_ADDR"], port)
+
+
+#: The fix for an inconsistent environment that SLURM's variables gave.
+_SLURM_FIX = (
+    "SLURM set these for a task srun started: check the job's --ntasks and --ntasks-per-node "
+    "and any SLURM_* variable exported by hand, and start the tasks with `srun python "
+    "script.py` (or set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, which win)."
+)

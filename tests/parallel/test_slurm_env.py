@@ -77,6 +77,62 @@ def test_expanding_a_compressed_list_gives_the_explicit_list(
     assert _dist.expand_hostlist(",".join(compressed)) == explicit
 
 
+_LITERAL = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-.", min_size=1, max_size=5)
+_NUMBERS = st.tuples(
+    st.lists(st.integers(0, 130), min_size=1, max_size=6, unique=True), st.integers(1, 4)
+)
+
+
+def _compress(numbers: list[int], width: int) -> str:
+    """``[1,2,3,7]`` as SLURM writes it: ``1-3,7``, each number padded to ``width``."""
+    numbers = sorted(numbers)
+    runs, run = [], [numbers[0]]
+    for n in numbers[1:]:
+        if n == run[-1] + 1:
+            run.append(n)
+        else:
+            runs.append(run)
+            run = [n]
+    runs.append(run)
+    return ",".join(
+        f"{r[0]:0{width}d}" if len(r) == 1 else f"{r[0]:0{width}d}-{r[-1]:0{width}d}" for r in runs
+    )
+
+
+@given(
+    hosts=st.lists(
+        st.lists(st.one_of(_LITERAL, _NUMBERS), min_size=1, max_size=4).filter(
+            lambda segments: isinstance(segments[0], str)  # a host name starts with text
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_several_bracket_groups_and_plain_names_expand_to_the_explicit_list(
+    hosts: list[list[str | tuple[list[int], int]]],
+) -> None:
+    compressed, explicit = [], []
+    for segments in hosts:
+        text, names = "", [""]
+        for seg in segments:
+            if isinstance(seg, str):
+                text += seg
+                names = [n + seg for n in names]
+            else:
+                numbers, width = seg
+                text += f"[{_compress(numbers, width)}]"
+                # the first group varies slowest, as SLURM's own expansion does
+                names = [n + f"{v:0{width}d}" for n in names for v in sorted(numbers)]
+        compressed.append(text)
+        explicit.extend(names)
+    assert _dist.expand_hostlist(",".join(compressed)) == explicit
+
+
+def test_the_empty_node_list_has_no_host() -> None:
+    assert _dist.expand_hostlist("") == []
+    assert _dist.expand_hostlist(" a , b ") == ["a", "b"]
+
+
 def _srun(procid: int, ntasks: int = 2, **extra: str) -> dict[str, str]:
     env = {
         "SLURM_PROCID": str(procid),
@@ -129,8 +185,43 @@ def test_the_rank_helpers_read_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_inconsistent_slurm_environment_is_a_clear_error() -> None:
-    with pytest.raises(DistributedSetupError, match=r"RANK=2 but WORLD_SIZE=2"):
+    with pytest.raises(
+        DistributedSetupError, match=r"RANK=2 \(from SLURM_PROCID\) but WORLD_SIZE=2 \(from SLURM"
+    ):
         _dist.read_launcher_env(_srun(2), strict=True)
+
+
+def test_srun_inside_salloc_is_a_launch() -> None:
+    # salloc's shell is named "interactive" (or "bash"); srun inside it sets SLURM_STEP_ID.
+    env = _dist.read_env(_srun(1, SLURM_JOB_NAME="interactive", SLURM_STEP_ID="0"))
+    assert env is not None
+    assert (env.rank, env.world_size) == (1, 2)
+
+
+def test_an_unreadable_node_list_without_master_addr_is_a_clear_error() -> None:
+    with pytest.raises(
+        DistributedSetupError,
+        match=r"a task srun started, but no rendezvous address: SLURM_NODELIST='gpu\[07-' names "
+        r"no host cudakit can read\. Set MASTER_ADDR",
+    ):
+        _dist.read_env(_srun(0, SLURM_NODELIST="gpu[07-"))
+    env = _dist.read_env(_srun(0, SLURM_NODELIST="gpu[07-", MASTER_ADDR="10.0.0.1"))
+    assert env is not None
+    assert env.master_addr == "10.0.0.1"
+
+
+def test_the_port_is_the_same_on_every_task_and_differs_between_jobs() -> None:
+    ports = {_dist.read_env(_srun(r, ntasks=4)).master_port for r in range(4)}  # type: ignore[union-attr]
+    assert ports == {15000 + 123456 % 5000}
+    other = _dist.read_env(_srun(0, SLURM_JOB_ID="123457"))
+    assert other is not None
+    assert other.master_port == 15000 + 123457 % 5000
+    assert _dist.slurm_port({}) == 29500  # no job id: torchrun's default
+
+
+def test_a_job_shell_without_task_variables_is_no_launch() -> None:
+    # A batch script's own shell (no srun) that looks like one process is no launch.
+    assert _dist.read_env({"SLURM_JOB_ID": "5", "SLURM_NODELIST": "n1"}) is None
 
 
 _WORKER = """
