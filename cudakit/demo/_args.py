@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="train with DDP in N local processes (through cudakit.parallel.launch)",
     )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="save a checkpoint in DIR every epoch (and on SIGTERM/SIGUSR1) and continue "
+        "from the newest one there when started again (cudakit.Checkpointer)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument(
         "--plot", metavar="FILE.png", help="write a PNG of the loss and the memory per step"
@@ -137,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def default_train_size(device: torch.device) -> int:
     return 2048 if device.type == "cpu" else 16384
+
+
+def _parents(path: str) -> list[str]:
+    """The folders above ``path``, nearest first."""
+    out, current = [], os.path.abspath(path)
+    while os.path.dirname(current) != current:
+        current = os.path.dirname(current)
+        out.append(current)
+    return out
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -161,6 +177,17 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"--plot {args.plot}: the folder {folder} does not exist; create it first "
                 "or write the plot somewhere else."
             )
+    if args.resume is not None:
+        existing = next(
+            (q for q in [args.resume, *_parents(args.resume)] if os.path.exists(q)), None
+        )
+        if existing is not None and not os.path.isdir(existing):
+            p.error(
+                f"--resume {args.resume}: {existing} is a file, not a folder; give a folder "
+                "for the checkpoints (it is made if missing)."
+            )
+        if existing is not None and not os.access(existing, os.W_OK):
+            p.error(f"--resume {args.resume}: {existing} cannot be written; choose another folder.")
     try:
         device = resolve_device(args.device)
     except (ValueError, TypeError) as exc:

@@ -13,6 +13,7 @@ from torch import nn
 
 from .._accel import synchronize
 from ..amp import AutocastStep, autocast_step
+from ..checkpoint import Checkpointer
 from ..data import loader_kwargs, prefetch
 from ..device import on_device, resolve_device
 from ..memory import memory_report, memory_snapshot
@@ -166,16 +167,37 @@ def _train_loop(
     step_losses: list[torch.Tensor] = []
     step_memory: list[int] = []
     epochs: list[EpochStats] = []
-    for epoch in range(1, args.epochs + 1):
+    batches = prefetch(loader, device)
+    # --resume DIR: a checkpoint every epoch (and on SIGTERM/SIGUSR1); a run started again
+    # on the same directory continues from the newest complete one.
+    ckpt = (
+        Checkpointer(
+            args.resume,
+            step=step,
+            loader=batches,
+            every=max(1, micro_steps // ACCUMULATE),
+            keep=2,
+        )
+        if args.resume is not None
+        else None
+    )
+    epoch_numbers = ckpt.epochs(args.epochs) if ckpt is not None else range(args.epochs)
+    for epoch_index in epoch_numbers:
+        epoch = epoch_index + 1
+        done = ckpt.position.batch if ckpt is not None else 0  # a resumed epoch's batches
         progress = Progress(
-            micro_steps, f"epoch {epoch}/{args.epochs}", enabled=main_rank, bar=not args.no_progress
+            micro_steps - done,
+            f"epoch {epoch}/{args.epochs}",
+            enabled=main_rank,
+            bar=not args.no_progress,
         )
         steps_before, skipped_before = step.steps, step.skipped_steps
         epoch_losses: list[torch.Tensor] = []
         synchronize(device)
         start = time.perf_counter()
         with memory_report(f"epoch {epoch}", device=device, file=None) as mem:
-            for i, (images, labels) in enumerate(prefetch(loader, device), start=1):
+            source = ckpt.batches() if ckpt is not None else batches
+            for i, (images, labels) in enumerate(source, start=done + 1):
                 result = train_step(images, labels)
                 epoch_losses.append(result.loss)
                 if record_memory:
@@ -183,9 +205,9 @@ def _train_loop(
                 if i % 10 == 0 or i == micro_steps:  # .item() syncs: not on every step
                     elapsed = time.perf_counter() - start
                     progress.update(
-                        10 if i % 10 == 0 else i % 10,
+                        min(10 if i % 10 == 0 else i % 10, i - done),
                         loss=float(result.loss),
-                        samples_per_s=i * batch_size * world / elapsed,
+                        samples_per_s=(i - done) * batch_size * world / elapsed,
                     )
             step.flush()  # a partial accumulation window still updates the weights
             synchronize(device)
@@ -199,7 +221,7 @@ def _train_loop(
             train_loss=train_loss,
             val_loss=val_loss,
             val_accuracy=val_acc,
-            samples_per_s=micro_steps * batch_size * world / seconds,
+            samples_per_s=(micro_steps - done) * batch_size * world / seconds,
             seconds=seconds,
             optimizer_steps=step.steps - steps_before,
             skipped_steps=step.skipped_steps - skipped_before,
@@ -213,8 +235,17 @@ def _train_loop(
             f"{seconds:.1f} s"
         )
 
+    resumed_from = None
+    if ckpt is not None:
+        ckpt.close()
+        resumed_from = str(ckpt.resumed_from) if ckpt.resumed_from is not None else None
+    if not epochs:  # resumed from a finished run: nothing left to train
+        _, accuracy = evaluate(unwrap(model), loss_fn, step, val_x, val_y, world)
+        final_accuracy = accuracy
+    else:
+        final_accuracy = epochs[-1].val_accuracy
     k = max(1, min(8, micro_steps // 4))
-    all_losses = [float(v) for v in step_losses]
+    all_losses = [float(v) for v in step_losses] or [math.nan]
     return DemoSummary(
         device=str(device),
         dtype=str(step.dtype).removeprefix("torch.") if step.enabled else "float32",
@@ -230,8 +261,9 @@ def _train_loop(
         warmup_last_pass_s=warm.last_pass_s,
         first_loss=sum(all_losses[:k]) / k,
         final_loss=sum(all_losses[-k:]) / k,
-        final_accuracy=epochs[-1].val_accuracy,
+        final_accuracy=final_accuracy,
         epochs=epochs,
         step_losses=all_losses,
         step_memory=step_memory,
+        resumed_from=resumed_from,
     )

@@ -58,6 +58,8 @@ class DemoSummary:
     epochs: list[EpochStats] = field(default_factory=list)
     step_losses: list[float] = field(default_factory=list, repr=False)
     step_memory: list[int] = field(default_factory=list, repr=False)
+    #: The checkpoint ``--resume`` continued from (None: a fresh start).
+    resumed_from: str | None = None
 
     @property
     def loss_fell(self) -> bool:
@@ -97,6 +99,8 @@ class DemoSummary:
             ("warm-up", warm),
             ("steps skipped", str(self.steps_skipped)),
         ]
+        if self.resumed_from is not None:
+            head.append(("resumed from", self.resumed_from))
         width = max(len(k) for k, _ in head)
         lines = [f"{k:<{width}}  {v}" for k, v in head]
         cols = ("epoch", "train loss", "val loss", "val acc", "samples/s", "peak mem", "skipped")
@@ -118,6 +122,12 @@ class DemoSummary:
         lines.append("  ".join("-" * w for w in widths))
         lines.extend("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
         lines.append("")
+        if not self.epochs:
+            lines.append(
+                f"nothing left to train: {self.resumed_from} had finished every epoch; "
+                f"held-out accuracy {self.final_accuracy:.1%}"
+            )
+            return "\n".join(lines)
         verdict = "fell" if self.loss_fell else "did NOT fall"
         lines.append(
             f"loss {verdict}: {self.first_loss:.4f} -> {self.final_loss:.4f}; "

@@ -1,0 +1,43 @@
+"""`cudakit demo --resume DIR`: a checkpoint every epoch, and a second start continues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cudakit.demo import main
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert (
+        main(["--train-size", "128", "--batch-size", "16", "--no-progress", "--json", *args]) == 0
+    )
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_second_start_continues_from_the_newest_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = _run(capsys, "--epochs", "1", "--resume", str(tmp_path))
+    assert first["resumed_from"] is None
+    assert [e["epoch"] for e in first["epochs"]] == [1]
+    second = _run(capsys, "--epochs", "2", "--resume", str(tmp_path))
+    assert second["resumed_from"].endswith("ckpt-0000000008")  # 8 batches an epoch
+    assert [e["epoch"] for e in second["epochs"]] == [2]
+    done = main(["--train-size", "128", "--batch-size", "16", "--no-progress",
+                 "--epochs", "2", "--resume", str(tmp_path)])  # fmt: skip
+    assert done == 0
+    assert "nothing left to train" in capsys.readouterr().out
+
+
+def test_an_unwritable_resume_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["--train-size", "128", "--epochs", "1", "--resume", str(blocker / "ck")])
+    assert info.value.code == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
