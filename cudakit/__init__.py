@@ -2,12 +2,12 @@
 
 Composable utilities, each a plain call, a decorator or a ``with`` block:
 :func:`on_device`, :func:`autocast_step`, :func:`warmup`, :func:`memory_report`,
-:func:`parallelize`, :func:`prefetch` and :class:`Checkpointer`, plus device detection
-(:func:`device_info`) and DataLoader settings (:func:`loader_kwargs`).
+:func:`speed_report`, :func:`parallelize`, :func:`prefetch` and :class:`Checkpointer`,
+plus device detection (:func:`device_info`) and DataLoader settings (:func:`loader_kwargs`).
 
 Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 ``cudakit.memory``, ``cudakit.warmup``, ``cudakit.parallel``, ``cudakit.data``,
-``cudakit.checkpoint``.
+``cudakit.checkpoint``, ``cudakit.speed``.
 """
 
 from ._version import __version__
@@ -44,6 +44,7 @@ from .parallel import (
     unwrap,
     world_size,
 )
+from .speed import SpeedReport, speed_report
 from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmup
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "NonFiniteStepsError",
     "Position",
     "ReserveIgnoredWarning",
+    "SpeedReport",
     "StepResult",
     "TensorsLeftBehindWarning",
     "WarmupReport",
@@ -91,6 +93,7 @@ __all__ = [
     "rank",
     "register_container",
     "resolve_device",
+    "speed_report",
     "unwrap",
     "warmed",
     "warmup",

@@ -1,0 +1,74 @@
+"""Where a reporter's line goes: ``file=`` (stderr by default) and ``log=``.
+
+The conventions of :func:`~cudakit.memory_report`, in one place for reporters that
+write a line: ``file=`` a text stream (default: whatever ``sys.stderr`` is when the
+line is written, or nowhere when ``log=`` is given), ``None`` for silence; ``log=`` a
+``logging.Logger`` (lines at INFO) or a callable that takes the line.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from collections.abc import Callable
+from typing import IO, Final
+
+from ._check import describe
+
+__all__ = ["STDERR", "LogTarget", "Stderr", "check_file", "check_log", "write_line"]
+
+LogTarget = logging.Logger | Callable[[str], object]
+
+
+class Stderr:
+    """Sentinel default for ``file=``: whatever ``sys.stderr`` is when a line is written."""
+
+    def __repr__(self) -> str:
+        return "sys.stderr"
+
+
+STDERR: Final = Stderr()
+
+
+def check_file(func: str, file: object) -> IO[str] | Stderr | None:
+    """``file=`` at the door: None, the default, or a text stream (binary ones refused)."""
+    if file is None or isinstance(file, Stderr):
+        return file
+    binary = isinstance(file, (io.RawIOBase, io.BufferedIOBase)) or "b" in str(
+        getattr(file, "mode", "")
+    )
+    if binary or not callable(getattr(file, "write", None)):
+        what = "a binary stream" if binary else describe(file)
+        raise TypeError(
+            f"{func}(file=...) takes a text stream with .write() (sys.stdout, a file opened "
+            f"with 'w') or None to stay silent, got {what}. To send lines to a logger or a "
+            "function, use log=."
+        )
+    return file  # type: ignore[return-value]
+
+
+def check_log(func: str, log: object) -> LogTarget | None:
+    """``log=`` at the door: None, a ``logging.Logger`` or a callable."""
+    if log is not None and not isinstance(log, logging.Logger) and not callable(log):
+        raise TypeError(
+            f"{func}(log=...) takes a logging.Logger or a callable that accepts the line, "
+            f"got {describe(log)}. For example: log=logging.getLogger(__name__)."
+        )
+    return log
+
+
+def write_line(line: str, file: IO[str] | Stderr | None, log: LogTarget | None) -> None:
+    """Write ``line`` to ``file`` (stderr unless ``log`` is given) and/or ``log``."""
+    if isinstance(file, Stderr):
+        file = None if log is not None else sys.stderr
+    if file is not None:
+        file.write(line + "\n")
+        flush = getattr(file, "flush", None)
+        if flush is not None:
+            flush()
+    if log is not None:
+        if isinstance(log, logging.Logger):
+            log.info(line)
+        else:
+            log(line)

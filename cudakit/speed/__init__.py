@@ -1,0 +1,38 @@
+"""Throughput of a training step: :func:`speed_report`, :func:`count_flops` and the peak table.
+
+:func:`speed_report` is a ``with`` block, a decorator and a reusable object, like
+:func:`~cudakit.memory_report` beside it: time per optimizer step, samples/s,
+tokens/s, achieved TFLOP/s and MFU, over a rolling window and since the start, from
+every rank when a process group runs, with no read of the device per step.
+
+* **FLOPs are counted, not guessed:** :func:`count_flops` runs one forward and
+  backward under ``FlopCounterMode`` and puts everything back.
+* **Peaks are dense:** :data:`PEAKS` holds NVIDIA's dense figures per GPU and dtype,
+  each with its datasheet; :func:`lookup_peak` matches a device name on whole words
+  and never lends one GPU's peak to another.
+
+Modules: ``flops`` (:func:`count_flops`), ``peaks`` (the table), ``counts`` (what a
+call counts, and the FLOP scaling rule), ``clock`` (CUDA events or the wall clock),
+``tally`` (calls into steps, totals, the rolling window), ``combine`` (all ranks),
+``figures`` (:class:`SpeedFigures` and the line), ``meter`` (:func:`speed_report`);
+private: ``_args`` (argument checks), ``_probes`` (the device reads tests replace).
+"""
+
+from .figures import SpeedFigures, SpeedSummary
+from .flops import FlopCount, count_flops
+from .meter import SpeedReport, SpeedReported, speed_report
+from .peaks import PEAKS, DevicePeak, Peak, lookup_peak
+
+__all__ = [
+    "PEAKS",
+    "DevicePeak",
+    "FlopCount",
+    "Peak",
+    "SpeedFigures",
+    "SpeedReport",
+    "SpeedReported",
+    "SpeedSummary",
+    "count_flops",
+    "lookup_peak",
+    "speed_report",
+]

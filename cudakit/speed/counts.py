@@ -1,0 +1,183 @@
+"""What one call counts: its samples, tokens and FLOPs, from the batch or as given.
+
+``samples=`` and ``tokens=`` are a number per call or a function of the batch;
+``flops=`` is a number per call, a function of the batch, or a :class:`FlopCount`,
+which is scaled to each batch (the rule is in :class:`CallCounter`). Values may be
+one-element tensors (``mask.sum()``): they are kept as they are and read on the
+host only when the figures are, so counting never waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+from .._check import describe, fail_type, fail_value
+from .flops import FlopCount
+
+__all__ = ["CallCounter", "Count", "CountSpec", "FlopSpec", "check_count", "check_spec"]
+
+#: A count as a call gives it: a number, or a one-element tensor read later.
+Count = int | float | torch.Tensor
+#: ``samples=`` / ``tokens=``: a number per call, or a function of the batch.
+CountSpec = int | float | Callable[[Any], Count] | None
+#: ``flops=``: a number per call, a function of the batch, or a counted example.
+FlopSpec = int | float | Callable[[Any], Count] | FlopCount | None
+
+_FIX: Final = {
+    "samples": "For example: samples=len, or samples=64.",
+    "tokens": "For example: tokens=lambda batch: batch['attention_mask'].sum().",
+    "flops": "For example: flops=count_flops(loss_fn, example, model=model).",
+}
+
+
+def check_spec(func: str, arg: str, value: object) -> Any:
+    """``samples=``/``tokens=``/``flops=`` at the door: None, a number >= 0, or a callable."""
+    if value is None or callable(value) or (arg == "flops" and isinstance(value, FlopCount)):
+        return value
+    expected = "a number >= 0 per call, a function of the batch, or None"
+    if arg == "flops":
+        expected = "a number >= 0 per call, a function of the batch, a FlopCount, or None"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail_type(func, arg, expected, value, _FIX[arg])
+    if not math.isfinite(float(value)) or value < 0:
+        fail_value(func, arg, expected, value, _FIX[arg])
+    return value
+
+
+def check_count(arg: str, value: object) -> Count:
+    """A value a call gave for ``arg``: a number >= 0 or a one-element real tensor."""
+    kind = type(value)
+    if kind is bool:
+        pass  # refused below: True is not a count
+    elif kind is int or kind is float:
+        if value >= 0:  # type: ignore[operator]
+            return value  # type: ignore[return-value]
+    elif isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+            return value
+        raise ValueError(
+            f"speed_report({arg}=...) got a tensor of shape {tuple(value.shape)} and dtype "
+            f"{value.dtype} for one call; it expects one number (a one-element real tensor "
+            f"is read later, without waiting). Reduce it first, e.g. mask.sum()."
+        )
+    elif isinstance(value, numbers.Real):
+        value = float(value)
+        if value >= 0:
+            return value
+    if kind is bool or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"speed_report({arg}=...) expects a number >= 0 or a one-element tensor for "
+            f"each call, got {describe(value)}. {_FIX[arg]}"
+        )
+    raise ValueError(
+        f"speed_report({arg}=...) expects a number >= 0 for each call, got {value!r}. {_FIX[arg]}"
+    )
+
+
+def _number(arg: str, value: object, where: str) -> float:
+    """A count of the example batch, read now (setup, not the hot path)."""
+    value = check_count(arg, value)
+    number = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(
+            f"speed_report({arg}=...) gave {number!r} for {where}; it expects a finite "
+            f"number >= 0. {_FIX[arg]}"
+        )
+    return number
+
+
+class CallCounter:
+    """How a call's samples, tokens and FLOPs come from its batch.
+
+    The FLOPs of a call are, in this order:
+
+    * ``flops=`` a function: its value for the call's batch;
+    * ``flops=`` a number: that number for every call;
+    * ``flops=`` a :class:`FlopCount` counted on an example batch: scaled by tokens
+      when ``tokens=`` is given (``total * tokens(batch) / tokens(example)``), else
+      by samples when ``samples=`` is given, else the same for every call.
+
+    Scaling by tokens is exact for the linear layers and approximate for attention,
+    whose cost grows with the square of the sequence length; give ``flops=`` a
+    function for an exact figure on batches of varying length.
+    """
+
+    def __init__(self, samples: CountSpec, tokens: CountSpec, flops: FlopSpec) -> None:
+        self.samples = samples
+        self.tokens = tokens
+        self.flops = flops
+        #: Whether a call's figures need its batch (a function among the specs).
+        self.needs_batch = any(
+            callable(v) and not isinstance(v, FlopCount) for v in (samples, tokens, flops)
+        )
+        #: FLOPs per unit of ``unit`` ("tokens", "samples", "call"), or None (a function).
+        self.unit: str | None = None
+        self.per_unit = 0.0
+        if isinstance(flops, FlopCount):
+            self.unit, self.per_unit = self._scale(flops)
+        elif flops is not None and not callable(flops):
+            self.unit, self.per_unit = "call", float(flops)
+
+    def _scale(self, flops: FlopCount) -> tuple[str, float]:
+        for arg, spec in (("tokens", self.tokens), ("samples", self.samples)):
+            if spec is None:
+                continue
+            value = spec(flops.example) if callable(spec) else spec
+            units = _number(arg, value, "the FlopCount's example batch")
+            if units == 0:
+                raise ValueError(
+                    f"speed_report(flops=...) scales the counted FLOPs by {arg}, but {arg} "
+                    f"of the FlopCount's example batch is 0. Count the FLOPs on a batch "
+                    f"with {arg} in it."
+                )
+            return arg, flops.total / units
+        return "call", float(flops.total)
+
+    def count(
+        self, batch: Any, samples: Count | None = None, tokens: Count | None = None
+    ) -> tuple[Count, Count, Count]:
+        """(samples, tokens, FLOPs) of one call; 0 for a figure not configured.
+
+        ``samples``/``tokens`` given (already checked) replace what the specs say.
+        """
+        s, t, f = self.samples, self.tokens, self.flops
+        if samples is None:
+            samples = 0 if s is None else check_count("samples", s(batch) if callable(s) else s)
+        if tokens is None:
+            tokens = 0 if t is None else check_count("tokens", t(batch) if callable(t) else t)
+        flops: Count = 0
+        if callable(f) and not isinstance(f, FlopCount):
+            flops = check_count("flops", f(batch))
+        return samples, tokens, flops
+
+    def missing(self, samples: Count | None, tokens: Count | None) -> list[str]:
+        """The specs that need the batch, given these counts: ``["samples=len", ...]``."""
+        out = []
+        for name, spec, given in (
+            ("samples", self.samples, samples),
+            ("tokens", self.tokens, tokens),
+            ("flops", self.flops, None),
+        ):
+            if callable(spec) and not isinstance(spec, FlopCount) and given is None:
+                out.append(f"{name}={getattr(spec, '__name__', 'a function')}")
+        return out
+
+    def flops_of(self, calls: int, samples: float, tokens: float, raw: float) -> float:
+        """The FLOPs of ``calls`` calls that counted ``samples``, ``tokens`` and ``raw`` in all."""
+        if self.unit is None:
+            return raw
+        if self.unit == "tokens":
+            return self.per_unit * tokens
+        if self.unit == "samples":
+            return self.per_unit * samples
+        return self.per_unit * calls
+
+    @property
+    def has_flops(self) -> bool:
+        """Whether FLOPs are counted at all."""
+        return self.flops is not None

@@ -1,0 +1,244 @@
+"""Counting the FLOPs of one training step: :func:`count_flops` and :class:`FlopCount`.
+
+The count comes from ``torch.utils.flop_counter.FlopCounterMode`` over one real
+forward and backward, not from a formula guessed from the parameter count: it sees
+every matmul, convolution and attention the step runs, at the shapes it runs them.
+The pass runs inside :class:`~cudakit.warmup.preserve_state`, so the weights, the
+gradients, the optimizer state, BatchNorm's running statistics and every random
+number generator are as they were afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+from .._check import check_callable, check_optional, check_type, describe
+from ..amp import AutocastStep, StepResult
+from ..warmup import preserve_state
+
+__all__ = ["FlopCount", "count_flops", "first_argument"]
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """The FLOPs one call of a step function ran, and the batch it ran them on.
+
+    ``int(count)`` is :attr:`total`. :func:`~cudakit.speed.speed_report` scales the
+    count to other batches through :attr:`example` (see ``flops=`` there).
+
+    >>> c = FlopCount(total=300, forward=100, example=None)
+    >>> int(c), c.backward
+    (300, 200)
+
+    .. versionadded:: 0.1
+    """
+
+    #: FLOPs of the forward and the backward together.
+    total: int
+    #: FLOPs of the forward alone; None when the function ran backward itself
+    #: (a function decorated with ``autocast_step``).
+    forward: int | None
+    #: The call's first argument (the example batch), kept to scale the count.
+    example: Any = field(repr=False, compare=False)
+
+    @property
+    def backward(self) -> int | None:
+        """FLOPs of the backward alone (``total - forward``), when known."""
+        return None if self.forward is None else self.total - self.forward
+
+    def __int__(self) -> int:
+        return self.total
+
+
+def _cpu_attention(
+    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
+) -> int:
+    return int(flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape))
+
+
+def _cpu_attention_backward(
+    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *a: Any, **k: Any
+) -> int:
+    return int(
+        flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    )
+
+
+def _formulas() -> dict[Any, Any]:
+    """FLOP formulas torch's counter lacks: the CPU's fused attention, forward and backward.
+
+    The same formulas torch uses for the CUDA attention kernels (causal attention is
+    counted as full attention there too).
+    """
+    aten = torch.ops.aten
+    out: dict[Any, Any] = {}
+    for name, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward),
+    ):
+        op = getattr(aten, name, None)
+        if op is not None and op not in flop_counter.flop_registry:
+            out[op] = formula
+    return out
+
+
+def first_argument(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The batch of a call: its first positional argument, else its first keyword value."""
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()), None)
+
+
+def _loss(out: object) -> torch.Tensor:
+    """The loss inside a function's return, to run backward from."""
+    loss = out
+    if isinstance(out, Mapping):
+        loss = out.get("loss")
+    elif isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    elif not isinstance(out, torch.Tensor):
+        loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return loss
+    raise TypeError(
+        "count_flops(fn) runs backward from the loss fn returns: a one-element tensor that "
+        "requires grad, (loss, ...), {'loss': loss, ...} or an object with .loss; got "
+        f"{describe(out)}. Return the loss from fn (e.g. lambda x, y: "
+        "F.cross_entropy(model(x), y)), or pass a function decorated with autocast_step."
+    )
+
+
+def _stateful(items: object) -> tuple[Any, ...]:
+    if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
+        raise TypeError(
+            f"count_flops(extra=...) expects a tuple of objects with state_dict() and "
+            f"load_state_dict(), got {describe(items)}. For one object write extra=(obj,)."
+        )
+    out = tuple(items)
+    for obj in out:
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                "count_flops(extra=...) expects objects with state_dict() and "
+                f"load_state_dict(), got {describe(obj)}. Leave it out, or put back "
+                "yourself what fn changes in it."
+            )
+    return out
+
+
+def count_flops(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Iterable[Any] = (),
+    **kwargs: Any,
+) -> FlopCount:
+    """Count the FLOPs of one forward and backward of ``fn(*args, **kwargs)``, leaving no trace.
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from cudakit.speed import count_flops
+    >>> model = torch.nn.Linear(64, 32)
+    >>> x, y = torch.randn(8, 64), torch.randn(8, 32)
+    >>> w = model.weight.clone()
+    >>> count = count_flops(lambda x, y: F.mse_loss(model(x), y), x, y, model=model)
+    >>> count.forward == 2 * 8 * 64 * 32, count.total == 2 * count.forward  # no grad for x
+    (True, True)
+    >>> torch.equal(model.weight, w), model.weight.grad is None
+    (True, True)
+
+    ``fn`` returns the loss (or ``(loss, ...)``, ``{"loss": loss}``, an object with
+    ``.loss``), and backward runs from it; a function decorated with
+    ``autocast_step`` runs its own backward (and maybe an optimizer step) and is
+    counted whole, its step, optimizers and schedulers put back too. The count runs
+    once, under ``FlopCounterMode``; afterwards :class:`~cudakit.warmup.preserve_state`
+    has put back the model's weights, gradients and buffers (BatchNorm statistics),
+    ``optimizer``'s state, ``extra``'s ``state_dict()`` and every RNG. An optimizer
+    step adds no FLOPs to the count (it counts matmuls, convolutions and attention;
+    causal attention counts as full attention, as in torch's own formulas).
+
+    Args:
+        fn: the function that computes the loss of one batch.
+        *args: its arguments; the first is the example batch (``FlopCount.example``).
+        model: the module ``fn`` runs (default: the ``autocast_step``'s ``model=``).
+        optimizer: an optimizer ``fn`` steps, put back too.
+        extra: further objects ``fn`` changes (a scheduler), by ``state_dict()``.
+        **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+        A :class:`FlopCount` (``int()`` of it is the total).
+
+    Raises:
+        TypeError: ``fn`` is not callable, a wrong kind of ``model``, ``optimizer`` or
+            ``extra``, or ``fn`` returned no loss to run backward from.
+        ValueError: no model to put back (neither ``model=`` nor the step's).
+
+    .. versionadded:: 0.1
+    """
+    check_callable(
+        "count_flops",
+        "fn",
+        fn,
+        expected="a function that computes the loss of one batch",
+        fix="For example: count_flops(lambda x, y: F.cross_entropy(model(x), y), x, y, "
+        "model=model).",
+    )
+    check_optional(
+        check_type,
+        "count_flops",
+        "model",
+        model,
+        types=nn.Module,
+        expected="a torch.nn.Module or None",
+        fix="Pass the module fn runs (not its state_dict or parameters()).",
+    )
+    check_optional(
+        check_type,
+        "count_flops",
+        "optimizer",
+        optimizer,
+        types=torch.optim.Optimizer,
+        expected="a torch.optim.Optimizer or None",
+        fix="Pass the optimizer object; put schedulers in extra=(...).",
+    )
+    keep = _stateful(extra)
+    step = getattr(fn, "autocast_step", None)
+    step = step if isinstance(step, AutocastStep) else None
+    if model is None and step is not None:
+        model = step.model
+    if model is None:
+        raise ValueError(
+            "count_flops() needs the model fn runs, to put back its weights, gradients and "
+            "buffers after the counted pass: pass model=model (or build the autocast_step "
+            "with model=model)."
+        )
+    optimizers: tuple[torch.optim.Optimizer, ...] = ()
+    if step is not None:
+        keep = (*keep, step, *step.schedulers)
+        optimizers = tuple(o for o in step.optimizers if o is not optimizer)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(preserve_state(model, optimizer, extra=keep))
+        for opt in optimizers:  # the step's other optimizers: their parameters and state
+            stack.enter_context(preserve_state(None, opt))
+        with FlopCounterMode(display=False, custom_mapping=_formulas()) as counter:
+            out = fn(*args, **kwargs)
+            forward: int | None = int(counter.get_total_flops())
+            if isinstance(out, StepResult):
+                forward = None  # its backward already ran, inside the step
+            else:
+                _loss(out).backward()
+            total = int(counter.get_total_flops())
+        del out
+    return FlopCount(total, forward, first_argument(args, kwargs))

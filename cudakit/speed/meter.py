@@ -1,0 +1,446 @@
+"""The throughput meter: :func:`speed_report` and :class:`SpeedReport`.
+
+A meter is a ``with`` block, a decorator, and an object reused across a loop, as
+:func:`~cudakit.memory_report` is. Each call adds a record to the meter's
+:class:`~cudakit.speed.recorder.Recorder` (shared by its clones and the functions it
+decorates) and reads nothing from the device; the figures
+are read at the log interval (``every=``) or when an attribute is, and combined
+across ranks only at the log interval.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import IO, Any, Final, Protocol, TypeVar, overload
+
+import torch
+from typing_extensions import ParamSpec, Self
+
+from .._check import describe
+from .._contextlib import ContextDecorator, reject_deferred_body
+from .._output import STDERR, LogTarget, Stderr
+from ..device import DeviceLike
+from ._args import Settings, settle, step_of
+from .counts import Count, CountSpec, FlopSpec, check_count
+from .figures import SpeedFigures, SpeedSummary
+from .flops import first_argument
+from .peaks import Peak
+from .recorder import Recorder
+
+__all__ = ["SpeedReport", "SpeedReported", "speed_report"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class _NoBatch:
+    def __repr__(self) -> str:
+        return "<no batch>"
+
+
+_NO_BATCH: Final = _NoBatch()
+
+
+class SpeedReported(Protocol[P, R_co]):
+    """A function decorated with :func:`speed_report`: ``fn.speed_report`` is the meter.
+
+    .. versionadded:: 0.1
+    """
+
+    speed_report: SpeedReport
+    __name__: str
+    __qualname__: str
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+
+class SpeedReport(ContextDecorator):
+    """Measures the calls of a step (``with``, ``@``); see :func:`speed_report`.
+
+    One object measures one call at a time; it may be entered again and again (a
+    ``with`` inside a loop). :meth:`measure` gives a clone for one batch, and the
+    decorator measures each call into the same figures.
+
+    >>> meter = speed_report(samples=32, flops=1e9, peak_tflops=1.0, file=None)
+    >>> for _ in range(3):
+    ...     with meter:
+    ...         pass
+    >>> meter.steps, meter.recent.samples, meter.mfu is not None, meter.mfu_reason
+    (3, 96.0, True, None)
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        recorder: Recorder | None = None,
+        batch: Any = _NO_BATCH,
+        counts: tuple[Count | None, Count | None] = (None, None),
+    ) -> None:
+        self._settings = settings
+        self._recorder = recorder if recorder is not None else Recorder(settings)
+        self._batch = batch
+        self._counts = counts
+        self._open: Any = None
+        self._before = 0
+
+    @property
+    def label(self) -> str | None:
+        """The name in the log line (a decorator's default: the function's name)."""
+        return self._recorder.label
+
+    def clone(self) -> Self:
+        """A fresh, un-entered meter with the same settings, adding to the same figures."""
+        return type(self)(self._settings, self._recorder, self._batch, self._counts)
+
+    def measure(
+        self, batch: Any = _NO_BATCH, *, samples: Count | None = None, tokens: Count | None = None
+    ) -> Self:
+        """A ``with`` block for one call on ``batch``, or with the counts given.
+
+        >>> meter = speed_report(samples=len, file=None)
+        >>> with meter.measure([1, 2, 3]):
+        ...     pass
+        >>> with meter.measure(samples=5):
+        ...     pass
+        >>> meter.total.samples
+        8.0
+
+        Args:
+            batch: the call's batch, for ``samples=``/``tokens=``/``flops=`` functions.
+            samples: this call's samples (a number or a one-element tensor), instead
+                of ``samples=``'s.
+            tokens: this call's tokens, instead of ``tokens=``'s.
+
+        Raises:
+            TypeError, ValueError: a count that is not a number >= 0 or a one-element
+                tensor.
+        """
+        given = tuple(
+            None if value is None else check_count(name, value)
+            for name, value in (("samples", samples), ("tokens", tokens))
+        )
+        return type(self)(self._settings, self._recorder, batch, given)  # type: ignore[arg-type]
+
+    def __enter__(self) -> Self:
+        if self._open is not None:
+            raise RuntimeError(
+                f"this speed_report({self.label or ''!r}) is already measuring a call; one "
+                "object measures one call at a time. For a nested block use "
+                "meter.measure(...) or a new speed_report()."
+            )
+        if self._batch is _NO_BATCH:
+            missing = self._settings.counter.missing(*self._counts)
+            if missing:
+                raise RuntimeError(
+                    f"speed_report({', '.join(missing)}) counts from the batch, but this "
+                    "block was given none: write `with meter.measure(batch):`, or pass "
+                    "the counts, e.g. `with meter.measure(samples=64):`."
+                )
+        step = self._recorder.step
+        self._before = step.position if step is not None else 0
+        self._open = self._recorder.tally.clock.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        start = self._open
+        if start is None:
+            raise RuntimeError(
+                "speed_report.__exit__ called without __enter__; use `with meter:` or "
+                "`with meter.measure(batch):`."
+            )
+        self._open = None
+        if exc_type is not None:
+            return  # a failed call is not a step: nothing is counted
+        recorder = self._recorder
+        mark = recorder.tally.clock.stop(start)
+        counts = recorder.settings.counter.count(self._batch, *self._counts)
+        recorder.record(mark, counts, None, self._before, recorder.step)
+
+    def __call__(self, func: Callable[P, R]) -> SpeedReported[P, R]:
+        """Decorate ``func``: every call is measured, its first argument is the batch."""
+        if not callable(func):
+            raise TypeError(
+                f"speed_report used as a decorator expects a function, got {describe(func)}; "
+                "write `@speed_report(...)` above a `def`, or `with meter:` around a block."
+            )
+        reject_deferred_body(
+            func,
+            "speed_report cannot decorate",
+            "Put `with meter.measure(batch):` around the step inside the function instead.",
+        )
+        settings = self._settings
+        recorder = self._recorder
+        step = settings.step or step_of(func)
+        if step is not None and settings.accumulate is not None:
+            raise ValueError(
+                f"speed_report(accumulate={settings.accumulate}) decorates "
+                f"{getattr(func, '__qualname__', func)!r}, an autocast_step function whose "
+                "windows the meter reads from the step. Drop accumulate=."
+            )
+        if recorder.label is None:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+            if name is not None:
+                recorder.label = str(name).rsplit("<locals>.", 1)[-1]
+        if recorder.step is None:
+            recorder.step = step  # its dtype picks the peak
+        clock = recorder.tally.clock
+        start, stop = clock.start, clock.stop
+        record = recorder.record
+        count = settings.counter.count
+        fixed = None if settings.counter.needs_batch else count(None)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            before = step.position if step is not None else 0
+            mark = start()
+            out = func(*args, **kwargs)
+            mark = stop(mark)
+            record(
+                mark,
+                count(first_argument(args, kwargs)) if fixed is None else fixed,
+                out,
+                before,
+                step,
+            )
+            return out
+
+        wrapped: Any = wrapper
+        wrapped.speed_report = self
+        return wrapped  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ figures
+
+    @property
+    def calls(self) -> int:
+        """Calls (micro-batches) measured so far; no read of the device."""
+        return self._recorder.tally.calls
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps (closed accumulation windows) measured so far; no read."""
+        self._recorder.close_flushed()
+        return self._recorder.tally.steps
+
+    def summary(self) -> SpeedSummary:
+        """This rank's rolling window and totals now (reads what is pending, no collective)."""
+        return self._recorder.summary()
+
+    @property
+    def recent(self) -> SpeedFigures:
+        """Figures of the last ``window`` optimizer steps, on this rank."""
+        return self.summary().recent
+
+    @property
+    def total(self) -> SpeedFigures:
+        """Figures of every optimizer step so far, on this rank."""
+        return self.summary().total
+
+    @property
+    def combined(self) -> SpeedSummary | None:
+        """Every rank's figures at the last log line; None before one, or without a group."""
+        return self._recorder.combined
+
+    @property
+    def last_line(self) -> str | None:
+        """The last line written (also when ``file=None``), or None."""
+        return self._recorder.last_line
+
+    @property
+    def peak(self) -> Peak:
+        """The peak the MFU is measured against, or the reason there is none."""
+        return self._recorder.peak(self._recorder.step)
+
+    @property
+    def step_time(self) -> float | None:
+        """Seconds per optimizer step over the rolling window."""
+        return self.recent.step_time
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Samples per second over the rolling window."""
+        return self.recent.samples_per_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second over the rolling window."""
+        return self.recent.tokens_per_s
+
+    @property
+    def tflops(self) -> float | None:
+        """Achieved TFLOP/s over the rolling window."""
+        return self.recent.tflops
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation over the rolling window (0.45 is 45 %), or None."""
+        return self.recent.mfu
+
+    @property
+    def mfu_reason(self) -> str | None:
+        """Why :attr:`mfu` is None (no peak for this device, no FLOP count), else None."""
+        return self.recent.mfu_reason
+
+    def flush(self) -> None:
+        """Write the line for the steps since the last one (combined: call it on every rank)."""
+        recorder = self._recorder
+        recorder.close_flushed()
+        if recorder.tally.steps > recorder.logged_at:
+            recorder.log()
+
+
+@overload
+def speed_report(label: Callable[P, R], /) -> SpeedReported[P, R]: ...
+
+
+@overload
+def speed_report(
+    label: str | None = None,
+    *,
+    samples: CountSpec = None,
+    tokens: CountSpec = None,
+    flops: FlopSpec = None,
+    accumulate: int | None = None,
+    step: Any = None,
+    dtype: torch.dtype | str | None = None,
+    peak_tflops: float | None = None,
+    device: DeviceLike = None,
+    every: int | None = 100,
+    window: int = 100,
+    file: IO[str] | None = ...,
+    log: LogTarget | None = None,
+    combine: bool = True,
+) -> SpeedReport: ...
+
+
+def speed_report(
+    label: Callable[P, R] | str | None = None,
+    *,
+    samples: CountSpec = None,
+    tokens: CountSpec = None,
+    flops: FlopSpec = None,
+    accumulate: int | None = None,
+    step: Any = None,
+    dtype: torch.dtype | str | None = None,
+    peak_tflops: float | None = None,
+    device: DeviceLike = None,
+    every: int | None = 100,
+    window: int = 100,
+    file: IO[str] | Stderr | None = STDERR,
+    log: LogTarget | None = None,
+    combine: bool = True,
+) -> SpeedReport | SpeedReported[P, R]:
+    """Measure a training step's throughput: time per step, samples/s, tokens/s, TFLOP/s, MFU.
+
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from cudakit.speed import count_flops, speed_report
+    >>> model = torch.nn.Linear(64, 64)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> x, y = torch.randn(32, 64), torch.randn(32, 64)
+    >>> flops = count_flops(lambda x, y: F.mse_loss(model(x), y), x, y, model=model)
+    >>> @speed_report(samples=len, flops=flops, every=2, log=print)
+    ... def train_step(x, y):
+    ...     loss = F.mse_loss(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    >>> for _ in range(2):
+    ...     train_step(x, y)  # doctest: +ELLIPSIS
+    speed_report 'train_step' cpu step 2: ...s/step, ... samples/s, ...FLOP/s [last 2 steps]; ...
+    >>> meter = train_step.speed_report
+    >>> meter.steps, meter.total.samples, meter.total.flops == 2 * flops.total
+    (2, 64.0, True)
+
+    Each call of the decorated function (or each ``with meter:`` block) is timed
+    and counted without reading anything from the device: on CUDA two events
+    around the call, read only at the log interval or when a figure is read; on
+    the CPU the wall clock. Calls are grouped into optimizer steps: by the
+    ``autocast_step`` (``step=``, or the decorated function's own), whose windows
+    are read from its position on the host; by the ``StepResult`` the function
+    returns; by ``accumulate=N`` calls; or one call per step.
+
+    Every ``every`` optimizer steps one line goes to stderr, like
+    :func:`~cudakit.memory_report`'s: the rolling window of the last ``window``
+    steps, then all steps so far. When a process group runs, that line carries
+    every rank's figures combined (summed samples, tokens and FLOPs over the
+    slowest rank's time, against the sum of the ranks' peaks): one small
+    all-gather at the log step, which every rank reaches together. The figures
+    are attributes too (:attr:`SpeedReport.recent`, ``.total``, ``.mfu``...).
+
+    The FLOPs of a call: ``flops=`` a function of the batch gives them exactly; a
+    number is the same for every call; a :class:`~cudakit.speed.FlopCount` (from
+    :func:`~cudakit.speed.count_flops` on an example batch) is scaled to each batch
+    by its tokens when ``tokens=`` is given, else by its samples when ``samples=``
+    is, else used as it is. MFU is achieved over peak FLOP/s: the dense peak of the
+    GPU for the step's dtype from :data:`~cudakit.speed.PEAKS`, or ``peak_tflops=``.
+    An unknown device, the CPU, or a missing FLOP count gives no MFU, and
+    :attr:`SpeedReport.mfu_reason` (and the line) says why.
+
+    Args:
+        label: a name for the line (a decorator's default: the function's name).
+        samples: samples per call: a number, or a function of the batch (``len``).
+        tokens: tokens per call: a number, or a function of the batch
+            (``lambda b: b["attention_mask"].sum()``; a tensor is read later).
+        flops: FLOPs per call: a ``FlopCount``, a number, or a function of the batch.
+        accumulate: calls per optimizer step, when no ``autocast_step`` says it.
+        step: the ``autocast_step`` (or its decorated function) whose windows are
+            the optimizer steps; a decorated ``autocast_step`` function is found itself.
+        dtype: what the step computes in, for the peak: a ``torch.dtype`` or ``"fp32"``,
+            ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``. Default: the step's dtype, else
+            float32 (TF32 when ``torch.set_float32_matmul_precision`` allows it).
+        peak_tflops: the device's dense peak TFLOP/s, instead of the table's.
+        device: the device the step runs on; default: the step's, else
+            :func:`~cudakit.device.resolve_device`'s.
+        every: write a line every ``every`` optimizer steps; ``None`` writes none
+            (:meth:`SpeedReport.flush` writes one on demand).
+        window: optimizer steps in the rolling window.
+        file: where the line goes; defaults to ``sys.stderr`` (or nowhere when
+            ``log`` is given); ``None`` silences it.
+        log: a ``logging.Logger`` (lines at INFO) or a callable taking the line.
+        combine: combine the ranks' figures at each line when a process group runs.
+
+    Returns:
+        A :class:`SpeedReport` (``with`` yields it), or the decorated function when
+        used as bare ``@speed_report``.
+
+    Raises:
+        TypeError: an argument of the wrong kind.
+        ValueError: a value out of range, both ``step=`` and ``accumulate=``, or a
+            ``FlopCount`` to scale by samples or tokens its example has none of.
+        DeviceError: a device this machine does not have, or the meta device.
+
+    .. versionadded:: 0.1
+    """
+    name = label if isinstance(label, str) or label is None else None
+    if label is not None and name is None and not callable(label):
+        name = label  # settle() refuses it with the message
+    settings = settle(
+        name,
+        samples=samples,
+        tokens=tokens,
+        flops=flops,
+        accumulate=accumulate,
+        step=step,
+        dtype=dtype,
+        peak_tflops=peak_tflops,
+        device=device,
+        every=every,
+        window=window,
+        file=file,
+        log=log,
+        combine=combine,
+    )
+    meter = SpeedReport(settings)
+    if callable(label):  # bare @speed_report
+        return meter(label)
+    return meter

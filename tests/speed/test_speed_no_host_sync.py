@@ -1,0 +1,174 @@
+"""The meter reads nothing from the device per step: events and tensor counts wait for a read."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import cudakit.speed.recorder as recorder_mod
+from cudakit.amp import autocast_step
+from cudakit.speed import speed_report
+from cudakit.speed.clock import EventClock
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values on the host: item, bool, tolist (as tests/amp do)."""
+
+    NAMES = ("item", "__bool__", "tolist")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _sync_free_step(every: int | None, **counts: Any) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = autocast_step(opt, model=model, dtype=torch.float32, accumulate=2)
+    assert step.sync_free
+
+    @speed_report(flops=1e6, every=every, file=None, **counts)
+    @step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    return train
+
+
+@pytest.mark.parametrize("every", [None, 5])
+def test_no_host_reads_in_twenty_metered_steps(skip_on_device: None, every: int | None) -> None:
+    train = _sync_free_step(every, samples=len, tokens=lambda x: x.shape[0] * 3)
+    x = torch.randn(4, 8)
+    with HostReads() as reads:
+        for _ in range(20):
+            train(x)
+    assert reads.calls == []
+    meter = train.speed_report
+    assert (meter.steps, meter.calls) == (10, 20)
+    assert (every is None) == (meter.last_line is None)
+
+
+def test_tensor_counts_are_read_only_at_the_log_interval(skip_on_device: None) -> None:
+    train = _sync_free_step(5, tokens=lambda x: (x[:, 0] > -10).sum())
+    x = torch.randn(4, 8)
+    with HostReads() as reads:
+        for _ in range(20):
+            train(x)
+    assert reads.calls == ["tolist"] * 2  # steps 5 and 10: one read of all pending counts
+    assert train.speed_report.total.tokens == 80.0
+
+
+class FakeEvent:
+    """torch.cuda.Event on the CPU: records a tick; logs waits and reads."""
+
+    log: ClassVar[list[str]] = []
+    ticks: ClassVar[Iterator[int]] = itertools.count()
+    ready: ClassVar[bool] = True
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.t = 0
+        FakeEvent.log.append("new")
+
+    def record(self) -> None:
+        self.t = next(FakeEvent.ticks)
+
+    def query(self) -> bool:
+        FakeEvent.log.append("query")
+        return FakeEvent.ready
+
+    def synchronize(self) -> None:
+        FakeEvent.log.append("synchronize")
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        FakeEvent.log.append("elapsed_time")
+        return float(end.t - self.t)  # one millisecond per tick
+
+
+@pytest.fixture
+def fake_events(monkeypatch: pytest.MonkeyPatch) -> type[FakeEvent]:
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(recorder_mod, "clock_for", lambda device: EventClock())
+    FakeEvent.log = []
+    FakeEvent.ticks = itertools.count()
+    FakeEvent.ready = True
+    return FakeEvent
+
+
+def test_events_are_read_lazily_and_reused(fake_events: type[FakeEvent]) -> None:
+    meter = speed_report(samples=2, every=None, file=None)
+    for _ in range(10):
+        with meter:
+            pass
+    assert fake_events.log == ["new"] * 20  # recorded, never waited on or read
+    total = meter.total
+    assert total.seconds == pytest.approx(10 * 1e-3)  # each call: one tick between its events
+    assert fake_events.log.count("query") == 10  # each end event: passed, so no wait
+    assert fake_events.log.count("synchronize") == 0
+    assert fake_events.log.count("elapsed_time") == 10
+    fake_events.log = []
+    with meter:
+        pass
+    assert "new" not in fake_events.log  # the read events are reused
+
+
+def test_events_read_at_the_log_interval_only(fake_events: type[FakeEvent]) -> None:
+    lines: list[str] = []
+    meter = speed_report(every=4, log=lines.append)
+    fake_events.ready = False  # the device is behind: a read waits for the events
+    for i in range(8):
+        with meter:
+            pass
+        waits = fake_events.log.count("synchronize")
+        assert waits == (4 if i >= 3 else 0) + (4 if i >= 7 else 0)
+    assert len(lines) == 2
+    assert "step 8:" in lines[1]
+
+
+def test_unread_records_stay_bounded(
+    fake_events: type[FakeEvent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meter = speed_report(tokens=lambda b: b.sum(), samples=1, every=None, window=3, file=None)
+    tally = meter._recorder.tally
+    ones = torch.ones(2, dtype=torch.int64)
+    with HostReads() as reads:
+        fake_events.ready = False  # the device is behind: nothing can be folded yet
+        for _ in range(10):
+            with meter.measure(ones):
+                pass
+        assert len(tally._pending) == 20  # 10 calls and 10 window ends
+        fake_events.ready = True
+        for _ in range(90):
+            with meter.measure(ones):
+                pass
+        assert len(tally._pending) <= 2 * (2 * 3 + 1)
+    assert reads.calls == []  # folded counts were summed on the device, not read
+    assert "synchronize" not in fake_events.log  # folded once their events had passed
+    assert "query" in fake_events.log
+    total = meter.total
+    assert (total.steps, total.calls, total.samples, total.tokens) == (100, 100, 100.0, 200.0)
+    assert total.seconds == pytest.approx(0.1)
+    recent = meter.recent
+    assert (recent.steps, recent.tokens) == (3, 6.0)
+
+
+def test_negative_tensor_count_is_refused_when_read() -> None:
+    meter = speed_report(tokens=lambda b: b, file=None)
+    with meter.measure(torch.tensor(-3)):
+        pass
+    with pytest.raises(ValueError, match=r"speed_report\(tokens=...\) gave -3.0 for a call"):
+        meter.total  # noqa: B018
+    with pytest.raises(ValueError, match="gave -3.0"):  # nothing was consumed by the failure
+        meter.recent  # noqa: B018
