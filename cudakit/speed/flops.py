@@ -178,7 +178,7 @@ def count_flops(
         **kwargs: keyword arguments of ``fn``.
 
     Returns:
-        A :class:`FlopCount` (``int()`` of it is the total).
+        The count as a ``FlopCount`` (``int()`` of it is the total).
 
     Raises:
         TypeError: ``fn`` is not callable, a wrong kind of ``model``, ``optimizer`` or

@@ -410,7 +410,7 @@ def speed_report(
         combine: combine the ranks' figures at each line when a process group runs.
 
     Returns:
-        A :class:`SpeedReport` (``with`` yields it), or the decorated function when
+        The meter, a ``SpeedReport`` (``with`` yields it), or the decorated function when
         used as bare ``@speed_report``.
 
     Raises:

@@ -238,7 +238,7 @@ def lookup_peak(name: str, dtype: object) -> Peak:
             ``"fp16"``, ``"fp8"``.
 
     Returns:
-        A :class:`Peak`: the figure and its datasheet, or no figure and the reason.
+        The ``Peak``, with the figure and its datasheet, or no figure and the reason.
 
     .. versionadded:: 0.1
     """
