@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -155,6 +156,28 @@ def _parents(path: str) -> list[str]:
     return out
 
 
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or ``None``: opened for appending and left as it was.
+
+    Permissions alone do not say (root passes every ``os.access`` test, a read-only mount
+    does not show in the mode bits), so the file is opened: an existing one is not
+    changed, a new one is removed again. Under a launcher only rank 0 tries.
+    """
+    env = read_env()
+    if env is not None and env.rank != 0:
+        return None
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return None
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject what cannot work before any process starts or any data is made."""
     if args.plot is not None:
@@ -177,6 +200,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"--plot {args.plot}: the folder {folder} does not exist; create it first "
                 "or write the plot somewhere else."
             )
+        problem = _unwritable(args.plot)
+        if problem is not None:
+            p.error(
+                f"--plot {args.plot}: the file cannot be written ({problem}); choose a place "
+                "you can write, e.g. --plot demo.png."
+            )
     if args.resume is not None:
         existing = next(
             (q for q in [args.resume, *_parents(args.resume)] if os.path.exists(q)), None
@@ -192,6 +221,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         device = resolve_device(args.device)
     except (ValueError, TypeError) as exc:
         p.error(f"--device {args.device}: {exc}")
+    if device.type == "meta":
+        p.error(
+            f"--device {args.device} holds no data, so the demo cannot train or measure "
+            "anything there; use --device cpu, --device cuda or leave --device out."
+        )
     env = read_env()
     if args.nprocs > 1 and env is not None:
         p.error(

@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after ``demo`` (default ``sys.argv[1:]``); see ``--help``.
 
     Returns:
-        0 when training ran (the summary says whether the loss fell).
+        0 when training ran (the summary says whether the loss fell); 1 when the
+        ``--plot`` file could not be written (one line on stderr names it).
 
     Raises:
         SystemExit: bad arguments (status 2, with a message saying what to change),
@@ -46,9 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_args(p, args)
     # --nprocs N: N local DDP processes; rank 0's summary comes back here.
     summary = launch(launched, args, nprocs=args.nprocs)[0] if args.nprocs > 1 else train(args)
-    if is_main_process():
-        finish(summary, args)
-    return 0
+    return finish(summary, args) if is_main_process() else 0
 
 
 def launched(args: argparse.Namespace) -> DemoSummary:
@@ -59,11 +58,28 @@ def launched(args: argparse.Namespace) -> DemoSummary:
     return train(args)
 
 
-def finish(summary: DemoSummary, args: argparse.Namespace) -> None:
-    """Print the summary (a table, or JSON with ``--json``), then write the ``--plot`` PNG."""
+def finish(summary: DemoSummary, args: argparse.Namespace) -> int:
+    """Print the summary (a table, or JSON with ``--json``), then write the ``--plot`` PNG.
+
+    Returns the exit status: 1 when the plot could not be written (said in one line on
+    stderr that names the file), else 0.
+    """
     # The summary first: a plot that fails to save must not take the results with it.
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary, flush=True)
-    if args.plot is not None:
+    if args.plot is None:
+        return 0
+    try:
         plot_summary(summary, args.plot)
-        if not args.json:
-            print(f"plot written to {args.plot}")
+    except OSError as exc:  # a full disk, a folder removed or made read-only meanwhile
+        reason = exc.strerror or str(exc)
+        code = f" [Errno {exc.errno}]" if exc.errno is not None else ""
+        print(
+            f"cudakit demo: could not write the plot to {args.plot}: {reason}{code}; "
+            "the summary above is complete.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    if not args.json:
+        print(f"plot written to {args.plot}")
+    return 0
