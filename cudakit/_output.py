@@ -16,7 +16,15 @@ from typing import IO, Final
 
 from ._check import describe
 
-__all__ = ["STDERR", "LogTarget", "Stderr", "check_file", "check_log", "write_line"]
+__all__ = [
+    "STDERR",
+    "LogTarget",
+    "Stderr",
+    "check_file",
+    "check_log",
+    "describe_target",
+    "write_line",
+]
 
 LogTarget = logging.Logger | Callable[[str], object]
 
@@ -39,13 +47,31 @@ def check_file(func: str, file: object) -> IO[str] | Stderr | None:
         getattr(file, "mode", "")
     )
     if binary or not callable(getattr(file, "write", None)):
-        what = "a binary stream" if binary else describe(file)
+        what = f"a binary stream ({type(file).__name__})" if binary else describe(file)
+        fix = (
+            "open the file with 'w' (text), or wrap the stream: io.TextIOWrapper(stream)"
+            if binary
+            else "To send lines to a logger or a function, use log="
+        )
         raise TypeError(
             f"{func}(file=...) takes a text stream with .write() (sys.stdout, a file opened "
-            f"with 'w') or None to stay silent, got {what}. To send lines to a logger or a "
-            "function, use log=."
+            f"with 'w') or None to stay silent, got {what}. {fix}."
+        )
+    if getattr(file, "closed", False) is True:
+        raise ValueError(
+            f"{func}(file=...) got a closed file {describe_target(file, None)}; pass a text "
+            "stream that is still open (open it before and close it after the reports), or None."
         )
     return file  # type: ignore[return-value]
+
+
+def describe_target(file: object, log: object) -> str:
+    """Where a line goes, for a message: a file's name, ``sys.stderr`` or ``log=``."""
+    if isinstance(file, Stderr) or file is None:
+        return "log=" if log is not None else "sys.stderr"
+    name = getattr(file, "name", None)
+    where = repr(name) if isinstance(name, str) else type(file).__name__
+    return where if log is None else f"{where} or log="
 
 
 def check_log(func: str, log: object) -> LogTarget | None:

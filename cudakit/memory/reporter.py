@@ -9,9 +9,7 @@ marked ``shared=True`` and say so in their text rather than being silently wrong
 from __future__ import annotations
 
 import copy
-import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -23,6 +21,15 @@ from .._accel import follows_current_device
 from .._contextlib import ContextDecorator
 from .._notes import add_note
 from .._oom import is_oom_error
+from .._output import (
+    STDERR,
+    LogTarget,
+    Stderr,
+    check_file,
+    check_log,
+    describe_target,
+    write_line,
+)
 from ..device import DeviceLike
 from . import _probes
 from ._frames import STACK, Frame
@@ -39,23 +46,11 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 
 
-class _Stderr:
-    """Sentinel default for ``file=``: whatever ``sys.stderr`` is when a line is written."""
-
-    def __repr__(self) -> str:
-        return "sys.stderr"
-
-
-_STDERR: Final = _Stderr()
-
-
 class _Keep:
     """Sentinel default of ``clone(label=...)``: keep the label."""
 
 
 _KEEP: Final = _Keep()
-
-LogTarget = logging.Logger | Callable[[str], object]
 
 
 class MemoryReported(Protocol[P, R_co]):
@@ -117,7 +112,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         self,
         label: str | None,
         device: DeviceLike | Literal["all"],
-        file: IO[str] | _Stderr | None,
+        file: IO[str] | Stderr | None,
         log: LogTarget | None,
         every: int | None,
         record_history: str | os.PathLike[str] | None,
@@ -301,35 +296,42 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         rep.done = True
         if exc is not None and is_oom_error(exc):
             explain_oom(exc, rep)
+        write_error: Exception | None = None
         if self._file is None and self._log is None:
             self._agg.count(rep)  # silent: keep .last and .calls, format nothing
         else:
             line = self._agg.add(rep)
             if line is not None:
-                self._write(line)
+                try:
+                    self._write(line)
+                except Exception as e:  # a full disk, a closed file: the block's error first
+                    write_error = e
+        write_msg = (
+            None
+            if write_error is None
+            else f"memory_report {rep.label or ''!r} could not write its line to "
+            f"{describe_target(self._file, self._log)}: {type(write_error).__name__}: "
+            f"{write_error}"
+        )
         if history_error is not None:
             msg = (
                 f"memory_report could not write the allocator history to {self._history!r}: "
                 f"{history_error}. Check that the directory exists and is writable."
             )
             if exc is None:
-                raise RuntimeError(msg) from history_error
+                error = RuntimeError(msg)
+                if write_msg is not None:
+                    add_note(error, f"cudakit.{write_msg}")
+                raise error from history_error
             add_note(exc, f"cudakit.{msg}")
+        if write_error is not None:
+            if exc is None:  # the block went well: the failed write is the error
+                add_note(write_error, f"cudakit.{write_msg}")
+                raise write_error
+            add_note(exc, f"cudakit.{write_msg}")  # the block's own error goes on unchanged
 
     def _write(self, line: str) -> None:
-        file = self._file
-        if isinstance(file, _Stderr):
-            file = None if self._log is not None else sys.stderr
-        if file is not None:
-            file.write(line + "\n")
-            flush = getattr(file, "flush", None)
-            if flush is not None:
-                flush()
-        if self._log is not None:
-            if isinstance(self._log, logging.Logger):
-                self._log.info(line)
-            else:
-                self._log(line)
+        write_line(line, self._file, self._log)
 
     def flush(self) -> None:
         """Write the pending aggregate line now (e.g. at the end of training)."""
@@ -358,7 +360,7 @@ def memory_report(
     label: Callable[P, R] | str | None = None,
     *,
     device: DeviceLike | Literal["all"] = None,
-    file: IO[str] | _Stderr | None = _STDERR,
+    file: IO[str] | Stderr | None = STDERR,
     log: LogTarget | None = None,
     every: int | None = None,
     record_history: str | os.PathLike[str] | None = None,
@@ -383,7 +385,10 @@ def memory_report(
     block starts, so the peak belongs to the block; nested reports keep their own
     peaks. An exception still produces a report (marked as raised) and then
     propagates unchanged; an out-of-memory error gets a note with the block's
-    peak, reserved versus allocated and the largest free cached block.
+    peak, reserved versus allocated and the largest free cached block. A line that
+    cannot be written (a full disk, a file closed meanwhile) never hides the block's
+    own exception: that goes on with a note saying so; after a block that went well,
+    the write's error is raised, with the same note.
 
     As a decorator (``@memory_report`` or ``@memory_report(...)``) or a ``with``
     object reused in a loop, output is throttled: the first call is written
@@ -411,8 +416,8 @@ def memory_report(
         decorated function when used as bare ``@memory_report``.
 
     Raises:
-        TypeError: an argument of the wrong type.
-        ValueError: ``every < 1``, or ``record_history`` on a CPU device.
+        TypeError: an argument of the wrong type (a binary stream for ``file``).
+        ValueError: ``every < 1``, ``record_history`` on a CPU device, or a closed ``file``.
         DeviceError: the device does not exist or cannot be measured.
 
     .. versionadded:: 0.1
@@ -422,21 +427,8 @@ def memory_report(
             f"memory_report(label) takes a string naming the block, got "
             f"{type(label).__name__} {label!r}. For example: memory_report('train_step')."
         )
-    if (
-        file is not None
-        and not isinstance(file, _Stderr)
-        and not callable(getattr(file, "write", None))
-    ):
-        raise TypeError(
-            f"memory_report(file=...) takes a text stream with .write() (sys.stdout, an open "
-            f"file) or None to stay silent, got {type(file).__name__} {file!r}. To send lines "
-            "to a logger or function, use log=."
-        )
-    if log is not None and not isinstance(log, logging.Logger) and not callable(log):
-        raise TypeError(
-            "memory_report(log=...) takes a logging.Logger or a callable that accepts the line, "
-            f"got {type(log).__name__} {log!r}. For example: log=logging.getLogger(__name__)."
-        )
+    file = check_file("memory_report", file)
+    log = check_log("memory_report", log)
     if every is not None:
         if isinstance(every, bool) or not isinstance(every, int):
             raise TypeError(
