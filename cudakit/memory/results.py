@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Final, Literal
 
 from .._units import format_bytes, format_seconds, format_signed_bytes
+from ._schema import load_json, read_report
 
 __all__ = [
     "MEMORY_VIZ",
@@ -316,15 +317,26 @@ class MemoryReport(ReportFigures):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
-        """Rebuild a report from :meth:`to_dict` output."""
-        fields = dict(data)
-        devices = tuple(DeviceMemory(**d) for d in fields.pop("devices"))
-        return cls(devices=devices, done=True, **fields)
+        """Rebuild a report from :meth:`to_dict` output.
+
+        Every field is checked first; a wrong one is named, e.g. ``'devices[0].free'``.
+
+        Raises:
+            TypeError: ``data`` is not a dict, or a field holds the wrong kind of value.
+            ValueError: a field is missing, unknown, or out of range (negative bytes).
+        """
+        fields, devices = read_report(data)
+        return cls(devices=tuple(DeviceMemory(**d) for d in devices), done=True, **fields)
 
     @classmethod
-    def from_json(cls, text: str) -> MemoryReport:
-        """Rebuild a report from :meth:`to_json` output."""
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> MemoryReport:
+        """Rebuild a report from :meth:`to_json` output.
+
+        Raises:
+            TypeError: ``text`` is not a string, or a field holds the wrong kind of value.
+            ValueError: ``text`` is not JSON, or a field is missing, unknown or out of range.
+        """
+        return cls.from_dict(load_json(text))  # type: ignore[arg-type]  # checked there
 
 
 @dataclasses.dataclass(frozen=True)
