@@ -45,6 +45,7 @@ __all__ = [
     "drop_stale",
     "has_attributes",
     "holds_tensor",
+    "move_duck",
     "move_param",
     "move_tensor",
     "rebuild_failed",
@@ -55,6 +56,7 @@ __all__ = [
     "shallow_copy",
     "unchanged",
     "user_stacklevel",
+    "warn_left_behind",
 ]
 
 _Tensor = torch.Tensor
@@ -82,6 +84,7 @@ def copy_tensor(t: torch.Tensor, c: Ctx) -> torch.Tensor:
         new = src.to(c.device, non_blocking=c.nb)
         st.created.append(new)
     c.memo[id(t)] = new
+    c.loose = True  # the inline paths of the walk must look tensors up from now on
     return new
 
 
@@ -108,6 +111,7 @@ def move_param(p: torch.nn.Parameter, c: Ctx) -> torch.Tensor:
         c.sync.add(p.device)
     # Tensor.to on a Parameter returns a plain non-leaf tensor; rebuild the Parameter
     # (as Module.to does), keeping requires_grad and moving an accumulated .grad along.
+    c.loose = True  # a Parameter (and its .grad) in the memo: see copy_tensor
     if type(p).to is not torch.nn.Parameter.to:  # a subclass that moves itself
         moved = p.to(c.device, non_blocking=True) if c.nb else p.to(c.device)
         c.memo[id(p)] = moved
@@ -284,7 +288,7 @@ class Registered:
             # flatten may build new objects (a list, a .detach()); keep them alive until
             # the walk ends, or their ids could be reused by the next object's and the
             # memo would hand back the wrong moved value.
-            c.keep.append(children)
+            c.kept().append(children)
         except Exception as err:
             raise Bad(
                 TypeError,
@@ -335,7 +339,45 @@ class Registered:
         )
         if missed:
             self.check = False
-            c.pending.append(lambda: _warn_missed(tp, missed))
+            c.defer(lambda: _warn_missed(tp, missed))
+
+
+def warn_left_behind(
+    unknown: Iterable[Any], seen: Mapping[int, Any], warned: set[type]
+) -> list[type]:
+    """Warn (once per type: ``warned``) for the ``unknown`` objects holding tensors that the
+    walk (its memo: ``seen``) did not reach; returns the types warned about now.
+
+    Modules, optimizers and tensors the call moved are not probed into: an LR scheduler
+    (its optimizer) or a helper holding the model reaches only what was moved.
+    """
+    now: list[type] = []
+    for x in unknown:
+        tp = type(x)
+        try:
+            holds = tp not in warned and holds_tensor(x, PROBE_DEPTH, seen)
+        except Exception:  # an object whose attributes raise: nothing to say about it
+            holds = False
+        if holds:
+            warned.add(tp)
+            now.append(tp)
+            _warn_unknown(tp)
+    return now
+
+
+def _warn_unknown(tp: type) -> None:
+    name = tp.__name__
+    warnings.warn(
+        TensorsLeftBehindWarning(
+            f"on_device() left the tensors inside a {tp.__module__}.{tp.__qualname__} "
+            f"where they were: cudakit does not know how to rebuild a {name}, so it "
+            f"comes back unchanged. Register the type once with "
+            f"`cudakit.register_container({name})` (its attributes are then moved), give "
+            "it a `.to(device)` method, or keep the tensors in a dict or dataclass. "
+            "This warning is shown once per type."
+        ),
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _warn_missed(tp: type, missed: list[str]) -> None:
@@ -393,6 +435,39 @@ def holds_tensor(
 
 
 _PROBE_WIDTH = 64
+
+
+def move_duck(x: Any, c: Ctx) -> Any:
+    """An object with its own ``.to()``: called on a shallow copy, memoised."""
+    hit = c.memo.get(id(x))
+    if hit is not None and hit is not _BUSY:
+        return hit
+    # .to() is called on a shallow copy, so an object that moves in place (PyG's Data)
+    # leaves the caller's object as it was; a .to() that returns None moved the copy.
+    st = c.staging
+    pin = getattr(x, "pin_memory", None) if st is not None and st.pin else None
+    try:
+        # The DataLoader's protocol for custom batches: pin_memory() returns a new object.
+        target = pin() if callable(pin) else copy.copy(x)
+    except Exception:  # an object copy cannot handle: moved as it is
+        target = x
+    # When the caller forced non_blocking towards the CPU we cannot know which streams an
+    # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
+    nb = c.nb and not c.track
+    try:
+        res = target.to(c.device, non_blocking=nb)
+    except TypeError as err:
+        # Only a .to() that does not take non_blocking is called again without it; any
+        # other TypeError is the object's own and must not be hidden by a second call.
+        if "non_blocking" not in str(err):
+            raise
+        res = target.to(c.device)
+    if res is None:
+        res = target
+    if st is not None:
+        st.opaque.append(res)
+    c.memo[id(x)] = res
+    return res
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import io
 import operator
 import sys
 import types
-import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -37,14 +35,13 @@ from typing import Any
 import torch
 
 from ._objects import LEAVES, Flatten, Unflatten, all_on_cpu, device_tensors_in
-from ._objects import PROBE_DEPTH as _PROBE_DEPTH
 from ._objects import SOLE_IN_DICT as _SOLE_IN_DICT
 from ._objects import SOLE_IN_SEQ as _SOLE_IN_SEQ
 from ._objects import Registered as _Registered
 from ._objects import attributes as _attributes
 from ._objects import copy_attributes as _copy_attributes
 from ._objects import has_attributes as _has_attributes
-from ._objects import holds_tensor as _holds_tensor
+from ._objects import move_duck as _move_duck
 from ._objects import move_param as _param
 from ._objects import move_tensor as _tensor
 from ._objects import rebuilt as _rebuilt
@@ -53,13 +50,13 @@ from ._objects import reject_loader as _reject_loader
 from ._objects import set_attributes as _set_attributes
 from ._objects import shallow_copy as _shallow_copy
 from ._objects import unchanged as _unchanged
-from ._objects import user_stacklevel as _user_stacklevel
+from ._objects import warn_left_behind as _warn_left_behind
 from ._walk import BUSY as _BUSY
 from ._walk import Bad, Ctx, Handler, Staging, located
 from ._walk import Cycle as _Cycle
 from ._walk import busy_or_done as _busy_or_done
-from ._walk import meta_copy_error as _meta_copy_error
-from .exceptions import TensorsLeftBehindWarning
+from ._walk import device_kind as _device_kind
+from ._walk import user_error as _user_error
 
 __all__ = [
     "LEAVES",
@@ -94,113 +91,169 @@ def _leaf(x: Any, c: Ctx) -> Any:
     return x
 
 
-def _dict(x: dict[Any, Any], c: Ctx) -> Any:
+def _dict(x: dict[Any, Any], c: Ctx, held_once: bool = False) -> Any:
     # The hot path: plain dicts and lists of plain tensors are handled inline, with a
     # single dict lookup on the exact type for everything else (no isinstance chains).
-    i = id(x)
+    # See _seq for the tensor path and for `held_once`; the two differ only in how
+    # items are stored.
     memo, dev, nb, track, inline = c.hot
-    hit = memo.get(i)
-    if hit is not None:
-        if hit is _BUSY:
-            raise _Cycle(x)
-        return hit
-    memo[i] = _BUSY
+    if not held_once:
+        i = id(x)
+        hit = memo.get(i)
+        if hit is not None:
+            if hit is _BUSY:
+                raise _Cycle(x)
+            return hit
+        memo[i] = _BUSY
     out = {}
     changed = False
     get = _get
+    leaf = _leaf
+    plain_list = _list
+    plain_dict = _dict
+    seq = _seq
     refs = sys.getrefcount
-    stay = True
+    sole = _SOLE_IN_DICT
+    loose = c.loose
+    stay = c.stay
     try:
         for k, v in x.items():
             tp = type(v)
             if tp is inline:
-                if stay and v.device == dev:  # adaptive, as in _seq
+                if stay and v.device == dev:
                     out[k] = v
                     continue
-                iv = id(v)
-                nv = memo.get(iv)
-                if nv is None:
+                if loose or refs(v) > sole:
+                    iv = id(v)
+                    nv = memo.get(iv)
+                    if nv is None:
+                        nv = memo[iv] = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                else:
                     nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
-                    if nv is v:
-                        stay = True
-                        out[k] = v
-                        continue
-                    stay = False
-                    if refs(v) > _SOLE_IN_DICT:  # may appear again: remember the copy
-                        memo[iv] = nv
-                    if track:
-                        c.sync.add(v.device)
+                if nv is v:
+                    stay = True
+                    out[k] = v
+                    continue
+                stay = False
+                if track:
+                    c.sync.add(v.device)
             else:
                 h = get(tp)
-                nv = h(v, c) if h is not None else _slow(v, c)
+                if h is leaf:
+                    out[k] = v
+                    continue
+                if h is plain_list and refs(v) <= sole:  # held only here: no memo
+                    nv = seq(v, c)
+                    if nv is None:
+                        nv = v
+                elif h is plain_dict and refs(v) <= sole:
+                    nv = _dict(v, c, True)
+                else:
+                    nv = h(v, c) if h is not None else _slow(v, c)
+                loose = c.loose
+                stay = c.stay
                 if nv is v:
                     out[k] = v
                     continue
             changed = True
             out[k] = nv
     except (Bad, NotImplementedError) as e:
-        raise located(e, f"[{k!r}]", i, c) from None
+        raise located(e, f"[{k!r}]", id(x), c) from None
+    c.stay = stay
     res = out if changed else x
-    memo[i] = res
+    if not held_once:
+        memo[i] = res
     return res
 
 
 def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
-    """Move the items of a list, tuple or deque; None when no item changed."""
+    """Move the items of a list, tuple or deque; None when no item changed.
+
+    Plain tensors are moved inline (no call per item):
+
+    * adaptive: while tensors are found already in place, a cheap device check skips
+      ``Tensor.to``; once they move, straight to ``Tensor.to`` (which returns the tensor
+      itself when it is already there). The guess carries over between containers;
+    * aliasing: a tensor held once by the input (its reference count says so: see
+      ``_objects.sole_references``) cannot appear again, so it needs no memo lookup or
+      write; one held more than once is looked up and remembered. Once another path has
+      put a tensor in the memo (a Parameter's ``.grad``, ``c.loose``), every tensor is
+      looked up;
+    * a plain list or dict held once cannot appear again either, nor contain itself (a
+      cycle is a second reference), so it is walked without the memo.
+    """
     out: list[Any] = []
     append = out.append
     get = _get
+    leaf = _leaf
+    plain_list = _list
+    plain_dict = _dict
+    seq = _seq
     memo, dev, nb, track, inline = c.hot
     refs = sys.getrefcount
-    stay = True
+    sole = _SOLE_IN_SEQ
+    loose = c.loose
+    stay = c.stay
     changed = False
     try:
         for v in x:
             tp = type(v)
             if tp is inline:
-                # Adaptive: while tensors are found already in place, a cheap device
-                # check skips Tensor.to; once they move, go straight to Tensor.to
-                # (which returns the tensor itself when it is already there).
                 if stay and v.device == dev:
                     append(v)
                     continue
-                iv = id(v)
-                nv = memo.get(iv)
-                if nv is None:
+                if loose or refs(v) > sole:  # may appear again: through the memo
+                    iv = id(v)
+                    nv = memo.get(iv)
+                    if nv is None:
+                        nv = memo[iv] = v.to(dev, non_blocking=True) if nb else v.to(dev)
+                else:
                     nv = v.to(dev, non_blocking=True) if nb else v.to(dev)
-                    if nv is v:
-                        stay = True
-                        append(v)
-                        continue
-                    stay = False
-                    if refs(v) > _SOLE_IN_SEQ:  # may appear again: remember the copy
-                        memo[iv] = nv
-                    if track:
-                        c.sync.add(v.device)
+                if nv is v:
+                    stay = True
+                    append(v)
+                    continue
+                stay = False
+                if track:
+                    c.sync.add(v.device)
                 append(nv)
                 changed = True
             else:
                 h = get(tp)
-                nv = h(v, c) if h is not None else _slow(v, c)
+                if h is leaf:
+                    append(v)
+                    continue
+                if h is plain_list and refs(v) <= sole:  # held only here: no memo
+                    nv = seq(v, c)
+                    if nv is None:
+                        nv = v
+                elif h is plain_dict and refs(v) <= sole:
+                    nv = _dict(v, c, True)
+                else:
+                    nv = h(v, c) if h is not None else _slow(v, c)
+                loose = c.loose
+                stay = c.stay
                 append(nv)
                 if nv is not v:
                     changed = True
     except (Bad, NotImplementedError) as e:
         raise located(e, f"[{len(out)}]", id(x), c) from None
+    c.stay = stay
     return out if changed else None
 
 
 def _list(x: list[Any], c: Ctx) -> Any:
+    i = id(x)
     memo = c.memo
-    hit = memo.get(id(x))
+    hit = memo.get(i)
     if hit is not None:
         if hit is _BUSY:
             raise _Cycle(x)
         return hit
-    memo[id(x)] = _BUSY
+    memo[i] = _BUSY
     out = _seq(x, c)
     res = x if out is None else out
-    c.memo[id(x)] = res
+    memo[i] = res
     return res
 
 
@@ -255,7 +308,7 @@ def _mapping_items(x: Mapping[Any, Any], c: Ctx) -> dict[Any, Any] | None:
     i = id(x)
     changed: dict[Any, Any] = {}
     get = _DISPATCH.get
-    keep = c.keep
+    keep = c.kept()
     try:
         for k, v in x.items():
             keep.append(v)  # a custom mapping may make its values on the fly
@@ -369,38 +422,6 @@ def _deque(x: collections.deque[Any], c: Ctx) -> Any:
     return _rebuilt(x, c, f"{type(x).__name__}.__new__ and deque.__init__", build)
 
 
-def _duck(x: Any, c: Ctx) -> Any:
-    hit = c.memo.get(id(x))
-    if hit is not None and hit is not _BUSY:
-        return hit
-    # .to() is called on a shallow copy, so an object that moves in place (PyG's Data)
-    # leaves the caller's object as it was; a .to() that returns None moved the copy.
-    st = c.staging
-    pin = getattr(x, "pin_memory", None) if st is not None and st.pin else None
-    try:
-        # The DataLoader's protocol for custom batches: pin_memory() returns a new object.
-        target = pin() if callable(pin) else copy.copy(x)
-    except Exception:  # an object copy cannot handle: moved as it is
-        target = x
-    # When the caller forced non_blocking towards the CPU we cannot know which streams an
-    # arbitrary .to() used, so such objects are copied synchronously (always safe to read).
-    nb = c.nb and not c.track
-    try:
-        res = target.to(c.device, non_blocking=nb)
-    except TypeError as err:
-        # Only a .to() that does not take non_blocking is called again without it; any
-        # other TypeError is the object's own and must not be hidden by a second call.
-        if "non_blocking" not in str(err):
-            raise
-        res = target.to(c.device)
-    if res is None:
-        res = target
-    if st is not None:
-        st.opaque.append(res)
-    c.memo[id(x)] = res
-    return res
-
-
 _REGISTERED: dict[type, _Registered] = {}
 
 
@@ -430,40 +451,10 @@ def forget_warnings() -> None:
 
 def _unknown(x: Any, c: Ctx) -> Any:
     """An object of a type the walker does not know: left alone, and probed for tensors
-    when the walk is done (:func:`_warn_left_behind`)."""
+    when the walk is done (:func:`finish`)."""
     if type(x) not in _WARNED:
-        c.unknown.append(x)
+        c.met_unknown(x)
     return x
-
-
-def _warn_left_behind(c: Ctx) -> None:
-    """Warn (once per type) for unknown objects that hold tensors this call did not reach.
-
-    Modules, optimizers and tensors the call moved are not probed into: an LR scheduler
-    (its optimizer) or a helper holding the model reaches only what was moved.
-    """
-    for x in c.unknown:
-        tp = type(x)
-        try:
-            holds = tp not in _WARNED and _holds_tensor(x, _PROBE_DEPTH, c.memo)
-        except Exception:  # an object whose attributes raise: nothing to say about it
-            holds = False
-        if not holds:
-            continue
-        _WARNED.add(tp)
-        _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
-        name = tp.__name__
-        warnings.warn(
-            TensorsLeftBehindWarning(
-                f"on_device() left the tensors inside a {tp.__module__}.{tp.__qualname__} "
-                f"where they were: cudakit does not know how to rebuild a {name}, so it "
-                f"comes back unchanged. Register the type once with "
-                f"`cudakit.register_container({name})` (its attributes are then moved), give "
-                "it a `.to(device)` method, or keep the tensors in a dict or dataclass. "
-                "This warning is shown once per type."
-            ),
-            stacklevel=_user_stacklevel(),
-        )
 
 
 def _handler_for(tp: type) -> Handler:
@@ -491,7 +482,7 @@ def _handler_for(tp: type) -> Handler:
     if issubclass(tp, collections.UserDict):
         return _dict_subclass  # transformers' BatchEncoding: walked, not moved in place
     if callable(getattr(tp, "to", None)):
-        return _duck
+        return _move_duck
     if issubclass(tp, tuple):
         return _tuple_subclass
     if issubclass(tp, dict):
@@ -555,10 +546,13 @@ _get = _DISPATCH.get  # the dict is only ever changed in place
 
 
 def finish(c: Ctx) -> None:
-    if c.unknown:
-        _warn_left_behind(c)
-    for action in c.pending:
-        action()
+    """What a walk does once it succeeded: warnings, deferred in-place moves, waits."""
+    if c.unknown is not None:
+        for tp in _warn_left_behind(c.unknown, c.memo, _WARNED):
+            _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
+    if c.pending is not None:
+        for action in c.pending:
+            action()
     for dev in c.sync:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -570,15 +564,8 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
     """Move ``x`` within ``c``, turning internal errors into the user-facing ones."""
     try:
         return move(x, c)
-    except (Bad, NotImplementedError) as e:
-        bad = e if isinstance(e, Bad) else _meta_copy_error(e, c)
-        raise bad.exc_type(bad.render(root)) from bad.cause
-    except RecursionError:
-        raise ValueError(
-            f"on_device() cannot walk {root}: it is nested deeper than Python's recursion "
-            f"limit ({sys.getrecursionlimit()}) allows. Flatten the structure, or raise the "
-            "limit with sys.setrecursionlimit(...)."
-        ) from None
+    except (Bad, NotImplementedError, RecursionError) as e:
+        _user_error(e, c, root)
 
 
 def move_root(
@@ -589,9 +576,15 @@ def move_root(
     staging: Staging | None = None,
 ) -> Any:
     """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
-    if staging is None and device.type == "cpu" and all_on_cpu(x):
+    kind = _device_kind(device)
+    if staging is None and kind[1] and all_on_cpu(x):
         return x
-    c = Ctx(device, non_blocking, staging)
-    out = traverse(x, c, root)
-    finish(c)
+    c = Ctx(device, non_blocking, staging, kind)
+    try:  # traverse(), inline: this runs on every call
+        h = _get(type(x))
+        out = h(x, c) if h is not None else _slow(x, c)
+    except (Bad, NotImplementedError, RecursionError) as e:
+        _user_error(e, c, root)
+    if c.pending is not None or c.unknown is not None or c.sync:
+        finish(c)
     return out

@@ -7,8 +7,9 @@ walker itself is only the dispatch and the handlers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,8 +22,10 @@ __all__ = [
     "NoType",
     "Staging",
     "busy_or_done",
+    "device_kind",
     "located",
     "meta_copy_error",
+    "user_error",
 ]
 
 Handler = Callable[[Any, "Ctx"], Any]
@@ -38,50 +41,108 @@ class NoType:
 
 
 class Ctx:
-    """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves."""
+    """State of one ``on_device`` call: target, copy mode, memo, deferred in-place moves.
+
+    Made once per call, so it is kept small: what most calls never need (deferred
+    moves, unknown objects, values kept alive, devices to wait for) is made on first use.
+    """
 
     __slots__ = (
         "device",
         "hot",
         "keep",
+        "loose",
         "memo",
         "nb",
         "pending",
         "staging",
+        "stay",
         "sync",
         "track",
         "unknown",
     )
 
     def __init__(
-        self, device: torch.device, non_blocking: bool | None, staging: Staging | None = None
+        self,
+        device: torch.device,
+        non_blocking: bool | None,
+        staging: Staging | None = None,
+        kind: tuple[bool, bool] | None = None,
     ) -> None:
+        if kind is None:
+            kind = device_kind(device)
+        nb = not kind[0] if non_blocking is None else non_blocking
+        # A forced non_blocking copy to the CPU must be waited for before we return.
+        track = nb and kind[1]
+        # id(obj) -> result. Ids stay unique because the input keeps its objects alive;
+        # values a custom mapping makes on the fly are kept alive in `keep`.
+        memo: dict[int, Any] = {}
         self.device = device
         # prefetch's extras (pinning, the tensors created); None for on_device, whose
         # plain tensors then take the inline fast path of _dict and _seq.
         self.staging = staging
-        kind = _KINDS.get(device)
-        if kind is None:
-            kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
-        nb = not kind[0] if non_blocking is None else non_blocking
         self.nb = nb
-        # id(obj) -> result. Ids stay unique because the input keeps its objects alive;
-        # values a custom mapping makes on the fly are kept alive in `keep`.
-        self.memo: dict[int, Any] = {}
-        self.keep: list[Any] = []
+        self.track = track
+        self.memo = memo
+        self.keep: list[Any] | None = None
         # In-place moves (modules, optimizer state) run only after the whole traversal
         # succeeded, so an error anywhere leaves everything the user owns untouched.
-        self.pending: list[Callable[[], None]] = []
+        self.pending: list[Callable[[], None]] | None = None
         # Objects of unknown types met on the way, probed for tensors once the walk is
         # done: tensors the same call moves (a scheduler's optimizer) are not left behind.
-        self.unknown: list[Any] = []
-        # A forced non_blocking copy to the CPU must be waited for before we return.
-        self.track = nb and kind[1]
-        self.sync: set[torch.device] = set()
+        self.unknown: list[Any] | None = None
+        self.sync: set[torch.device] = set() if track else _NO_SYNC  # type: ignore[assignment]
+        # True once a tensor is in the memo by another way than the inline paths of _dict
+        # and _seq (a Parameter's .grad, a module's parameters): those paths then look
+        # every tensor up, not only the ones the input holds more than once.
+        self.loose = False
+        # The inline paths' guess that tensors are already on the device (adaptive).
+        self.stay = True
         # What _dict and _seq read once per container, in one attribute load. While
         # staging (prefetch) no type matches the inline tensor path: every tensor goes
         # through _tensor, which pins and lists it.
-        self.hot = (self.memo, device, nb, self.track, _Tensor if staging is None else NoType)
+        self.hot = (memo, device, nb, track, _Tensor if staging is None else NoType)
+
+    def defer(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the whole walk succeeded (:func:`cudakit._tree.finish`)."""
+        if self.pending is None:
+            self.pending = [action]
+        else:
+            self.pending.append(action)
+
+    def kept(self) -> list[Any]:
+        """The list of values to keep alive until the walk ends (their ids are in the memo)."""
+        if self.keep is None:
+            self.keep = []
+        return self.keep
+
+    def met_unknown(self, x: object) -> None:
+        """Remember an object of an unknown type, probed for tensors once the walk is done."""
+        if self.unknown is None:
+            self.unknown = [x]
+        else:
+            self.unknown.append(x)
+
+
+_NO_SYNC: frozenset[torch.device] = frozenset()
+
+
+def device_kind(device: torch.device) -> tuple[bool, bool]:
+    """``(copies there are synchronous by default, device is the CPU)``, cached.
+
+    ``torch.device.type`` builds a new string at every read, so the answer is kept, and
+    the device last asked about is recognised by identity (callers pass the cached
+    ``torch.device`` objects of :func:`~cudakit.device.resolve.resolve_cached`).
+    """
+    global _LAST_KIND
+    last = _LAST_KIND
+    if device is last[0]:
+        return last[1]
+    kind = _KINDS.get(device)
+    if kind is None:
+        kind = _KINDS[device] = (device.type in _SYNC_TARGETS, device.type == "cpu")
+    _LAST_KIND = (device, kind)
+    return kind
 
 
 class Staging:
@@ -113,6 +174,7 @@ class Staging:
 
 # device -> (copies there are synchronous by default, device is the CPU)
 _KINDS: dict[torch.device, tuple[bool, bool]] = {}
+_LAST_KIND: tuple[object, tuple[bool, bool]] = (None, (False, False))
 
 
 class Bad(Exception):
@@ -148,6 +210,19 @@ def meta_copy_error(err: Exception, c: Ctx) -> Bad:
     )
     bad.cause = err
     return bad
+
+
+def user_error(e: Exception, c: Ctx, root: str) -> NoReturn:
+    """Raise the user-facing error for an internal one (:class:`Bad`, a meta copy, a
+    recursion); called inside the ``except`` clause that caught it."""
+    if isinstance(e, RecursionError):
+        raise ValueError(
+            f"on_device() cannot walk {root}: it is nested deeper than Python's recursion "
+            f"limit ({sys.getrecursionlimit()}) allows. Flatten the structure, or raise the "
+            "limit with sys.setrecursionlimit(...)."
+        ) from None
+    bad = e if isinstance(e, Bad) else meta_copy_error(e, c)
+    raise bad.exc_type(bad.render(root)) from bad.cause
 
 
 def located(err: Exception, step: str, container_id: int, c: Ctx) -> Bad:

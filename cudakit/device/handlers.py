@@ -70,6 +70,7 @@ def _module(m: torch.nn.Module, c: Ctx) -> Any:
                     # Module.to keeps this Parameter object: the same tensor found
                     # elsewhere in the input after the module is shared, not copied.
                     c.memo.setdefault(id(t), t)
+                    c.loose = True
     if needs_move:
         nb = c.nb
         if c.track:
@@ -78,7 +79,7 @@ def _module(m: torch.nn.Module, c: Ctx) -> Any:
         def move_module() -> None:
             m.to(device, non_blocking=nb)
 
-        c.pending.append(move_module)
+        c.defer(move_module)
     return m
 
 
@@ -120,7 +121,7 @@ def _optimizer(opt: torch.optim.Optimizer, c: Ctx) -> Any:
             for holder, k, nv in updates:
                 holder[k] = nv
 
-        c.pending.append(move_state)
+        c.defer(move_state)
     return opt
 
 

@@ -227,13 +227,18 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
     """
     if non_blocking is not None and non_blocking is not True and non_blocking is not False:
         _check_non_blocking(non_blocking)  # type: ignore[unreachable]
-    if not objs:
-        return OnDeviceDecorator(device, non_blocking)
     if len(objs) == 1:
         obj = objs[0]
-        if isinstance(obj, (types.FunctionType, types.MethodType, staticmethod, classmethod)):
-            return OnDeviceDecorator(device, non_blocking)(obj)
-        if device is None and isinstance(obj, (str, torch.device)):
-            return OnDeviceDecorator(obj, non_blocking)
+        if type(obj) not in _DATA:  # a batch goes straight to the walk
+            if isinstance(obj, (types.FunctionType, types.MethodType, staticmethod, classmethod)):
+                return OnDeviceDecorator(device, non_blocking)(obj)
+            if device is None and isinstance(obj, (str, torch.device)):
+                return OnDeviceDecorator(obj, non_blocking)
         return move_root(obj, resolve_cached(device), non_blocking, "obj")
+    if not objs:
+        return OnDeviceDecorator(device, non_blocking)
     return move_root(objs, resolve_cached(device), non_blocking, "objs")
+
+
+#: What a batch usually is: never a function to decorate or a device to decorate with.
+_DATA = frozenset({dict, list, tuple, torch.Tensor})

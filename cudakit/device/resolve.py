@@ -167,6 +167,8 @@ def resolve_for(func: str, spec: DeviceLike) -> torch.device:
 
 
 _RESOLVED: dict[tuple[type, object], torch.device] = {}
+# (spec, device) of the last explicit spec answered from _RESOLVED; never None/"auto".
+_LAST: tuple[object, torch.device] = (object(), torch.device("cpu"))
 
 
 def resolve_cached(spec: DeviceLike) -> torch.device:
@@ -176,11 +178,18 @@ def resolve_cached(spec: DeviceLike) -> torch.device:
     they are resolved on every call; ``"cpu"``, ``"meta"``, ``"cuda:1"``, ``1`` or a
     ``torch.device`` with an index always mean the same device in a process.
     """
+    global _LAST
+    last = _LAST
+    if spec is last[0]:  # the spec of the previous call, the very object: the same answer
+        return last[1]
     key = (type(spec), spec)
     try:
-        return _RESOLVED[key]
+        dev = _RESOLVED[key]
     except (KeyError, TypeError):
         pass
+    else:
+        _LAST = (spec, dev)
+        return dev
     dev = resolve_for("on_device", spec)
     stable = spec is not None and spec != "auto"
     if dev.type == "cuda":

@@ -300,3 +300,36 @@ def test_warns_exactly_when_a_left_out_field_holds_a_tensor_off_the_target(
             assert v is values[n]
         elif isinstance(v, torch.Tensor):
             assert v.device == META
+
+
+def test_the_check_runs_only_for_types_with_their_own_flatten_until_they_warned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain containers, the default flatten and a type that has warned are not probed."""
+    import cudakit._objects as objects
+
+    probed: list[object] = []
+    real = objects.holds_tensor
+
+    def counting(x: object, *args: Any, **kwargs: Any) -> bool:
+        probed.append(x)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(objects, "holds_tensor", counting)
+
+    class Default(Sample):
+        pass
+
+    class Own(Sample):
+        pass
+
+    register_container(Default)
+    register_container(Own, flatten=lambda s: {"pixels": s.pixels})
+    on_device({"x": [torch.ones(1)], "d": Default(torch.ones(1), torch.ones(1))}, device="meta")
+    assert probed == []
+    with pytest.warns(TensorsLeftBehindWarning):
+        on_device(Own(torch.ones(1), torch.ones(1)), device="meta")
+    assert probed
+    probed.clear()
+    on_device(Own(torch.ones(1), torch.ones(1)), device="meta")  # warned once: not probed
+    assert probed == []
