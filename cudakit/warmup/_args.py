@@ -59,6 +59,12 @@ def check_extra(extra: object, func: str) -> tuple[Any, ...]:
         )
     items = tuple(extra)
     for obj in items:
+        if isinstance(obj, type):
+            name = obj.__name__
+            raise TypeError(
+                f"{where} got the class {name} in extra, not an object made from it: pass the "
+                f"{name} you train with, e.g. extra=(obj,) where obj = {name}(...)."
+            )
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))

@@ -213,8 +213,9 @@ class preserve_state(ContextDecorator):
 
     Raises:
         TypeError: ``model`` is not a module, ``optimizer`` not an optimizer, or an
-            ``extra`` object has no ``state_dict``/``load_state_dict``.
+            ``extra`` object has no ``state_dict``/``load_state_dict`` (or is a class).
         ValueError: the model still has uninitialized lazy parameters.
+        RuntimeError: ``__exit__`` without a matching ``__enter__``.
 
     .. versionadded:: 0.1
     """
@@ -245,6 +246,12 @@ class preserve_state(ContextDecorator):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if not self._snapshots:
+            raise RuntimeError(
+                "preserve_state.__exit__() was called without __enter__(): nothing was saved, "
+                "so nothing can be put back. Use `with preserve_state(model, optimizer):` or "
+                "decorate the function with @preserve_state(model, optimizer)."
+            )
         failed = self._snapshots.pop().restore()
         if failed is None:
             return
