@@ -10,10 +10,11 @@ environment), :func:`unwrap`, :func:`state_dict` / :func:`load_state_dict` (no
 :func:`is_main_process`, :func:`main_process_first` and :func:`distributed_loader`
 (a rank's shard, ``set_epoch`` called for you).
 
-Modules, one concern each: ``strategy`` (the pure decisions), ``group`` (the
-process group's lifetime), ``ranks`` (who am I), ``launcher`` (``launch``), ``wrap``
-(``parallelize``, ``unwrap``, state dicts) and ``loaders``. The launcher
-environment is read in ``cudakit._dist``.
+Modules, one concern each: ``strategy`` (the pure decisions), ``options`` (the
+wrapper options, checked), ``group`` (the process group's lifetime), ``ranks`` (who
+am I), ``launcher`` (``launch``), ``failures`` (which rank a failed launch blames),
+``wrap`` (``parallelize``, ``unwrap``, state dicts) and ``loaders``. The launcher
+environment (torchrun's or SLURM's) is read in ``cudakit._dist``.
 """
 
 from .._dist import DistributedEnv, read_env

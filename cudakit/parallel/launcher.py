@@ -2,11 +2,14 @@
 
 The parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
 with ``torch.multiprocessing``, collects each rank's result or traceback over a
-queue, and turns the first real failure into a :class:`~cudakit.exceptions.LaunchError`.
+queue and watches every process end (exit code or signal, when), and lets
+:func:`~cudakit.parallel.failures.explain` turn that into a
+:class:`~cudakit.exceptions.LaunchError` that names the cause, not its victims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import torch.distributed as dist
 
 from .._check import describe
-from ..exceptions import LaunchError
+from .failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
 
 if TYPE_CHECKING:
@@ -95,113 +98,37 @@ def _picklable(obj: object) -> bool:
     return True
 
 
-_ECHOES = (
-    b"Connection closed by peer",
-    b"Connection reset by peer",
-    b"remote worker",
-    b"Broken pipe",
-    b"ncclRemoteError",
-    b"NCCL communicator was aborted",
-    b"DistNetworkError",
-    b"DistBackendError",
-    b"Socket Timeout",
-    b"collective operation timeout",
-)
+#: After the first rank fails, how long the others get to end on their own (and report
+#: what they saw) before launch() stops them.
+_GRACE_S = 1.0
 
 
-def _is_echo(text: bytes) -> bool:
-    """Whether a traceback looks like a consequence of another rank's death."""
-    lines = text.strip().splitlines()
-    return bool(lines) and any(e in lines[-1] for e in _ECHOES)
+def _stop(processes: list[Any]) -> None:
+    """SIGTERM every live process, then SIGKILL those still alive after 5 s; reap all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
-def _first_failure(
-    failures: Mapping[int, tuple[float, bytes]], nprocs: int, pids: list[int]
-) -> LaunchError:
-    # A rank whose peer died fails too ("Connection closed by peer"), sometimes before the
-    # peer's own exception is reported: name the first failure that is not such an echo.
-    order = sorted(failures, key=lambda r: (_is_echo(failures[r][1]), failures[r][0]))
-    first = order[0]
-    text = failures[first][1].decode(errors="replace")
-
-    def last_line(t: str) -> str:
-        lines = t.strip().splitlines()
-        return lines[-1] if lines else "an exception"
-
-    # The other failures: an echo ("Connection closed by peer") is probably a consequence of
-    # the first; a real exception of its own is an independent failure, and said to be.
-    echoes = [r for r in order[1:] if _is_echo(failures[r][1])]
-    own = [r for r in order[1:] if r not in echoes]
-    first_line = last_line(text)
-
-    def listed(ranks: list[int]) -> str:
-        return "; ".join(
-            f"rank {r}: {last_line(failures[r][1].decode(errors='replace'))}" for r in ranks
-        )
-
-    also = ""
-    if own:
-        lines = {last_line(failures[r][1].decode(errors="replace")) for r in own}
-        if lines == {first_line}:
-            who = f"rank {own[0]}" if len(own) == 1 else f"ranks {', '.join(map(str, own))}"
-            also += f"\n({who} failed too, independently, with the same error)"
-        else:
-            also += f"\n(also failed, independently: {listed(own)})"
-    if echoes:
-        also += f"\n(then, probably as a consequence: {listed(echoes)})"
-    return LaunchError(
-        f"rank {first} of {nprocs} (pid {pids[first]}) failed: {first_line}{also}\n\n"
-        f"Traceback from rank {first}:\n{text}",
-        rank=first,
-        pid=pids[first],
-        exitcode=1,
-        traceback_text=text,
-        pids=pids,
-    )
-
-
-def _exited(
-    exc: Any,
-    out: Mapping[int, bytes],
-    failures: Mapping[int, tuple[float, bytes]],
-    nprocs: int,
-    pids: list[int],
-) -> LaunchError | None:
-    """What a rank's death without a Python exception (``ProcessExitedException``) means.
-
-    Called once every process has been stopped and its messages read. Another
-    rank's Python exception explains more than a signal, so it wins. If every rank
-    had returned its result, the death happened while shutting down (gloo's
-    teardown can abort): the results are kept, with a warning, and ``None`` is
-    returned. Otherwise the error says whether the rank had returned and which
-    ranks were stopped before returning.
-    """
-    if failures:
-        return _first_failure(failures, nprocs, pids)
-    index, msg = int(exc.error_index), str(exc.msg)
-    if len(out) == nprocs:
-        logger.warning(
-            "cudakit: launch(): rank %d returned its result, then died while shutting down "
-            "(%s); the results are kept",
-            index,
-            msg,
-        )
-        return None
-    how = (
-        "returned its result, then died while shutting down"
-        if index in out
-        else "died without a Python exception"
-    )
-    stopped = [i for i in range(nprocs) if i not in out and i != index]
-    also = f"; rank(s) {stopped} were stopped before returning" if stopped else ""
-    return LaunchError(
-        f"rank {index} of {nprocs} (pid {exc.error_pid}) {how} ({msg}){also}. Look for "
-        "sys.exit(), os._exit(), a segfault or the OOM killer in its output.",
-        rank=index,
-        pid=exc.error_pid,
-        exitcode=exc.exit_code,
-        pids=pids,
-    )
+def _error_file_traceback(path: str | None) -> str:
+    """The traceback torch's spawn wrapper wrote for a rank (an exception raised outside
+    cudakit's own reporting), ``""`` when there is none; the file is removed."""
+    if not path or not os.path.exists(path):
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            text = pickle.load(fh)
+    except Exception:
+        text = ""
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return text if isinstance(text, str) else ""
 
 
 def launch(
@@ -227,9 +154,15 @@ def launch(
     parent binds a ``TCPStore`` on port 0 and keeps it for the launch, exactly as
     torchrun's agent does. Processes start with ``torch.multiprocessing``.
 
-    If a rank raises, the others are terminated (SIGTERM, then SIGKILL), so one
-    waiting in a collective for the dead rank cannot hang the launch, and the
-    parent raises :class:`LaunchError` with the failing rank's traceback.
+    If a rank fails, the others get a second to end on their own, then are
+    terminated (SIGTERM, then SIGKILL), so one waiting in a collective for the dead
+    rank cannot hang the launch, and the parent raises
+    :class:`~cudakit.exceptions.LaunchError`. It names the rank that caused the
+    failure and how, from how every rank ended
+    (``cudakit.parallel.failures``): the first rank that raised an exception of its
+    own or died without one (a signal, an exit code), else a rank that hung while its
+    peers' collectives timed out waiting for it; a rank that only saw its peer vanish
+    ("Connection reset by peer") is listed as a consequence, never blamed.
 
     A process group cudakit created inside ``fn`` (``parallelize()`` without a
     ``process_group()`` block) is destroyed when ``fn`` returns, after the ranks
@@ -240,8 +173,9 @@ def launch(
         fn: a module-level (picklable) function; its return values come back.
         *args: positional arguments for ``fn``; must be picklable.
         nprocs: the number of processes (ranks).
-        timeout: seconds after which all ranks are killed and :class:`LaunchError`
-            raised; ``None`` waits for as long as they run.
+        timeout: seconds after which all ranks are killed and a
+            :class:`~cudakit.exceptions.LaunchError` raised; ``None`` waits for as long
+            as they run.
         start_method: ``"spawn"`` (safe with CUDA; the default), ``"forkserver"`` or ``"fork"``.
         **kwargs: keyword arguments for ``fn``.
 
@@ -339,56 +273,80 @@ def launch(
             ) from None
         raise
     assert procs is not None  # join=False returns the context
+    processes: list[Any] = list(procs.processes)
     deadline = None if timeout is None else time.monotonic() + float(timeout)
+    ended: dict[int, float] = {}  # rank -> when the parent saw it end on its own
+    timed_out = False
     try:
-        while True:
-            try:
-                done = procs.join(timeout=0.05, grace_period=1.0)
-            except mp.ProcessRaisedException as exc:  # type: ignore[attr-defined]
-                drain()
-                if not failures:  # raised outside our wrapper (e.g. unpickling fn)
-                    text = str(exc).split("terminated with the following error:\n", 1)[-1]
-                    failures[exc.error_index] = (0.0, text.encode())
-                raise _first_failure(failures, nprocs, procs.pids()) from None
-            except mp.ProcessExitedException as exc:  # type: ignore[attr-defined]
-                drain()  # join() has stopped and joined every process: all messages are in
-                error = _exited(exc, out, failures, nprocs, procs.pids())
-                if error is not None:
-                    raise error from None
-                break
-            drain()
-            if done:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise LaunchError(
-                    f"launch() timed out after {timeout}s with {nprocs} ranks still running; "
-                    "all were killed. Look for a rank waiting in a collective for one that "
-                    "never arrived, or raise timeout=.",
-                    rank=None,
-                    pid=None,
-                    exitcode=None,
-                    pids=procs.pids(),
-                )
+        timed_out = _watch(processes, ended, drain, out, deadline)
     finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in procs.processes:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        # Whatever happened (a failure, the timeout, Ctrl-C in the parent): nothing
+        # outlives the launch. A rank that ended unseen still counts as ended on its own.
+        for i, p in enumerate(processes):
+            if i not in ended and not p.is_alive():
+                ended[i] = time.time()
+        _stop(processes)
         drain()
         results.close()
         del store
-    missing = [i for i in range(nprocs) if i not in out]
-    if missing:
-        raise LaunchError(
-            f"rank(s) {missing} exited without returning a result (sys.exit(0) or a "
-            "KeyboardInterrupt in the child?).",
-            rank=missing[0],
-            pid=None,
-            exitcode=0,
-            pids=procs.pids(),
+    ends = []
+    for i, p in enumerate(processes):
+        when, text = failures.get(i, (None, b""))
+        traceback_text = text.decode(errors="replace")
+        if not traceback_text and p.exitcode not in (0, None) and i not in out:
+            traceback_text = _error_file_traceback(procs.error_files[i])  # raised outside ours
+            when = ended.get(i)
+        else:
+            _error_file_traceback(procs.error_files[i])  # torch leaves them behind
+        ends.append(
+            RankEnd(
+                rank=i,
+                pid=int(p.pid),
+                exitcode=p.exitcode,
+                returned=i in out,
+                traceback=traceback_text,
+                raised_at=when,
+                ended_at=ended.get(i),
+            )
         )
+    error = explain(ends, timed_out=float(timeout) if timed_out and timeout else None)
+    if error is not None:
+        raise error
+    for note in shutdown_notes(ends):
+        logger.warning("cudakit: launch(): %s", note)
     return [cast(R, pickle.loads(out[i])) for i in range(nprocs)]
+
+
+def _watch(
+    processes: list[Any],
+    ended: dict[int, float],
+    drain: Callable[[], None],
+    out: Mapping[int, bytes],
+    deadline: float | None,
+) -> bool:
+    """Wait for the ranks, recording when each ends on its own; True if the launch timed out.
+
+    Returns once every rank has ended, or ``_GRACE_S`` after the first failure (a rank
+    that ended with an exit code other than 0, or without its result), so the others
+    can end on their own and report what they saw before they are stopped.
+    """
+    import multiprocessing.connection
+
+    failed_at: float | None = None
+    while len(ended) < len(processes):
+        live = {p.sentinel: i for i, p in enumerate(processes) if i not in ended}
+        ready = multiprocessing.connection.wait(list(live), timeout=0.05)
+        now = time.time()
+        for sentinel in ready:
+            index = live[sentinel]
+            processes[index].join()
+            ended[index] = now
+        drain()
+        if failed_at is None and any(processes[i].exitcode != 0 or i not in out for i in ended):
+            failed_at = time.monotonic()
+        if failed_at is not None:
+            if time.monotonic() - failed_at > _GRACE_S:
+                return False
+        elif deadline is not None and time.monotonic() > deadline:
+            return True
+    return False

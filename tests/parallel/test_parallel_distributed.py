@@ -462,7 +462,8 @@ def test_launch_fork_messages_for_results_that_cannot_come_back() -> None:
         _forked(_unpicklable_result_on_rank_0)
     with pytest.raises(
         cp.LaunchError,
-        match=r"rank\(s\) \[1\] exited without returning a result \(sys.exit\(0\)",
+        match=r"rank 1 of 2 \(pid \d+\) exited with code 0 without returning a result "
+        r"\(sys.exit\(0\)",
     ) as ei:
         _forked(_exit_zero_on_rank_1)
     assert ei.value.rank == 1

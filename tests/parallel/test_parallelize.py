@@ -21,8 +21,8 @@ from torch import nn
 import cudakit.parallel as cp
 from cudakit.exceptions import CudakitError, DeviceError, DistributedSetupError
 from cudakit.parallel import group as cp_group
-from cudakit.parallel import launcher as cp_launcher
 from cudakit.parallel import wrap as cp_wrap
+from cudakit.parallel.failures import RankEnd, explain, shutdown_notes
 
 
 @pytest.fixture
@@ -578,58 +578,54 @@ def test_launch_argument_errors() -> None:
         cp.launch(3, nprocs=1)  # type: ignore[arg-type]
 
 
-def _signal_death(index: int) -> Exception:
-    import torch.multiprocessing as mp
-
-    return mp.ProcessExitedException(  # type: ignore[no-any-return]
-        f"process {index} terminated with signal SIGABRT",
-        error_index=index,
-        error_pid=4242,
-        exit_code=-6,
-        signal_name="SIGABRT",
-    )
-
-
-def test_launch_signal_death_outcomes(caplog: pytest.LogCaptureFixture) -> None:
-    death = _signal_death(0)
-    with caplog.at_level(logging.WARNING, logger="cudakit"):
-        assert cp_launcher._exited(death, {0: b"r0", 1: b"r1"}, {}, 2, [4242, 4343]) is None
-    assert (
-        "rank 0 returned its result, then died while shutting down (process 0 terminated with "
-        "signal SIGABRT); the results are kept" in caplog.text
-    )
-    err = cp_launcher._exited(death, {0: b"r0"}, {}, 2, [4242, 4343])
+def test_launch_signal_death_outcomes() -> None:
+    # rank 0 returned, then died by SIGABRT while shutting down (gloo's teardown race)
+    died = RankEnd(0, 4242, -6, True, ended_at=1.0)
+    assert explain([died, RankEnd(1, 4343, 0, True, ended_at=1.5)]) is None
+    assert shutdown_notes([died]) == [
+        "rank 0 returned its result, then died while shutting down (killed by SIGABRT, exit "
+        "code -6); the results are kept"
+    ]
+    err = explain([died, RankEnd(1, 4343, -15, False)])  # rank 1 stopped before returning
     assert isinstance(err, cp.LaunchError)
     assert str(err) == (
-        "rank 0 of 2 (pid 4242) returned its result, then died while shutting down (process 0 "
-        "terminated with signal SIGABRT); rank(s) [1] were stopped before returning. Look for "
-        "sys.exit(), os._exit(), a segfault or the OOM killer in its output."
+        "rank 0 of 2 (pid 4242) returned its result, then died while shutting down (killed by "
+        "SIGABRT, exit code -6). Look for a crash in native code (a segfault or an abort) in its "
+        "output.\n(launch() then stopped the ranks still running: 1)"
     )
     assert (err.rank, err.pid, err.exitcode, err.pids) == (0, 4242, -6, [4242, 4343])
-    err = cp_launcher._exited(death, {}, {}, 1, [4242])
+    err = explain([RankEnd(0, 4242, -6, False, ended_at=1.0)])
     assert err is not None
     assert str(err).startswith(
-        "rank 0 of 1 (pid 4242) died without a Python exception (process 0 terminated with "
-        "signal SIGABRT). Look for"
+        "rank 0 of 1 (pid 4242) was killed by SIGABRT (exit code -6) without a Python "
+        "exception, before returning its result. Look for"
     )
-    cause = b"Traceback (most recent call last):\n  ...\nValueError: the real cause\n"
-    err = cp_launcher._exited(death, {}, {1: (5.0, cause)}, 2, [4242, 4343])
+    cause = "Traceback (most recent call last):\n  ...\nValueError: the real cause\n"
+    err = explain(
+        [RankEnd(0, 4242, -6, False, ended_at=6.0), RankEnd(1, 4343, 1, False, cause, 5.0, 5.1)]
+    )
     assert err is not None
     assert err.rank == 1
     assert str(err).startswith("rank 1 of 2 (pid 4343) failed: ValueError: the real cause")
 
 
 def test_launch_names_the_cause_not_its_echo() -> None:
-    echo = b"Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
-    cause = b"Traceback ...\n  raise ValueError\nValueError: bad batch\n"
-    err = cp_launcher._first_failure({0: (1.0, echo), 1: (2.0, cause)}, 2, [10, 11])
+    echo = "Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
+    cause = "Traceback ...\n  raise ValueError\nValueError: bad batch\n"
+    err = explain(
+        [RankEnd(0, 10, 1, False, echo, 1.0, 1.1), RankEnd(1, 11, 1, False, cause, 2.0, 2.1)]
+    )
+    assert err is not None
     assert err.rank == 1  # reported later, but rank 0's error is only the echo of it
     assert str(err).startswith(
         "rank 1 of 2 (pid 11) failed: ValueError: bad batch\n(then, probably as a consequence: "
         "rank 0: RuntimeError: [../gloo/pair.cc:534] Connection closed by peer)"
     )
-    assert err.traceback_text == cause.decode()
-    both = cp_launcher._first_failure({0: (2.0, cause), 1: (1.0, cause)}, 2, [10, 11])
+    assert err.traceback_text == cause
+    both = explain(
+        [RankEnd(0, 10, 1, False, cause, 2.0, 2.1), RankEnd(1, 11, 1, False, cause, 1.0, 1.1)]
+    )
+    assert both is not None
     assert both.rank == 1  # two real failures: the earlier one
 
 
