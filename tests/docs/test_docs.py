@@ -326,8 +326,6 @@ def test_hook_leaves_a_double_colon_without_a_block_alone() -> None:
 
 # -- the benchmarks page -----------------------------------------------------------
 
-REPO = "https://github.com/cudakit/cudakit/blob/main/"
-
 #: Each benchmark script, and the utility page that summarises it and links to its table.
 BENCHMARKS = {
     "bench_on_device.py": "device.md",
@@ -348,11 +346,11 @@ def _sections(text: str) -> dict[str, str]:
 
 
 def test_every_benchmark_has_one_current_table_on_the_benchmarks_page() -> None:
-    """One section per script: a link to the script, the date measured, one table."""
+    """One section per script: the path of the script, the date measured, one table."""
     assert {p.name for p in (ROOT / "benchmarks").glob("bench_*.py")} == set(BENCHMARKS)
     sections = _sections((DOCS / "benchmarks.md").read_text(encoding="utf-8"))
     for script in BENCHMARKS:
-        link = f"({REPO}benchmarks/{script})"
+        link = f"`benchmarks/{script}`"
         (body,) = [b for b in sections.values() if link in b]
         assert re.search(r"\b20\d\d-\d\d-\d\d\b", body), f"{script}: no date measured"
         tables = [ln for ln in body.splitlines() if _TABLE_RULE.match(ln)]
@@ -385,7 +383,7 @@ def test_benchmark_figure_data_matches_the_tables() -> None:
         name = script.removesuffix(".py")
         data = json.loads((DOCS / "figures" / f"{name}.json").read_text(encoding="utf-8"))
         assert data["script"] == f"benchmarks/{script}"
-        (body,) = [b for b in sections.values() if f"benchmarks/{script})" in b]
+        (body,) = [b for b in sections.values() if f"`benchmarks/{script}`" in b]
         assert data["measured"] in body
         assert f"(figures/{name}.png)" in body
         for row in data["rows"]:
