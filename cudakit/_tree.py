@@ -577,8 +577,15 @@ def move_root(
 ) -> Any:
     """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
     kind = _device_kind(device)
-    if staging is None and kind[1] and all_on_cpu(x):
-        return x
+    if staging is None:
+        if type(x) is _Tensor:  # one plain tensor: no walk (forced async to the CPU waits)
+            if x.device == device:
+                return x
+            nb = not kind[0] if non_blocking is None else non_blocking
+            if not (nb and kind[1]) and not x.is_meta:
+                return x.to(device, non_blocking=True) if nb else x.to(device)
+        elif kind[1] and all_on_cpu(x):
+            return x
     c = Ctx(device, non_blocking, staging, kind)
     try:  # traverse(), inline: this runs on every call
         h = _get(type(x))
