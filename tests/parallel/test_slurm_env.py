@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from launcher_env import clean_launcher_env, free_port  # noqa: F401 (autouse fixture)
 
 import cudakit
 from cudakit import _dist
@@ -224,6 +225,21 @@ def test_a_job_shell_without_task_variables_is_no_launch() -> None:
     assert _dist.read_env({"SLURM_JOB_ID": "5", "SLURM_NODELIST": "n1"}) is None
 
 
+def test_parallelize_and_choose_strategy_read_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    import cudakit.parallel as cp
+
+    assert cp.choose_strategy("auto", env=_srun(1), device_count=0, device_type="cpu") == "ddp"
+    one_task = _srun(0, ntasks=1, SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(free_port()))
+    for key, value in one_task.items():
+        monkeypatch.setenv(key, value)
+    model = cp.parallelize(nn.Linear(2, 2), "ddp", timeout=30)  # a group from SLURM's variables
+    assert isinstance(model, nn.parallel.DistributedDataParallel)
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
+
+
 _WORKER = """
 import json, torch, cudakit
 with cudakit.process_group(timeout=60) as info:
@@ -237,8 +253,6 @@ with cudakit.process_group(timeout=60) as info:
 
 @pytest.mark.distributed
 def test_two_tasks_started_as_srun_would_form_a_group() -> None:
-    from launcher_env import free_port
-
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
