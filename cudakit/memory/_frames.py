@@ -63,12 +63,14 @@ class FrameStack:
         self.lock = threading.Lock()
         self.open: dict[str, list[Frame]] = {}
         self.history_depth = 0
+        self.history_stacks: str | None = None  # what the running recording records
 
     def reset(self) -> None:
         """Forget every open report (a forked child has none); a fresh lock."""
         self.lock = threading.Lock()
         self.open.clear()
         self.history_depth = 0
+        self.history_stacks = None
 
     def push(self, device: str, index: int) -> Frame:
         """Read the "before" numbers, keep open reports' peaks, reset the peak."""
@@ -160,16 +162,18 @@ class FrameStack:
             cuda_started=True,
         )
 
-    def begin_history(self) -> None:
+    def begin_history(self, stacks: str) -> None:
         """Start the allocator history for the first open ``record_history`` report."""
         if self.history_depth == 0:
-            _probes.cuda.start_history()
+            _probes.cuda.start_history(stacks)
+            self.history_stacks = stacks
         self.history_depth += 1
 
     def end_history(self) -> None:
         """Stop the allocator history when the last ``record_history`` report closes."""
         self.history_depth = max(0, self.history_depth - 1)
         if self.history_depth == 0:
+            self.history_stacks = None
             _probes.cuda.stop_history()
 
 

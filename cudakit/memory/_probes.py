@@ -71,10 +71,13 @@ class TorchCuda:
                     best = size if best is None else max(best, size)
         return best
 
-    def start_history(self) -> None:
+    def start_history(self, stacks: str) -> None:
+        """Record the allocator's history with ``stacks`` ("python", or "all": C++ too)."""
         # The allocator records only for devices it has set up: start CUDA first (asked for).
         torch.cuda.init()
-        torch.cuda.memory._record_memory_history(enabled="all", max_entries=100_000)
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks=stacks, max_entries=100_000
+        )
 
     def dump_history(self, path: str) -> None:
         torch.cuda.memory._dump_snapshot(path)

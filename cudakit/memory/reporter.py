@@ -18,6 +18,7 @@ from typing import IO, Any, Final, Literal, Protocol, TypeVar, overload
 from typing_extensions import ParamSpec, Self
 
 from .._accel import follows_current_device
+from .._check import describe
 from .._contextlib import ContextDecorator
 from .._notes import add_note
 from .._oom import is_oom_error
@@ -116,6 +117,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         log: LogTarget | None,
         every: int | None,
         record_history: str | os.PathLike[str] | None,
+        stacks: Literal["python", "all"] = "python",
     ) -> None:
         self.label = label
         self._device = device
@@ -123,6 +125,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         self._log = log
         self._every = every
         self._history = None if record_history is None else os.fspath(record_history)
+        self._stacks = stacks
         self._targets = self._resolve()
         self._follow = follows_current_device(device)
         self._agg_: Throttle | None = None  # made on first use: most `with` reports never need it
@@ -233,7 +236,15 @@ class MemoryReporter(ContextDecorator, ReportFigures):
             recording = False
             try:
                 if self._history is not None:
-                    stack.begin_history()
+                    running = stack.history_stacks if stack.history_depth else None
+                    if running is not None and running != self._stacks:
+                        raise RuntimeError(
+                            f"memory_report({self.label or ''!r}, stacks={self._stacks!r}) is "
+                            "nested in a report that records the allocator history with "
+                            f"stacks={running!r}; one recording serves both, so give the nested "
+                            f"report stacks={running!r} too (or end the outer report first)."
+                        )
+                    stack.begin_history(self._stacks)
                     recording = True
                 for name, index in targets:
                     frames.append(stack.push(name, index))
@@ -353,6 +364,7 @@ def memory_report(
     log: LogTarget | None = None,
     every: int | None = None,
     record_history: str | os.PathLike[str] | None = None,
+    stacks: Literal["python", "all"] = "python",
 ) -> MemoryReporter: ...
 
 
@@ -364,6 +376,7 @@ def memory_report(
     log: LogTarget | None = None,
     every: int | None = None,
     record_history: str | os.PathLike[str] | None = None,
+    stacks: Literal["python", "all"] = "python",
 ) -> MemoryReporter | MemoryReported[P, R]:
     """Measure the memory a block or a function uses: peaks, deltas, free memory, time.
 
@@ -410,6 +423,9 @@ def memory_report(
         record_history: a path; records the CUDA allocator's history during the
             block and writes a snapshot there (open it at https://pytorch.org/memory_viz).
             CUDA only. Starts CUDA if needed, since you asked for it.
+        stacks: the stacks ``record_history`` keeps for each allocation: ``"python"``
+            (the default: quick to record and to dump) or ``"all"`` (C++ frames too; a
+            dump can then take minutes).
 
     Returns:
         A ``MemoryReporter`` (``with`` yields a ``MemoryReport``), or the
@@ -417,7 +433,10 @@ def memory_report(
 
     Raises:
         TypeError: an argument of the wrong type (a binary stream for ``file``).
-        ValueError: ``every < 1``, ``record_history`` on a CPU device, or a closed ``file``.
+        ValueError: ``every < 1``, ``record_history`` on a CPU device, a closed ``file``,
+            or ``stacks`` other than ``"python"``/``"all"`` (or not ``"python"`` without
+            ``record_history``).
+        RuntimeError: entered inside a ``record_history`` report recording other ``stacks``.
         DeviceError: the device does not exist or cannot be measured.
 
     .. versionadded:: 0.1
@@ -446,6 +465,21 @@ def memory_report(
             f"got {type(record_history).__name__} {record_history!r}. "
             "For example: record_history='step.pickle'."
         )
+    if not isinstance(stacks, str):
+        raise TypeError(
+            f"memory_report(stacks=...) takes 'python' or 'all', got {describe(stacks)}. "
+            "For example: stacks='python'."
+        )
+    if stacks not in ("python", "all"):
+        raise ValueError(
+            f"memory_report(stacks={stacks!r}): expected 'python' (the default: fast to dump) "
+            "or 'all' (C++ frames too: slow to dump)."
+        )
+    if stacks != "python" and record_history is None:
+        raise ValueError(
+            f"memory_report(stacks={stacks!r}) chooses the stacks of record_history=, which "
+            "was not given; pass record_history='step.pickle' too, or drop stacks=."
+        )
     if callable(label):  # bare @memory_report: every other argument checked above
-        return MemoryReporter(None, device, file, log, every, record_history)(label)
-    return MemoryReporter(label, device, file, log, every, record_history)
+        return MemoryReporter(None, device, file, log, every, record_history, stacks)(label)
+    return MemoryReporter(label, device, file, log, every, record_history, stacks)

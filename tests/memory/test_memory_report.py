@@ -109,7 +109,7 @@ class FakeCuda:
     def largest_free_block(self, i: int) -> int | None:
         return self.largest
 
-    def start_history(self) -> None:
+    def start_history(self, stacks: str = "python") -> None:
         self.initialized = True  # the real seam calls torch.cuda.init() first
         self.calls.append("start_history")
 
