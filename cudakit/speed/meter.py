@@ -42,6 +42,7 @@ class _NoBatch:
 
 
 _NO_BATCH: Final = _NoBatch()
+_NO_COUNTS: Final[tuple[None, None]] = (None, None)
 
 
 class SpeedReported(Protocol[P, R_co]):
@@ -79,7 +80,7 @@ class SpeedReport(ContextDecorator):
         settings: Settings,
         recorder: Recorder | None = None,
         batch: Any = _NO_BATCH,
-        counts: tuple[Count | None, Count | None] = (None, None),
+        counts: tuple[Count | None, Count | None] = _NO_COUNTS,
     ) -> None:
         self._settings = settings
         self._recorder = recorder if recorder is not None else Recorder(settings)
@@ -120,11 +121,13 @@ class SpeedReport(ContextDecorator):
             TypeError, ValueError: a count that is not a number >= 0 or a one-element
                 tensor.
         """
-        given = tuple(
-            None if value is None else check_count(name, value)
-            for name, value in (("samples", samples), ("tokens", tokens))
-        )
-        return type(self)(self._settings, self._recorder, batch, given)  # type: ignore[arg-type]
+        given: tuple[Count | None, Count | None] = _NO_COUNTS
+        if samples is not None or tokens is not None:
+            given = (
+                None if samples is None else check_count("samples", samples),
+                None if tokens is None else check_count("tokens", tokens),
+            )
+        return type(self)(self._settings, self._recorder, batch, given)
 
     def __enter__(self) -> Self:
         if self._open is not None:
@@ -163,7 +166,8 @@ class SpeedReport(ContextDecorator):
             return  # a failed call is not a step: nothing is counted
         recorder = self._recorder
         mark = recorder.tally.clock.stop(start)
-        counts = recorder.settings.counter.count(self._batch, *self._counts)
+        samples, tokens = self._counts
+        counts = recorder.settings.counter.count(self._batch, samples, tokens)
         recorder.record(mark, counts, None, self._before, recorder.step)
 
     def __call__(self, func: Callable[P, R]) -> SpeedReported[P, R]:

@@ -34,6 +34,8 @@ class Recorder:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.tally = Tally(clock_for(settings.device), settings.window)
+        self._every = settings.every
+        self._accumulate = settings.accumulate
         #: The name in the line (a decorator's default: the function's name).
         self.label = settings.label
         #: The autocast_step whose windows are the steps (given, or the decorated one's).
@@ -55,12 +57,12 @@ class Recorder:
         elif isinstance(out, StepResult):
             # A window's last call carries a verdict (a bool, or a lazy Verdict: never read).
             ends = out.stepped is not False or out.skipped is not False
-        elif self.settings.accumulate is not None:
-            ends = tally.open_calls + 1 >= self.settings.accumulate
+        elif self._accumulate is not None:
+            ends = tally.open_calls + 1 >= self._accumulate
         else:
             ends = True
-        every = self.settings.every
-        if tally.add(mark, *counts, ends) and every is not None and tally.steps % every == 0:
+        s, t, f = counts
+        if tally.add(mark, s, t, f, ends) and self._every and tally.steps % self._every == 0:
             self.log()
 
     # ------------------------------------------------------------------ figures
@@ -164,7 +166,8 @@ class Recorder:
         tally = self.tally
         self.close_flushed()
         self.logged_at = tally.steps
-        if self.settings.combine and group_ranks() > 1:
+        combined = self.settings.combine and group_ranks() > 1
+        if combined:
             self._settle()
             peak = self.peak(self.step)
             both = combine(self.final(tally.recent()), self.final(tally.total()), peak.tflops)
@@ -182,7 +185,7 @@ class Recorder:
         s = self.settings
         if s.file is None and s.log is None:
             return
-        if self.combined is not None and group_rank() != 0:
+        if combined and group_rank() != 0:
             return  # every rank's figures in one line: rank 0 writes it
         try:
             write_line(line, s.file, s.log)

@@ -1,17 +1,24 @@
 """The meter's bookkeeping: calls grouped into optimizer steps, totals and a rolling window.
 
-A call adds one record ``(time mark, samples, tokens, flops)`` and, when it closes an
-accumulation window, an end marker. Nothing is read from the device then: the time
-marks and any tensor counts stay as they are until :meth:`Tally.resolve`, which the
-meter calls at its log interval or when a figure is read. Unread records are bounded:
-when more than ``2 * window`` closed steps wait, the oldest are folded into the totals
-(their times once their events have passed, tensor counts summed on the device), so
-a loop that never reads the figures still holds only a few hundred records.
+A call adds its figures to the open step (a small list: calls, seconds, samples,
+tokens, FLOPs). What is known on the host (a wall-clock time, a count given as a
+number) is added at once; what lives on the device (a CUDA event pair, a count given
+as a tensor) is kept aside, unread, until :meth:`Tally.resolve`, which the meter calls
+at its log interval or when a figure is read: then every kept value is read in one go
+and added to its step (and to the totals, once the step is closed). When a step
+closes it joins the rolling window (the last ``window`` steps) and the totals.
+
+Kept values are bounded: once more than a few windows' worth wait, those of steps
+that have left the rolling window are folded into the totals (event times once the
+events have passed, tensor counts summed on the device), so a loop that never reads
+the figures holds only a few hundred of them, and nothing is read to fold them.
+
+Like the ``autocast_step`` it measures, a tally belongs to one training loop: adding a
+call takes no lock (it is the hot path), so one meter is not shared between threads.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,8 +31,9 @@ from .counts import Count
 
 __all__ = ["Sums", "Tally"]
 
-_END = None  # the end marker of an accumulation window in the pending records
-_FIELDS = ("samples", "tokens", "flops")
+_FIELDS = ("seconds", "samples", "tokens", "flops")  # a step's fields 1 to 4
+# A step: [calls, seconds, samples, tokens, flops, closed, serial number].
+_CLOSED, _SERIAL = 5, 6
 
 
 @dataclass
@@ -39,20 +47,22 @@ class Sums:
     tokens: float = 0.0
     flops: float = 0.0
 
-    def add(self, other: Sums) -> None:
-        self.steps += other.steps
-        self.calls += other.calls
-        self.seconds += other.seconds
-        self.samples += other.samples
-        self.tokens += other.tokens
-        self.flops += other.flops
-
     @classmethod
-    def of(cls, items: Iterable[Sums]) -> Sums:
+    def of(cls, steps: Iterable[list[Any]]) -> Sums:
+        """The sums of closed steps."""
         out = cls()
-        for item in items:
-            out.add(item)
+        for step in steps:
+            out.steps += 1
+            out.calls += step[0]
+            out.seconds += step[1]
+            out.samples += step[2]
+            out.tokens += step[3]
+            out.flops += step[4]
         return out
+
+
+def _new_step() -> list[Any]:
+    return [0, 0.0, 0.0, 0.0, 0.0, False, 0]
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:
@@ -68,142 +78,139 @@ def _read(tensors: list[torch.Tensor]) -> list[float]:
     return out
 
 
+def _device_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One summed tensor per device and dtype: folded tensor counts, never read here."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t.reshape(()))
+    return [torch.stack(group).sum() for group in groups.values()]
+
+
 class Tally:
     """Calls, steps, their summed figures and the rolling window of the last steps."""
 
     def __init__(self, clock: Clock, window: int) -> None:
-        self.lock = threading.Lock()
         self.clock = clock
         self.window = window
         #: Calls and closed steps counted on the host (no read needed).
         self.calls = 0
         self.steps = 0
-        #: Calls of the window that is open now.
+        #: Calls of the step that is open now.
         self.open_calls = 0
-        self._pending: list[tuple[Any, Count, Count, Count] | None] = []
-        self._pending_steps = 0
-        self._open = Sums()  # resolved calls of the open window
-        self._recent: deque[Sums] = deque(maxlen=window)
-        self._total = Sums()
-        # Tensor counts of folded steps, summed on the device, not read yet.
-        self._deferred: dict[str, list[torch.Tensor]] = {f: [] for f in _FIELDS}
+        self._open = _new_step()
+        self._recent: deque[list[Any]] = deque(maxlen=window)
+        self._total = _new_step()
+        # (step, field, event pair or tensor): values not read yet, oldest first.
+        self._kept: list[tuple[list[Any], int, Any]] = []
+        self._fold_at = 4 * window + 64
+        # Tensor counts of folded steps per field (samples, tokens, flops), summed on
+        # the device, not read yet.
+        self._deferred: list[list[torch.Tensor]] = [[], [], [], []]
 
     def add(self, mark: Any, samples: Count, tokens: Count, flops: Count, ends: bool) -> bool:
-        """Count one call; True when it closed a window."""
-        with self.lock:
-            self._pending.append((mark, samples, tokens, flops))
-            self.calls += 1
-            if not ends:
-                self.open_calls += 1
-                return False
-            self._close()
-            return True
+        """Count one call; True when it closed a step (the hot path: no read, no op)."""
+        step = self._open
+        step[0] += 1
+        if type(mark) is float:
+            step[1] += mark
+        else:
+            self._kept.append((step, 1, mark))
+        if type(samples) is int or type(samples) is float:
+            step[2] += samples
+        else:
+            self._kept.append((step, 2, samples))
+        if type(tokens) is int or type(tokens) is float:
+            step[3] += tokens
+        else:
+            self._kept.append((step, 3, tokens))
+        if type(flops) is int or type(flops) is float:
+            step[4] += flops
+        else:
+            self._kept.append((step, 4, flops))
+        self.calls += 1
+        if not ends:
+            self.open_calls += 1
+            return False
+        self._close()
+        if len(self._kept) > self._fold_at:
+            self._fold()
+        return True
 
     def end_window(self) -> None:
-        """Close the open window (it was stepped outside the meter, e.g. by ``flush()``)."""
-        with self.lock:
-            if self.open_calls:
-                self._close()
+        """Close the open step (it was stepped outside the meter, e.g. by ``flush()``)."""
+        if self.open_calls:
+            self._close()
 
     def _close(self) -> None:
-        self._pending.append(_END)
+        step, total = self._open, self._total
         self.steps += 1
+        step[_CLOSED] = True
+        step[_SERIAL] = self.steps
+        self._recent.append(step)
+        total[0] += step[0]
+        total[1] += step[1]
+        total[2] += step[2]
+        total[3] += step[3]
+        total[4] += step[4]
+        self._open = _new_step()
         self.open_calls = 0
-        self._pending_steps += 1
-        if self._pending_steps > 2 * self.window:
-            self._fold(self._pending_steps - self.window)
 
-    def _fold(self, steps: int) -> None:
-        """Fold the oldest ``steps`` closed steps into the totals without a host read."""
-        pending, cut, seen = self._pending, 0, 0
-        while seen < steps:
-            if pending[cut] is _END:
-                seen += 1
+    def _fold(self) -> None:
+        """Fold kept values of steps that left the rolling window, without a read."""
+        kept, ready = self._kept, self.clock.ready
+        gone = self.steps - self.window  # steps up to this serial number have left
+        cut = 0
+        for step, field, value in kept:
+            if step[_SERIAL] == 0 or step[_SERIAL] > gone:
+                break
+            if field == 1 and not ready(value):
+                break  # the device is behind: fold later
             cut += 1
-        last = next(r for r in reversed(pending[:cut]) if r is not _END)
-        if not self.clock.ready(last[0]):  # the device is far behind: fold later
-            return
-        tensors: dict[str, list[torch.Tensor]] = {f: [] for f in _FIELDS}
-        sums = self._open
-        for record in pending[:cut]:
-            if record is _END:
-                sums.steps = 1
-                self._total.add(sums)
-                sums = Sums()
-                continue
-            mark, *counts = record
-            sums.calls += 1
-            sums.seconds += self.clock.seconds(mark)
-            for name, value in zip(_FIELDS, counts, strict=True):
-                if isinstance(value, torch.Tensor):
-                    tensors[name].append(value)
-                else:
-                    setattr(sums, name, getattr(sums, name) + value)
-        self._open = sums
-        for name, items in tensors.items():
-            self._deferred[name] = _device_sums(self._deferred[name] + items)
-        del pending[:cut]
-        self._pending_steps -= steps
+        tensors: list[list[torch.Tensor]] = [[], [], [], []]
+        seconds_of, total = self.clock.seconds, self._total
+        for _, field, value in kept[:cut]:
+            if field == 1:
+                total[1] += seconds_of(value)
+            else:
+                tensors[field - 1].append(value)
+        for i, items in enumerate(tensors):
+            if items:
+                self._deferred[i] = _device_sums(self._deferred[i] + items)
+        del kept[:cut]
 
     def resolve(self) -> None:
-        """Read every pending record: times, tensor counts; group them into steps.
+        """Read every kept value (times, tensor counts) into its step and the totals.
 
         Raises:
             ValueError: a tensor count was negative or NaN; nothing changes then.
         """
-        with self.lock:
-            pending, deferred = self._pending, self._deferred
-            named = [
-                (name, v)
-                for r in pending
-                if r is not _END
-                for name, v in zip(_FIELDS, r[1:], strict=True)
-                if isinstance(v, torch.Tensor)
-            ]
-            named += [(f, t) for f in _FIELDS for t in deferred[f]]
-            numbers = _read([t for _, t in named])
-            for (name, _), number in zip(named, numbers, strict=True):
-                if not number >= 0:
-                    raise ValueError(
-                        f"speed_report({name}=...) gave {number!r} for a call; it expects a "
-                        "number >= 0 (tensor counts are checked when they are read)."
-                    )
-            self._pending, self._pending_steps = [], 0
-            self._deferred = {f: [] for f in _FIELDS}
-            values = iter(numbers)
-            sums = self._open
-            for record in pending:
-                if record is _END:
-                    sums.steps = 1
-                    self._recent.append(sums)
-                    self._total.add(sums)
-                    sums = Sums()
-                    continue
-                mark, *counts = record
-                sums.calls += 1
-                sums.seconds += self.clock.seconds(mark)
-                for name, value in zip(_FIELDS, counts, strict=True):
-                    number = next(values) if isinstance(value, torch.Tensor) else value
-                    setattr(sums, name, getattr(sums, name) + number)
-            self._open = sums
-            for name in _FIELDS:
-                for _ in deferred[name]:
-                    setattr(self._total, name, getattr(self._total, name) + next(values))
+        kept, deferred = self._kept, self._deferred
+        named = [(field, v) for _, field, v in kept if field != 1]
+        named += [(i + 1, t) for i, ts in enumerate(deferred) for t in ts]
+        numbers = _read([t for _, t in named])
+        for (field, _), number in zip(named, numbers, strict=True):
+            if not number >= 0:
+                raise ValueError(
+                    f"speed_report({_FIELDS[field - 1]}=...) gave {number!r} for a call; it "
+                    "expects a number >= 0 (tensor counts are checked when they are read)."
+                )
+        self._kept, self._deferred = [], [[], [], [], []]
+        values = iter(numbers)
+        seconds_of, total = self.clock.seconds, self._total
+        for step, field, value in kept:
+            number = seconds_of(value) if field == 1 else next(values)
+            step[field] += number
+            if step[_CLOSED]:
+                total[field] += number
+        for i, ts in enumerate(deferred):
+            for _ in ts:
+                total[i + 1] += next(values)
 
     def recent(self) -> Sums:
-        """The resolved rolling window (call :meth:`resolve` first)."""
-        with self.lock:
-            return Sums.of(self._recent)
+        """The rolling window (read: call :meth:`resolve` first)."""
+        return Sums.of(self._recent)
 
     def total(self) -> Sums:
-        """Every resolved step (call :meth:`resolve` first)."""
-        with self.lock:
-            return Sums.of((self._total,))
-
-
-def _device_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One summed tensor per device and dtype: the fold's tensor counts, never read here."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t.reshape(()))
-    return [torch.stack(group).sum() for group in groups.values()]
+        """Every closed step (read: call :meth:`resolve` first)."""
+        t = self._total
+        return Sums(self.steps, t[0], t[1], t[2], t[3], t[4])

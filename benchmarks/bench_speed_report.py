@@ -1,0 +1,240 @@
+"""Benchmark what ``speed_report`` adds to a training step: ratios in one run.
+
+Run ``python benchmarks/bench_speed_report.py`` (``--quick`` for a smoke run,
+``--device cuda`` on a GPU machine, ``--dtype fp32`` for the fastest step, where the
+meter's share is largest). The step is the 64-wide MLP (batch 32, AdamW) of
+``bench_autocast_step.py``, decorated with ``@autocast_step``; the meter wraps that
+same decorated function, so both variants run the very same model, optimizer and
+tensors, and the only difference is the meter. Variants:
+
+* ``@autocast_step`` alone (the baseline);
+* ``@speed_report`` above it, counting samples and FLOPs (a ``FlopCount`` scaled per
+  sample), with its line built every 100 steps (``file=None``: the line is made and
+  kept, not printed);
+* the ``with meter.measure(x):`` form around the same call;
+* the 1024-wide MLP (batch 256) with and without the meter, for scale.
+
+The variants take turns in short blocks of steps (``--block`` seconds), in a rotating
+order, for ``--rounds`` rounds; the table shows the median time per step and the
+median over rounds of its ratio to the baseline of the same width. ``--clock cpu``
+times with the process's CPU time (shared CPU machines). The last lines count the
+host reads (``item``, ``bool``, ``tolist``) of twenty metered steps of the sync-free
+guarded step (fused AdamW), as the tests do, and the meter's own cost per call,
+measured around a function that does nothing (on a busy machine the side-by-side ratio
+moves by a percent or two from run to run; this cost does not), as a share of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:
+    import cudakit  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_autocast_step import mlp, resolve_dtype  # the same model as that benchmark
+
+from cudakit.amp import autocast_step
+from cudakit.speed import count_flops, speed_report
+
+Step = Callable[[], Any]
+
+
+def variants(width: int, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, Step]:
+    """The baseline step and the metered forms of the very same decorated function."""
+    model = mlp(width, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(batch, 64, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+
+    @autocast_step(opt, dtype=dtype)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    flops = count_flops(step, x, y, model=model)
+    metered = speed_report(samples=len, flops=flops, every=100, file=None)(step)
+    block = speed_report(samples=len, flops=flops, step=step, every=100, file=None)
+
+    def with_form() -> None:
+        with block.measure(x):
+            step(x, y)
+
+    name = f"MLP {width} wide, batch {batch}"
+    out = {
+        f"{name} | @autocast_step": lambda: step(x, y),
+        f"{name} | @speed_report over it": lambda: metered(x, y),
+    }
+    if width == 64:
+        out[f"{name} | with meter.measure(x)"] = with_form
+    return out
+
+
+def isolated_cost(
+    device: torch.device, dtype: torch.dtype, clock: Callable[[], float]
+) -> tuple[float, float]:
+    """Seconds the meter adds to one call (decorator, ``with`` form), around a no-op.
+
+    The same settings as the metered step (samples, a FlopCount, the step's windows, a
+    line built every 100 steps); the least over repeats of the difference to the bare
+    function, which a busy machine can only make larger.
+    """
+    model = mlp(64, device)
+    step = autocast_step(torch.optim.AdamW(model.parameters(), lr=1e-4), dtype=dtype)
+    x = torch.randn(32, 64, device=device)
+
+    def noop(x: torch.Tensor) -> None:
+        return None
+
+    flops = count_flops(lambda x: model(x).sum(), x, model=model)
+    metered = speed_report(samples=len, flops=flops, step=step, every=100, file=None)(noop)
+    block = speed_report(samples=len, flops=flops, step=step, every=100, file=None)
+
+    def with_form(x: torch.Tensor) -> None:
+        with block.measure(x):
+            noop(x)
+
+    n, best = 20_000, [float("inf"), float("inf")]
+    for _ in range(7):
+        t0 = clock()
+        for _ in range(n):
+            noop(x)
+        bare = clock() - t0
+        for i, fn in enumerate((metered, with_form)):
+            t0 = clock()
+            for _ in range(n):
+                fn(x)
+            best[i] = min(best[i], (clock() - t0 - bare) / n)
+    return best[0], best[1]
+
+
+def host_reads(device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """Host reads in 20 metered steps of the sync-free guarded step, and the steps taken."""
+
+    class Reads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            if getattr(func, "__name__", "") in ("item", "__bool__", "tolist"):
+                self.n += 1
+            return func(*args, **(kw or {}))
+
+    model = mlp(64, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randn(32, 64, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+
+    @speed_report(samples=len, flops=1e6, every=None, file=None)
+    @autocast_step(opt, dtype=dtype)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    with Reads() as reads:
+        for _ in range(20):
+            step(x, y)
+    return reads.n, step.speed_report.steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "auto"), default="bf16")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--block", type=float, default=0.02, help="seconds of steps per turn")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
+    if not args.block > 0:
+        parser.error("--block must be a positive number of seconds")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    rounds = args.rounds or (3 if args.quick else 21)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    steps = {**variants(64, 32, device, dtype), **variants(1024, 256, device, dtype)}
+    for fn in steps.values():  # warm up every variant
+        for _ in range(10):
+            fn()
+    sync()
+    per = {}
+    for key, fn in steps.items():
+        t0 = clock()
+        for _ in range(20):
+            fn()
+        sync()
+        per[key] = max((clock() - t0) / 20, 1e-7)
+    blocks = {k: max(1, int(args.block / p)) for k, p in per.items()}
+    reps = 2 if args.quick else 5
+    keys = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            totals = dict.fromkeys(keys, 0.0)
+            for rep in range(reps):
+                shift = rep % len(keys)
+                for key in keys[shift:] + keys[:shift]:
+                    fn, n = steps[key], blocks[key]
+                    sync()
+                    t0 = clock()
+                    for _ in range(n):
+                        fn()
+                    sync()
+                    totals[key] += (clock() - t0) / n
+            for key in keys:
+                times[key].append(totals[key] / reps)
+    finally:
+        gc.enable()
+
+    print(
+        f"# torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "
+        f"{rounds} rounds, {args.clock} clock, {str(dtype).removeprefix('torch.')}"
+    )
+    print("| case | implementation | median per step | ratio to @autocast_step |")
+    print("|---|---|---:|---:|")
+    for key in keys:
+        case, impl = key.split(" | ")
+        base = f"{case} | @autocast_step"
+        ratios = [a / b for a, b in zip(times[key], times[base], strict=True)]
+        med = statistics.median(times[key]) * 1e6
+        print(f"| {case} | {impl} | {med:.1f} µs | {statistics.median(ratios):.3f} |")
+    step_time = statistics.median(times[keys[0]])
+    costs = isolated_cost(device, dtype, clock)
+    for form, cost in zip(("@speed_report", "with form"), costs, strict=True):
+        print(
+            f"# the meter alone ({form}) around a function that does nothing: "
+            f"{cost * 1e6:.2f} µs per call, {cost / step_time:.2%} of the 64-wide step's "
+            f"{step_time * 1e6:.0f} µs"
+        )
+    reads, n = host_reads(device, dtype)
+    print(f"# host reads in {n} metered optimizer steps (sync-free guarded step): {reads}")
+
+
+if __name__ == "__main__":
+    main()
