@@ -18,6 +18,7 @@ from ..data import loader_kwargs, prefetch
 from ..device import on_device, resolve_device
 from ..memory import memory_report, memory_snapshot
 from ..parallel import distributed_loader, parallelize, process_group, read_env, unwrap
+from ..speed import count_flops, speed_report
 from ..warmup import find_batch_size, warmup
 from ._args import DTYPES, default_train_size
 from ._evaluation import all_reduce, evaluate
@@ -161,7 +162,20 @@ def _train_loop(
         optimizer=optimizer,
         amp=step,
     )
+    # FLOPs of one micro-batch, counted once on the example batch (scaled per sample).
+    flops = count_flops(lambda x, y: loss_fn(unwrap(model)(x), y), *example, model=unwrap(model))
     del example
+    # Throughput: the optimizer steps are the autocast_step's windows; a window of the
+    # rolling figures is one epoch, read at each epoch's end (all ranks combined).
+    meter = speed_report(
+        "train",
+        samples=len,
+        flops=flops,
+        every=None,
+        window=math.ceil(micro_steps / ACCUMULATE),
+        file=None,
+    )
+    metered_step = meter(train_step)
 
     record_memory = args.plot is not None
     step_losses: list[torch.Tensor] = []
@@ -182,6 +196,7 @@ def _train_loop(
         else None
     )
     epoch_numbers = ckpt.epochs(args.epochs) if ckpt is not None else range(args.epochs)
+    mfu_reason: str | None = None
     for epoch_index in epoch_numbers:
         epoch = epoch_index + 1
         done = ckpt.position.batch if ckpt is not None else 0  # a resumed epoch's batches
@@ -198,7 +213,7 @@ def _train_loop(
         with memory_report(f"epoch {epoch}", device=device, file=None) as mem:
             source = ckpt.batches() if ckpt is not None else batches
             for i, (images, labels) in enumerate(source, start=done + 1):
-                result = train_step(images, labels)
+                result = metered_step(images, labels)
                 epoch_losses.append(result.loss)
                 if record_memory:
                     step_memory.append(memory_snapshot(device).allocated)
@@ -212,6 +227,9 @@ def _train_loop(
             step.flush()  # a partial accumulation window still updates the weights
             synchronize(device)
         seconds = time.perf_counter() - start
+        meter.flush()  # this epoch's figures, every rank's combined (a collective)
+        speed = (meter.combined or meter.summary()).recent
+        mfu_reason = speed.mfu_reason
         losses = torch.stack(epoch_losses).float().cpu()  # one sync per epoch
         step_losses.extend(losses)
         train_loss = all_reduce([float(losses.mean())], device, world)[0] / world
@@ -227,6 +245,9 @@ def _train_loop(
             skipped_steps=step.skipped_steps - skipped_before,
             peak_memory=mem.peak_allocated,
             memory_kind="rss" if device.type == "cpu" else "allocated",
+            step_time=speed.step_time,
+            tflops=speed.tflops,
+            mfu=speed.mfu,
         )
         epochs.append(stats)
         progress.close(
@@ -266,4 +287,5 @@ def _train_loop(
         step_losses=all_losses,
         step_memory=step_memory,
         resumed_from=resumed_from,
+        mfu_reason=mfu_reason,
     )

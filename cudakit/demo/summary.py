@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._units import format_bytes
+from ..speed.figures import format_rate
 from .data import NUM_CLASSES
 
 __all__ = ["DemoSummary", "EpochStats"]
@@ -28,6 +29,11 @@ class EpochStats:
     skipped_steps: int
     peak_memory: int | None
     memory_kind: str
+    #: Seconds per optimizer step, achieved TFLOP/s and MFU (all ranks), from
+    #: ``speed_report``; None where not measured (MFU: no peak for the device).
+    step_time: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
 
 
 @dataclass
@@ -60,6 +66,8 @@ class DemoSummary:
     step_memory: list[int] = field(default_factory=list, repr=False)
     #: The checkpoint ``--resume`` continued from (None: a fresh start).
     resumed_from: str | None = None
+    #: Why the epochs have no MFU (``speed_report``'s ``mfu_reason``), or None.
+    mfu_reason: str | None = None
 
     @property
     def loss_fell(self) -> bool:
@@ -101,9 +109,21 @@ class DemoSummary:
         ]
         if self.resumed_from is not None:
             head.append(("resumed from", self.resumed_from))
+        if self.mfu_reason is not None:
+            head.append(("MFU", f"n/a: {self.mfu_reason}"))
         width = max(len(k) for k, _ in head)
         lines = [f"{k:<{width}}  {v}" for k, v in head]
-        cols = ("epoch", "train loss", "val loss", "val acc", "samples/s", "peak mem", "skipped")
+        cols = (
+            "epoch",
+            "train loss",
+            "val loss",
+            "val acc",
+            "samples/s",
+            "FLOP/s",
+            "MFU",
+            "peak mem",
+            "skipped",
+        )
         rows = [
             (
                 str(e.epoch),
@@ -111,6 +131,8 @@ class DemoSummary:
                 f"{e.val_loss:.4f}",
                 f"{e.val_accuracy:.1%}",
                 f"{e.samples_per_s:,.0f}",
+                "n/a" if e.tflops is None else format_rate(e.tflops * 1e12),
+                "n/a" if e.mfu is None else f"{e.mfu:.1%}",
                 format_bytes(e.peak_memory) + (" RSS" if e.memory_kind == "rss" else ""),
                 str(e.skipped_steps),
             )

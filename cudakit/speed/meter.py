@@ -63,7 +63,9 @@ class SpeedReport(ContextDecorator):
 
     One object measures one call at a time; it may be entered again and again (a
     ``with`` inside a loop). :meth:`measure` gives a clone for one batch, and the
-    decorator measures each call into the same figures.
+    decorator measures each call into the same figures. Like the ``autocast_step`` it
+    measures, a meter belongs to one training loop: its hot path takes no lock, so it
+    is not shared between threads (recursion is fine: each call keeps its own start).
 
     >>> meter = speed_report(samples=32, flops=1e9, peak_tflops=1.0, file=None)
     >>> for _ in range(3):
