@@ -151,6 +151,52 @@ def host_reads(device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
     return reads.n, step.speed_report.steps
 
 
+def time_case(
+    steps: dict[str, Step],
+    args: argparse.Namespace,
+    rounds: int,
+    clock: Callable[[], float],
+    sync: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant, one figure per round, the variants taking turns."""
+    for fn in steps.values():  # warm up every variant
+        for _ in range(10):
+            fn()
+    sync()
+    per = {}
+    for key, fn in steps.items():
+        t0 = clock()
+        for _ in range(20):
+            fn()
+        sync()
+        per[key] = max((clock() - t0) / 20, 1e-7)
+    blocks = {k: max(1, int(args.block / p)) for k, p in per.items()}
+    reps = 2 if args.quick else 6
+    keys = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            totals = dict.fromkeys(keys, 0.0)
+            for rep in range(reps):
+                # A different variant goes first each time, and each follows each.
+                order = keys[rep % len(keys) :] + keys[: rep % len(keys)]
+                for key in order if rep % 2 == 0 else order[::-1]:
+                    fn, n = steps[key], blocks[key]
+                    sync()
+                    t0 = clock()
+                    for _ in range(n):
+                        fn()
+                    sync()
+                    totals[key] += (clock() - t0) / n
+            for key in keys:
+                times[key].append(totals[key] / reps)
+    finally:
+        gc.enable()
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -175,42 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    steps = {**variants(64, 32, device, dtype), **variants(1024, 256, device, dtype)}
-    for fn in steps.values():  # warm up every variant
-        for _ in range(10):
-            fn()
-    sync()
-    per = {}
-    for key, fn in steps.items():
-        t0 = clock()
-        for _ in range(20):
-            fn()
-        sync()
-        per[key] = max((clock() - t0) / 20, 1e-7)
-    blocks = {k: max(1, int(args.block / p)) for k, p in per.items()}
-    reps = 2 if args.quick else 5
-    keys = list(steps)
-    times: dict[str, list[float]] = {k: [] for k in keys}
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            totals = dict.fromkeys(keys, 0.0)
-            for rep in range(reps):
-                shift = rep % len(keys)
-                for key in keys[shift:] + keys[:shift]:
-                    fn, n = steps[key], blocks[key]
-                    sync()
-                    t0 = clock()
-                    for _ in range(n):
-                        fn()
-                    sync()
-                    totals[key] += (clock() - t0) / n
-            for key in keys:
-                times[key].append(totals[key] / reps)
-    finally:
-        gc.enable()
-
+    times: dict[str, list[float]] = {}
+    # One case at a time: a 1024-wide step between two 64-wide ones would leave the
+    # caches cold for whichever 64-wide variant comes next.
+    for width, batch in ((64, 32), (1024, 256)):
+        times.update(time_case(variants(width, batch, device, dtype), args, rounds, clock, sync))
+    keys = list(times)
     print(
         f"# torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "

@@ -91,6 +91,18 @@ def _number(arg: str, value: object, where: str) -> float:
     return number
 
 
+def _function(spec: object) -> Callable[[Any], Any] | None:
+    return spec if callable(spec) and not isinstance(spec, FlopCount) else None
+
+
+def _constant(spec: object) -> int | float:
+    """A number spec as a plain int or float (NumPy's too); 0 for None or a function."""
+    if spec is None or callable(spec) or isinstance(spec, FlopCount):
+        return 0
+    number = float(spec)  # type: ignore[arg-type]
+    return int(number) if number.is_integer() else number
+
+
 class CallCounter:
     """How a call's samples, tokens and FLOPs come from its batch.
 
@@ -115,6 +127,12 @@ class CallCounter:
         self.needs_batch = any(
             callable(v) and not isinstance(v, FlopCount) for v in (samples, tokens, flops)
         )
+        # The hot path's view: a function of the batch, or a constant (0 when not counted).
+        self._samples_fn = _function(samples)
+        self._tokens_fn = _function(tokens)
+        self._flops_fn = _function(flops)
+        self._samples = _constant(samples)
+        self._tokens = _constant(tokens)
         #: FLOPs per unit of ``unit`` ("tokens", "samples", "call"), or None (a function).
         self.unit: str | None = None
         self.per_unit = 0.0
@@ -145,15 +163,24 @@ class CallCounter:
 
         ``samples``/``tokens`` given (already checked) replace what the specs say.
         """
-        s, t, f = self.samples, self.tokens, self.flops
         if samples is None:
-            samples = 0 if s is None else check_count("samples", s(batch) if callable(s) else s)
+            fn = self._samples_fn
+            if fn is None:
+                samples = self._samples
+            else:
+                samples = fn(batch)
+                if type(samples) is not int or samples < 0:
+                    samples = check_count("samples", samples)
         if tokens is None:
-            tokens = 0 if t is None else check_count("tokens", t(batch) if callable(t) else t)
-        flops: Count = 0
-        if callable(f) and not isinstance(f, FlopCount):
-            flops = check_count("flops", f(batch))
-        return samples, tokens, flops
+            fn = self._tokens_fn
+            if fn is None:
+                tokens = self._tokens
+            else:
+                tokens = fn(batch)
+                if type(tokens) is not int or tokens < 0:
+                    tokens = check_count("tokens", tokens)
+        fn = self._flops_fn
+        return samples, tokens, 0 if fn is None else check_count("flops", fn(batch))
 
     def missing(self, samples: Count | None, tokens: Count | None) -> list[str]:
         """The specs that need the batch, given these counts: ``["samples=len", ...]``."""

@@ -199,26 +199,38 @@ class SpeedReport(ContextDecorator):
                 recorder.label = str(name).rsplit("<locals>.", 1)[-1]
         if recorder.step is None:
             recorder.step = step  # its dtype picks the peak
-        clock = recorder.tally.clock
-        start, stop = clock.start, clock.stop
-        record = recorder.record
+        tally = recorder.tally
+        start, stop = tally.clock.start, tally.clock.stop
         count = settings.counter.count
         fixed = None if settings.counter.needs_batch else count(None)
 
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            before = step.position if step is not None else 0
-            mark = start()
-            out = func(*args, **kwargs)
-            mark = stop(mark)
-            record(
-                mark,
-                count(first_argument(args, kwargs)) if fixed is None else fixed,
-                out,
-                before,
-                step,
-            )
-            return out
+        if step is None:
+            record = recorder.record
+
+            @functools.wraps(func)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                mark = start()
+                out = func(*args, **kwargs)
+                mark = stop(mark)
+                counts = fixed or count(args[0] if args else first_argument(args, kwargs))
+                record(mark, counts, out, 0, None)
+                return out
+
+        else:  # the common case, kept lean: the step's windows are the optimizer steps
+            add, log, every = tally.add, recorder.log, settings.every
+
+            @functools.wraps(func)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                before = step.position
+                mark = start()
+                out = func(*args, **kwargs)
+                mark = stop(mark)
+                s, t, f = fixed or count(args[0] if args else first_argument(args, kwargs))
+                if before == 0 and tally.open_calls:
+                    tally.end_window()  # the window was stepped between calls (flush())
+                if add(mark, s, t, f, step.position == 0) and every and tally.steps % every == 0:
+                    log()
+                return out
 
         wrapped: Any = wrapper
         wrapped.speed_report = self

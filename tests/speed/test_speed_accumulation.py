@@ -212,3 +212,12 @@ def test_loss_does_not_enter_the_count() -> None:
         lambda x: F.mse_loss(model(x), torch.zeros(2, 1)), torch.ones(2, 4), model=model
     )
     assert flops.total == 2 * 2 * 4 * 1 * 2
+
+
+def test_numpy_numbers_count_like_python_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    meter = speed_report(samples=np.int64(4), tokens=lambda b: np.int32(b), file=None)
+    for n in (1, 2):
+        with meter.measure(n):
+            pass
+    assert (meter.total.samples, meter.total.tokens) == (8.0, 3.0)
