@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from .._check import describe
+from .._dist import group_world_size
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .stepper import OptimizerStep
@@ -330,6 +331,15 @@ def save(parts: StepParts) -> dict[str, Any]:
             "take this state too). Take it after the window's optimizer step "
             "(step.position == 0), or call step.flush() first."
         )
+    if window.position and _ddp_ranks(parts.sync):
+        raise RuntimeError(
+            f"AutocastStep.state_dict() mid-window ({window.position} of "
+            f"{window.accumulate} micro-steps) under DDP: the window's micro-steps ran "
+            "without gradient sync, so each rank holds its own gradients, and the usual "
+            "save on rank 0 would lose the others' (preserve_state(extra=(step,)) and "
+            "warmup(amp=step) take this state too). Checkpoint at a window boundary "
+            "(step.position == 0), or call step.flush() first."
+        )
     return capture(
         accumulate=window.accumulate,
         window=window,
@@ -357,6 +367,13 @@ def load(parts: StepParts, state: Mapping[str, Any]) -> None:
             "step trains an FSDP2 model, whose accumulated gradients cannot be restored. "
             "Resume from a checkpoint taken at a window boundary (step.position == 0)."
         )
+    if restored.position and _ddp_ranks(parts.sync):
+        raise ValueError(
+            f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
+            "step trains a DDP model on several ranks, where each rank's window holds its "
+            "own unsynced gradients; one saved state cannot stand for all of them. Resume "
+            "from a checkpoint taken at a window boundary (step.position == 0)."
+        )
     saved_buffers = state.get("window_buffers")
     buffers = parts.buffers
     checked = (
@@ -375,6 +392,11 @@ def load(parts: StepParts, state: Mapping[str, Any]) -> None:
         saved_buffers=checked,
         sync_active=parts.sync.active,
     )
+
+
+def _ddp_ranks(sync: GradSync) -> bool:
+    """Whether the step trains a DDP model across more than one rank."""
+    return sync.kind == "ddp" and group_world_size() > 1
 
 
 def restore_exact(parts: StepParts, state: Mapping[str, Any]) -> None:

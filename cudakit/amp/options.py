@@ -8,13 +8,14 @@ precision, before the step builds anything (configuration apart from per-call st
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from .._check import check_bool, check_int, check_number, check_optional
+from .._check import check_bool, check_int, check_number, check_optional, describe
 from .policy import (
     Capabilities,
     Precision,
@@ -28,9 +29,12 @@ from .policy import (
 __all__ = [
     "StepOptions",
     "check_compile",
+    "check_fp16_weights",
+    "check_model_owns",
     "check_optimizers",
     "check_schedulers",
     "compile_fn",
+    "compile_forward",
     "device_type_of",
     "resolve_options",
 ]
@@ -81,7 +85,62 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
             "autocast_step() got the same optimizer twice in its list; each optimizer "
             "steps once per step, so list each one once."
         )
+    _check_shared(optimizers)
     return optimizers
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _check_shared(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Refuse a parameter held by two optimizers: both would step it, twice per step."""
+    if len(optimizers) == 1:
+        return
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for p in _params(opt):
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(
+                    f"autocast_step() got a parameter of shape {tuple(p.shape)} in optimizer "
+                    f"{j} ({type(optimizers[j]).__name__}) and in optimizer {i} "
+                    f"({type(opt).__name__}): both would step it, twice per step. Give each "
+                    "parameter to one optimizer once (e.g. split model.named_parameters() "
+                    "by name or shape)."
+                )
+
+
+def check_model_owns(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer none of whose parameters is in ``model`` (a stray optimizer).
+
+    ``model``'s forward never gives it gradients, and under DDP or FSDP2 they would not
+    be reduced across ranks either.
+    """
+    mine = {id(p) for p in model.parameters()}
+    for i, opt in enumerate(optimizers):
+        if not any(id(p) in mine for p in _params(opt)):
+            raise ValueError(
+                f"autocast_step(model=...): optimizer {i} ({type(opt).__name__}) has none of "
+                f"the model's parameters, so the {type(model).__name__}'s forward never gives "
+                "it gradients (and under DDP or FSDP2 nothing would reduce them across ranks). "
+                "Pass the outer module that holds every optimizer's parameters as model=, or "
+                "leave that optimizer out and step it yourself."
+            )
+
+
+def check_fp16_weights(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Refuse float16 parameters when a GradScaler unscales their gradients."""
+    half = sum(p.dtype == torch.float16 for opt in optimizers for p in _params(opt))
+    if half:
+        raise ValueError(
+            f"autocast_step(dtype=torch.float16): {half} of the optimizer's parameters are "
+            "float16 (model.half()?), and loss scaling cannot unscale float16 gradients "
+            "(torch: 'Attempting to unscale FP16 gradients'). Mixed precision keeps float32 "
+            "master weights and runs the compute in float16 under autocast: drop "
+            "model.half(). To train float16 weights as they are, pass "
+            "scaler=torch.amp.GradScaler(enabled=False) (no loss scaling)."
+        )
 
 
 def _needs_closure(opt: torch.optim.Optimizer) -> bool:
@@ -152,6 +211,83 @@ def device_type_of(params: Sequence[torch.Tensor]) -> str:
 
 
 _COMPILE_OPTIONS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options", "disable"})
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Backends every torch has: no need to import dynamo to list them.
+_KNOWN_BACKENDS = frozenset({"inductor", "eager", "aot_eager", "cudagraphs"})
+
+
+def _compile_fail(
+    error: type[Exception], key: str, expected: str, value: object, fix: str
+) -> NoReturn:
+    raise error(
+        f"autocast_step(compile=...) expects compile[{key!r}] to be {expected}, got "
+        f"{describe(value)}. {fix}"
+    )
+
+
+def _check_compile_values(options: Mapping[str, Any]) -> None:
+    """The values of ``compile=``'s options, as torch.compile takes them."""
+    for key in ("fullgraph", "disable"):
+        if key in options and not isinstance(options[key], bool):
+            _compile_fail(TypeError, key, "True or False", options[key], f"Pass {key}=True.")
+    dynamic = options.get("dynamic")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        _compile_fail(
+            TypeError,
+            "dynamic",
+            "True, False or None",
+            dynamic,
+            "None (the default) lets torch.compile mark a size dynamic once it changes.",
+        )
+    mode = options.get("mode")
+    if mode is not None:
+        expected = (
+            "a str or None"
+            if not isinstance(mode, str)
+            else "one of " + ", ".join(repr(m) for m in _COMPILE_MODES)
+        )
+        if mode not in _COMPILE_MODES:
+            error = TypeError if not isinstance(mode, str) else ValueError
+            _compile_fail(
+                error, "mode", expected, mode, "For example compile={'mode': 'max-autotune'}."
+            )
+    backend = options.get("backend")
+    if backend is not None:
+        if isinstance(backend, str):
+            known = _KNOWN_BACKENDS
+            if backend not in known:
+                known = frozenset(torch.compiler.list_backends(exclude_tags=()))
+            if backend not in known:
+                _compile_fail(
+                    ValueError,
+                    "backend",
+                    "a name from torch.compiler.list_backends()",
+                    backend,
+                    f"Known here: {sorted(known)}.",
+                )
+        elif not callable(backend):
+            _compile_fail(
+                TypeError,
+                "backend",
+                "a backend name or a callable",
+                backend,
+                "For example 'inductor'.",
+            )
+    inductor = options.get("options")
+    if inductor is not None:
+        if not isinstance(inductor, Mapping) or not all(isinstance(k, str) for k in inductor):
+            _compile_fail(
+                TypeError,
+                "options",
+                "a dict of inductor options with str keys, or None",
+                inductor,
+                "For example compile={'options': {'max_autotune': True}}.",
+            )
+        if mode is not None:
+            raise ValueError(
+                f"autocast_step(compile=...) got mode={mode!r} and options=...; torch.compile "
+                "takes mode= or options=, not both. Put the settings in options=, or drop it."
+            )
 
 
 def check_compile(value: object) -> dict[str, Any] | None:
@@ -168,6 +304,7 @@ def check_compile(value: object) -> dict[str, Any] | None:
                 f"{unknown}; expected some of {sorted(_COMPILE_OPTIONS)}, e.g. "
                 "compile={'mode': 'max-autotune'}."
             )
+        _check_compile_values(value)
         return dict(value)
     raise TypeError(
         f"autocast_step(compile=...) expects True, False or a dict of torch.compile options, "
@@ -180,6 +317,22 @@ def compile_fn(
     fn: Callable[..., Any], options: Mapping[str, Any], **forced: Any
 ) -> Callable[..., Any]:
     return torch.compile(fn, **{**options, **forced})
+
+
+def compile_forward(
+    func: Callable[..., Any],
+    options: Mapping[str, Any],
+    device_type: str,
+    dtype: torch.dtype,
+    enabled: bool,
+) -> Callable[..., Any]:
+    """``func`` under autocast, compiled: autocast inside the graph, no step object traced."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return func(*args, **kwargs)
+
+    return compile_fn(functools.wraps(func)(forward), options)
 
 
 class StepOptions(NamedTuple):
@@ -259,6 +412,8 @@ def resolve_options(
             f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
             f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
         )
+    if model is not None:
+        check_model_owns(model, optimizers)
     schedulers = check_schedulers(scheduler, optimizers)
     compile_options = check_compile(compile)
     if isinstance(scaler, type):
@@ -311,6 +466,8 @@ def resolve_options(
             "Drop scaler=..., or pass dtype=torch.float16."
         )
     check_autocast(device_type, precision.dtype, precision.autocast)
+    if precision.scaler and not disabled:
+        check_fp16_weights(optimizers)
     if precision.scaler and scaler is None:
         scaler = torch.amp.GradScaler(device_type)
     if requested is None:

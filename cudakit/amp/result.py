@@ -72,7 +72,12 @@ def extract_loss(output: object) -> tuple[torch.Tensor, object]:
     ``{"loss": summed_loss, "weight": count, ...}`` (a token-weighted loss).
     """
     # Fast path: a plain tensor that passes every check below (errors come from the slow path).
-    if type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
+    if (
+        type(output) is torch.Tensor
+        and output.requires_grad
+        and output.numel() == 1
+        and output.is_floating_point()
+    ):
         return output, None
     weight: object = None
     if isinstance(output, torch.Tensor):
@@ -103,6 +108,18 @@ def extract_loss(output: object) -> tuple[torch.Tensor, object]:
         raise TypeError(
             f"autocast_step: the loss must be a torch.Tensor, got {type(loss).__name__} "
             f"{loss!r}. Return the loss tensor itself, not loss.item()."
+        )
+    if not loss.is_floating_point():
+        raise TypeError(
+            "autocast_step: the loss must be a real floating-point tensor, got dtype "
+            f"{loss.dtype}. "
+            + (
+                "A complex loss has no single direction to minimise: return its real part, "
+                "its abs() or a norm."
+                if loss.is_complex()
+                else "An integer or bool loss has no gradient: compute it in floating point "
+                "(e.g. count.float())."
+            )
         )
     if loss.numel() != 1:
         raise ValueError(

@@ -8,31 +8,29 @@ runs a call: open the window (clear the gradients of the step's parameters, wher
 hand-written loop calls ``opt.zero_grad()``), forward under autocast, backward (divided
 by ``accumulate``, or summed for token-weighted losses; scaled for fp16), and hand a
 full window to the stepper. It also holds the two forms (decorator, ``with`` +
-``backward``), ``flush`` and the checkpoints.
+``backward``; the block itself is in ``block``), ``flush`` and the checkpoints.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
+import weakref
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from contextvars import ContextVar, Token
-from types import TracebackType
 from typing import Any, cast
 
 import torch
-from typing_extensions import ParamSpec, Self
+from typing_extensions import ParamSpec
 
 from .._check import for_attribute
 from . import checkpoint, misuse
+from .block import ACTIVE, Block, BlockState
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .ops import zero_grad
-from .options import check_accumulate, check_max_skipped, compile_fn, resolve_options
+from .options import check_accumulate, check_max_skipped, compile_forward, resolve_options
 from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
 from .stepper import OptimizerStep
-from .window import GradSync, Window
+from .window import GradSync, Window, backward_in_window, reached_any
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
 
@@ -44,13 +42,10 @@ P = ParamSpec("P")
 _DEFAULT_MAX_SKIPPED_FP16 = 20
 _DEFAULT_MAX_SKIPPED = 10
 
-# (step, form) of the autocast_step call running in this thread/task, if any.
-_ACTIVE: ContextVar[tuple[AutocastStep, str] | None] = ContextVar(
-    "cudakit_autocast_step_active", default=None
-)
+_ACTIVE = ACTIVE  # (step, form) of the autocast_step call running here, if any
 
 
-class AutocastStep:
+class AutocastStep(Block, misuse.AttributeGuard):
     """A mixed-precision training step: build it with :func:`autocast_step`.
 
     Use it as a decorator over the loss function (``@step``), or explicitly with
@@ -147,19 +142,13 @@ class AutocastStep:
         self._window = Window(options.accumulate)
         self._sync = GradSync(model)
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
-        self._block: (
-            tuple[
-                Token[tuple[AutocastStep, str] | None],
-                torch.autocast,
-                AbstractContextManager[Any] | None,
-            ]
-            | None
-        ) = None
+        self._block: BlockState | None = None
         self._warned_block_compile = False
         # From `with step:` until its backward(): the micro-step's sync is decided.
         self._awaiting_backward = False
         self._as_decorated = (self, "decorated")
         self._as_block = (self, "block")
+        self._sealed = True  # from here on, a public attribute is not set (a typo, read-only)
 
     # ------------------------------------------------------------------ read-only state
 
@@ -295,13 +284,9 @@ class AutocastStep:
         """With ``compile=``: ``func`` under autocast, compiled (autocast inside the graph)."""
         if self.compile_options is None:
             return None
-        device_type, dtype, enabled = self.device_type, self.dtype, self.enabled
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                return func(*args, **kwargs)
-
-        return compile_fn(functools.wraps(func)(forward), self.compile_options)
+        return compile_forward(
+            func, self.compile_options, self.device_type, self.dtype, self.enabled
+        )
 
     def _forward(
         self, func: Callable[..., Any], compiled: Callable[..., Any] | None, args: Any, kwargs: Any
@@ -329,81 +314,26 @@ class AutocastStep:
             if not window.cleared:
                 # Before the forward, where a hand-written loop calls zero_grad(): the
                 # forward's activations can then reuse the gradients' memory.
-                for opt in self.optimizers:
-                    zero_grad(opt)
-                window.cleared = True
+                self._clear_grads()
+            elif window.position:  # a zero_grad() left in the loop: refused before the forward
+                window.check_grads(self._stepper.params())
             if self._buffers is not None and not self._buffers.saved:
                 self._buffers.save()
             if self._sync.active and not window.closes_next():
                 with self._sync.paused():
                     output = self._forward(func, compiled, args, kwargs)
                     loss, weight = extract_loss(output)
-                    self._backward(loss, weight)
+                    weight = self._backward(loss, weight)
                     window.unsynced = True
             else:
                 output = self._forward(func, compiled, args, kwargs)
                 loss, weight = extract_loss(output)
-                self._backward(loss, weight)
-            return self._after_backward(loss.detach(), output)
+                weight = self._backward(loss, weight)
+            return self._after_backward(loss.detach(), output, weight)
         finally:
             _ACTIVE.reset(token)
 
     # ------------------------------------------------------------------ explicit form
-
-    def __enter__(self) -> Self:
-        """Enter autocast (and pause gradient sync when this micro-step will not step)."""
-        active = _ACTIVE.get()
-        if active is not None:
-            raise misuse.nested_error(active[0] is self)
-        token = _ACTIVE.set(self._as_block)
-        paused: AbstractContextManager[Any] | None = None
-        autocast: torch.autocast | None = None
-        try:
-            if self._sync.active and not self._window.closes_next():
-                paused = self._sync.paused()
-                paused.__enter__()
-            autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
-            autocast.__enter__()
-            if self._buffers is not None and not self._buffers.saved:
-                self._buffers.save()
-        except BaseException:
-            self._unwind(token, autocast, paused, None, None, None)
-            raise
-        self._block = (token, autocast, paused)
-        self._awaiting_backward = True
-        return self
-
-    @staticmethod
-    def _unwind(
-        token: Token[tuple[AutocastStep, str] | None],
-        autocast: torch.autocast | None,
-        paused: AbstractContextManager[Any] | None,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leave what ``__enter__`` entered, innermost first, each even if another raised."""
-        try:
-            if autocast is not None:
-                autocast.__exit__(exc_type, exc, tb)
-        finally:
-            try:
-                if paused is not None:
-                    paused.__exit__(exc_type, exc, tb)
-            finally:
-                _ACTIVE.reset(token)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        block, self._block = self._block, None
-        if exc_type is not None:
-            self._awaiting_backward = False  # the micro-step was abandoned
-        if block is not None:
-            self._unwind(*block, exc_type, exc, tb)
 
     def backward(self, loss: object) -> StepResult:
         """Backpropagate ``loss`` and, when the window is full, step the optimizers.
@@ -411,7 +341,8 @@ class AutocastStep:
         The explicit form for loops that cannot be wrapped in a function: compute the
         loss inside ``with step:`` (autocast, plus paused gradient sync on micro-steps
         that do not step), then call this after the block, as torch recommends for
-        backward.
+        backward. An exception inside the backward (or Ctrl-C) leaves the window as it
+        was before this micro-step.
 
         >>> import cudakit.amp as amp
         >>> model = torch.nn.Linear(3, 1)
@@ -433,9 +364,12 @@ class AutocastStep:
             What this call did, as a ``StepResult``.
 
         Raises:
-            TypeError: ``loss`` holds no loss tensor.
-            ValueError: the loss is not a scalar or does not require grad.
-            RuntimeError: called inside a decorated step function.
+            TypeError: ``loss`` holds no loss tensor, or not a real floating-point one.
+            ValueError: the loss is not a scalar or does not require grad, or the
+                window's losses reached none of the optimizers' parameters.
+            RuntimeError: called inside a decorated step function; the loss tensor of
+                the previous call came again; the window's gradients were cleared
+                since its last micro-step (a ``zero_grad()`` left in the loop).
             NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
         """
         active = _ACTIVE.get()
@@ -444,32 +378,32 @@ class AutocastStep:
         tensor, weight = extract_loss(loss)
         if self.compile_options is not None and not self._warned_block_compile:
             self._warned_block_compile = True
-            warnings.warn(
-                "autocast_step(compile=...) compiles the decorated loss function; a loss "
-                "computed yourself and passed to step.backward() ran as written, "
-                "uncompiled. Decorate the function that computes the loss (@step), or "
-                "compile the model yourself (model = torch.compile(model)).",
-                UserWarning,
-                stacklevel=2,
-            )
+            misuse.warn_block_compile()
         block = self._block
         if block is None and self._sync.active and not self._window.closes_next():
             # backward() after the block closed: pause the sync around backward itself.
             with self._sync.paused():
-                self._backward(tensor, weight)
+                weight = self._backward(tensor, weight)
                 self._window.unsynced = True
         else:
-            self._backward(tensor, weight)
+            weight = self._backward(tensor, weight)
             if block is not None and block[2] is not None:
                 self._window.unsynced = True
         self._awaiting_backward = False  # the micro-step is counted below
-        return self._after_backward(tensor.detach(), loss)
+        return self._after_backward(tensor.detach(), loss, weight)
 
     # ------------------------------------------------------------------ shared machinery
 
-    def _backward(self, loss: torch.Tensor, weight: object) -> None:
-        """Open the window if needed (clear the step's gradients), then backward."""
+    def _backward(self, loss: torch.Tensor, weight: object) -> torch.Tensor | None:
+        """Open the window if needed (clear the step's gradients), then backward.
+
+        Returns the token weight as a tensor (None: unweighted). A failed backward leaves
+        the window as it was before this micro-step (:func:`.window.backward_in_window`).
+        """
         window = self._window
+        seen, given = window.backwarded, loss
+        if seen is not None and seen() is loss:
+            raise misuse.same_loss_error(_ACTIVE.get() == self._as_decorated)
         weight_t: torch.Tensor | None = None
         if weight is not None:
             if window.weighted is False:
@@ -486,11 +420,20 @@ class AutocastStep:
             loss = scaler.scale(loss)
             if window.scale is None:
                 window.scale = cast(torch.Tensor, scaler._scale).clone()
-        loss.backward()
+        if window.position:  # a failure puts the window's gradients back
+            backward_in_window(loss, window, self._sync, self._stepper.params(), self._drop_window)
+        else:
+            try:
+                loss.backward()
+            except BaseException:
+                self._clear_grads()  # the window's first micro-step: no gradient stays
+                raise
+        window.backwarded = weakref.ref(given)
         # Counted only once its backward has run: a failed call adds no phantom weight.
         if weight_t is not None:
             window.add_weight(weight_t)
         window.weighted = weight_t is not None
+        return weight_t
 
     def _clear_grads(self) -> None:
         """Open the window: clear the gradients of the step's parameters (once per window)."""
@@ -498,14 +441,33 @@ class AutocastStep:
             zero_grad(opt)
         self._window.cleared = True
 
-    def _after_backward(self, loss: torch.Tensor, output: object) -> StepResult:
+    def _drop_window(self) -> None:
+        """Drop the open window: its gradients cleared, its buffers put back, position 0."""
+        self._clear_grads()
+        if self._buffers is not None:
+            self._buffers.restore()
+            self._buffers.forget()
+        self._window.clear()
+
+    def _check_reached(self) -> None:
+        """Refuse (and drop) a full window whose losses reached none of the parameters."""
+        if not reached_any(self.optimizers):
+            self._drop_window()
+            raise misuse.no_parameter_reached_error(len(self._stepper.params()))
+
+    def _after_backward(
+        self, loss: torch.Tensor, output: object, weight: torch.Tensor | None = None
+    ) -> StepResult:
         window = self._window
         if self.skip_nonfinite:
-            window.losses.append(loss)
+            # NaN where a token weight is negative (sqrt): the guard skips it, on the device.
+            window.losses.append(loss if weight is None else loss.add(weight.sqrt(), alpha=0))
         window.last_loss = loss
         window.position += 1
         if window.position < window.accumulate:
+            window.record(self._stepper.params())  # to notice a zero_grad() before the next
             return StepResult(loss, output, False, False, window.scale, None)
+        self._check_reached()
         return self._stepper.finish(window, loss, output, pending=None)
 
     # ------------------------------------------------------------------ epoch end, checkpoints
@@ -534,11 +496,17 @@ class AutocastStep:
             the last micro-batch's), or None when nothing was pending.
 
         Raises:
-            RuntimeError: called inside a step function or a ``with step:`` block.
+            RuntimeError: called inside a step function or a ``with step:`` block, or
+                before that block's ``step.backward(loss)``; under DDP with a
+                communication hook (``register_comm_hook``), which the flush cannot
+                run (nothing is changed).
+            ValueError: the window's losses reached none of the optimizers' parameters.
             NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
         """
         if _ACTIVE.get() is not None:
             raise misuse.flush_inside_error()
+        if self._awaiting_backward:
+            raise misuse.flush_before_backward_error()
         self._stepper.settle()
         window = self._window
         if window.position == 0:
@@ -547,6 +515,7 @@ class AutocastStep:
         loss = window.last_loss if window.last_loss is not None else torch.zeros(())
         if window.unsynced:
             self._sync.sync_partial(self._stepper.grads)
+        self._check_reached()  # (after FSDP2 has put the pending gradients in .grad)
         return self._stepper.finish(window, loss, None, pending=pending)
 
     def state_dict(self) -> dict[str, Any]:
@@ -560,6 +529,11 @@ class AutocastStep:
         >>> state = step.state_dict()
         >>> state["position"], state["steps"], state["scaler"]
         (0, 0, None)
+
+        Raises:
+            RuntimeError: mid-window under FSDP2, or under DDP on several ranks (each
+                rank's window holds its own gradients): checkpoint at a window boundary
+                (``step.position == 0``), or call :meth:`flush` first.
         """
         return checkpoint.save(self._parts())
 
@@ -590,5 +564,8 @@ class AutocastStep:
             TypeError: the state, or a field of it, has the wrong kind.
             ValueError: a field is out of range, or the state is from an incompatible
                 step (other accumulate mid-window, scaler on/off, other parameters).
+            RuntimeError: called inside the step function or ``with step:``, or before
+                that block's ``step.backward(loss)``.
         """
+        misuse.check_idle(self, _ACTIVE.get(), self._awaiting_backward)
         checkpoint.load(self._parts(), state)

@@ -5,6 +5,15 @@ optimizer step. :class:`Window` counts them and keeps what the step needs at the
 end: the micro-batch losses (for the non-finite guard) and, for token-weighted
 losses, the running sum of the weights, on the device (no host sync).
 
+Between micro-steps it remembers which tensors hold the window's gradients, so a
+``zero_grad()`` left in the loop is noticed. :func:`backward_in_window` runs a
+micro-step's backward so that a failure (an exception, Ctrl-C) leaves the window as
+it was before: after the first micro-step, the window's gradients are set aside
+(``.grad`` set to None, no copy), the micro-step's own land in ``.grad``, and after
+a good backward they are added in place, as autograd would have (same order, same
+bits); after a failed one the window's are put back. The cost: one micro-step's
+gradients are held beside the window's until its backward ends.
+
 :class:`GradSync` turns gradient communication off for micro-steps that do not
 step: ``no_sync()`` on DDP, ``set_requires_gradient_sync(False)`` on FSDP2 modules,
 and brings a partial window's gradients in line across ranks for ``flush()``.
@@ -13,6 +22,7 @@ and brings a partial window's gradients in line across ranks for ``flush()``.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -20,8 +30,9 @@ from typing import Any
 import torch
 
 from .._dist import group_world_size
+from . import misuse
 
-__all__ = ["GradSync", "Window"]
+__all__ = ["GradSync", "Window", "backward_in_window", "ddp_comm_hook", "reached_any"]
 
 
 class Window:
@@ -29,10 +40,12 @@ class Window:
 
     __slots__ = (
         "accumulate",
+        "backwarded",
         "cleared",
         "last_loss",
         "losses",
         "position",
+        "recorded",
         "scale",
         "unsynced",
         "weight",
@@ -49,6 +62,10 @@ class Window:
         self.cleared = False  # the step's gradients were cleared for this window
         self.scale: torch.Tensor | None = None  # the loss scale this window's losses used
         self.last_loss: torch.Tensor | None = None  # the last micro-batch's loss, detached
+        # The window's gradient tensors after its last micro-step.
+        self.recorded: list[torch.Tensor | None] | None = None
+        # The loss tensor of the last good backward (any window), to refuse it twice.
+        self.backwarded: Callable[[], torch.Tensor | None] | None = None
 
     @property
     def opening(self) -> bool:
@@ -73,6 +90,103 @@ class Window:
         self.cleared = False
         self.scale = None
         self.last_loss = None
+        self.recorded = None
+
+    def record(self, params: list[torch.Tensor]) -> None:
+        """Remember the window's gradients after a micro-step, when the window goes on."""
+        self.recorded = [p.grad for p in params]
+
+    def check_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The gradients now; raise if the window's were cleared or replaced since its last
+        micro-step (a ``zero_grad()`` left in the loop). Parameters added mid-window are
+        not compared, nor values: zeroing in place (``set_to_none=False``) goes unseen."""
+        grads = [p.grad for p in params]
+        recorded = self.recorded
+        if (
+            recorded is not None
+            and len(recorded) == len(grads)
+            and not all(map(operator.is_, grads, recorded))
+        ):
+            cleared = any(g is None for g, r in zip(grads, recorded, strict=True) if r is not None)
+            raise misuse.grads_changed_error(self.position, self.accumulate, cleared)
+        return grads
+
+
+def reached_any(optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+    """Whether any parameter of ``optimizers`` has a gradient (stops at the first)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    return True
+    return False
+
+
+def _set_aside(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        if g is not None:
+            p.grad = None
+
+
+def _merge(params: list[torch.Tensor], aside: list[torch.Tensor | None]) -> None:
+    """Add a good micro-step's gradients into the window's set aside, as autograd would."""
+    olds: list[torch.Tensor] = []
+    news: list[torch.Tensor] = []
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, old in zip(params, aside, strict=True):
+        if old is None:
+            continue  # the micro-step's gradient (or none) is the window's now
+        new = p.grad
+        if new is None:
+            back.append((p, old))
+        elif old.is_sparse and not new.is_sparse:
+            back.append((p, new + old))  # autograd's way for a dense onto a sparse gradient
+        elif old.layout == torch.strided and new.layout == torch.strided:
+            olds.append(old)
+            news.append(new)
+            back.append((p, old))
+        else:
+            old += new
+            back.append((p, old))
+    if olds:
+        torch._foreach_add_(olds, news)
+    for p, g in back:
+        p.grad = g
+
+
+def backward_in_window(
+    loss: torch.Tensor,
+    window: Window,
+    sync: GradSync,
+    params: list[torch.Tensor],
+    drop: Callable[[], None],
+) -> None:
+    """``loss.backward()`` as a micro-step after a window's first; a failure changes nothing.
+
+    The window's gradients are checked (a ``zero_grad()`` left in the loop), set aside
+    during the backward and added back after it, or put back if it fails. Where they
+    cannot be set aside, in a micro-step that DDP synchronises (its reducer reads the
+    accumulated ``.grad``) and under FSDP2 (which keeps unsynced gradients inside
+    itself), a failure drops the window (``drop``) and the exception says so.
+    """
+    grads = window.check_grads(params)
+    aside = sync.kind != "fsdp" and not (sync.active and window.closes_next())
+    if aside:
+        _set_aside(params, grads)
+    try:
+        loss.backward()
+    except BaseException as exc:
+        if aside:
+            for p, old in zip(params, grads, strict=True):
+                p.grad = old
+        else:
+            note = misuse.dropped_window_note(sync.kind, window.position)
+            drop()
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(note)
+        raise
+    if aside:
+        _merge(params, grads)
 
 
 class GradSync:
@@ -122,6 +236,9 @@ class GradSync:
         if group_world_size() <= 1:
             return
         if self.kind == "ddp":
+            hook = ddp_comm_hook(self.model)
+            if hook is not None:
+                raise misuse.comm_hook_flush_error(hook)
             dist = torch.distributed
             group = getattr(self.model, "process_group", None)
             world = dist.get_world_size(group)
@@ -130,6 +247,16 @@ class GradSync:
                 g.div_(world)
         elif self.kind == "fsdp":
             _fsdp_reduce_pending(self.model)
+
+
+def ddp_comm_hook(model: Any) -> str | None:
+    """The name of the communication hook registered on a DDP model, or None."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    name = logging_data().get("comm_hook") if callable(logging_data) else None
+    if not name:
+        hooks = getattr(model, "_comm_hooks", None) or []
+        name = getattr(hooks[0][0], "__qualname__", repr(hooks[0][0])) if hooks else None
+    return str(name) if name else None
 
 
 def _fsdp_reduce_pending(model: Any) -> None:
