@@ -14,10 +14,25 @@ gradient sync), ``buffers`` (buffer snapshots for skipped steps), ``counters``,
 dicts, saved and loaded), ``misuse`` (what misuse raises), ``options`` and ``ops``,
 ``step``: the :class:`AutocastStep` that composes
 them into the decorator and the explicit form, and ``factory``: :func:`autocast_step`.
+What a step watches besides inf/NaN: ``spikes`` (loss-spike skipping), ``locate``
+(naming the first producer of an inf/NaN, :func:`find_nonfinite`) and ``watch`` (their
+part of the step).
 """
 
 from .factory import autocast_step
+from .locate import NonFiniteSource, NonFiniteWarning, find_nonfinite
 from .result import Verdict
+from .spikes import SpikeRule
 from .step import AutocastStep, SteppedFunction, StepResult
 
-__all__ = ["AutocastStep", "StepResult", "SteppedFunction", "Verdict", "autocast_step"]
+__all__ = [
+    "AutocastStep",
+    "NonFiniteSource",
+    "NonFiniteWarning",
+    "SpikeRule",
+    "StepResult",
+    "SteppedFunction",
+    "Verdict",
+    "autocast_step",
+    "find_nonfinite",
+]

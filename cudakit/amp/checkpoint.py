@@ -340,7 +340,7 @@ def save(parts: StepParts) -> dict[str, Any]:
             "warmup(amp=step) take this state too). Checkpoint at a window boundary "
             "(step.position == 0), or call step.flush() first."
         )
-    return capture(
+    state = capture(
         accumulate=window.accumulate,
         window=window,
         counters=parts.counters,
@@ -348,6 +348,8 @@ def save(parts: StepParts) -> dict[str, Any]:
         params=parts.stepper.params(),
         buffers=parts.buffers,
     )
+    state.update(parts.stepper.watch.state(parts.counters))  # loss spikes (skip_spikes=)
+    return state
 
 
 def load(parts: StepParts, state: Mapping[str, Any]) -> None:
@@ -381,6 +383,7 @@ def load(parts: StepParts, state: Mapping[str, Any]) -> None:
         if buffers is not None and saved_buffers is not None and restored.position
         else None
     )
+    apply_watch = parts.stepper.watch.check_state(state)  # loss spikes; absent before 0.2
     parts.stepper.forget_pending()  # verdicts of windows the checkpoint replaces
     apply(
         restored,
@@ -392,6 +395,7 @@ def load(parts: StepParts, state: Mapping[str, Any]) -> None:
         saved_buffers=checked,
         sync_active=parts.sync.active,
     )
+    apply_watch(parts.counters)
 
 
 def _ddp_ranks(sync: GradSync) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .spikes import SpikeRule
 from .step import AutocastStep
 
 __all__ = ["autocast_step"]
@@ -29,6 +30,8 @@ def autocast_step(
     skip_nonfinite: bool = True,
     max_skipped: int | None = None,
     compile: bool | Mapping[str, Any] = False,
+    skip_spikes: bool | str | SpikeRule | None = False,
+    locate_nonfinite: bool = False,
 ) -> AutocastStep:
     """Build a mixed-precision training step: autocast, scaling, clipping, accumulation, guard.
 
@@ -86,6 +89,20 @@ def autocast_step(
             Applies to the decorated form; in the explicit form (``with step:`` and
             ``step.backward(loss)``) your code runs as written (compile the model
             yourself there), and the first ``backward()`` warns once.
+        skip_spikes: skip a window whose loss (or gradient norm) is an outlier against
+            the running mean and variance of the windows accepted before it, as a
+            non-finite window is skipped, decided on the device. ``True`` (the default
+            :class:`~cudakit.amp.SpikeRule`: the loss, 6 standard deviations, 20 windows
+            of warm-up), ``"loss"``, ``"grad_norm"``, or a ``SpikeRule(...)``; False
+            (default) turns it off. Needs ``skip_nonfinite=True``. Counted in
+            ``StepResult.spike`` and ``spike_steps``, saved in ``state_dict()``.
+        locate_nonfinite: when a window is skipped for an inf/NaN, replay its
+            micro-batches' forward and backward with hooks and name the first module
+            that produced one: a :class:`~cudakit.amp.NonFiniteWarning` and
+            ``StepResult.nonfinite``. The replay changes nothing you own. It keeps a
+            reference to each micro-batch's arguments until its window's verdict is
+            read; nothing else runs until a window is skipped. Decorated step
+            functions only (not ``step.backward(loss)``), not FSDP2.
 
     Returns:
         The step object, usable as ``@decorator`` or as ``with step:`` plus
@@ -94,13 +111,15 @@ def autocast_step(
 
     Raises:
         TypeError: ``optimizer`` is not an optimizer, or an option has the wrong type.
-        ValueError: an option is out of range, the optimizer has no parameters, or the
-            device cannot run the requested dtype.
+        ValueError: an option is out of range, the optimizer has no parameters, the
+            device cannot run the requested dtype, or ``skip_spikes``/``locate_nonfinite``
+            come with ``skip_nonfinite=False``.
 
     .. versionadded:: 0.1
     .. versionchanged:: 0.2
        Several optimizers and schedulers, FSDP2, token-weighted accumulation, gradients
-       cleared when a window opens, native-only ``"auto"`` precision.
+       cleared when a window opens, native-only ``"auto"`` precision, ``skip_spikes``
+       and ``locate_nonfinite``.
     """
     return AutocastStep(
         optimizer,
@@ -114,4 +133,6 @@ def autocast_step(
         skip_nonfinite=skip_nonfinite,
         max_skipped=max_skipped,
         compile=compile,
+        skip_spikes=skip_spikes,
+        locate_nonfinite=locate_nonfinite,
     )

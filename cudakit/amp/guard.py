@@ -124,78 +124,101 @@ class NonFiniteGuard:
         self,
         found: torch.Tensor | None,
         scaler_found: list[dict[torch.device, torch.Tensor]] | None = None,
-    ) -> torch.Tensor | None:
-        """One verdict tensor: ``found`` plus the scaler's per-optimizer flags, MAX over ranks.
+        ride: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One verdict tensor, > 0 iff any rank saw an inf/NaN; and ``ride`` summed over ranks.
 
-        Under ``torch.distributed`` the all-reduce runs here; the scaler's flags are
+        ``found`` plus the scaler's per-optimizer flags, MAX over ranks: under
+        ``torch.distributed`` the all-reduce runs here; the scaler's flags are
         overwritten with the combined verdict, so every rank's scaler backs off (or
         not) together and every optimizer of the step skips (or not) together.
+
+        ``ride`` (a 0-dim float32 tensor: a rank's share of the loss a spike rule
+        watches) travels in the same all-reduce, which then sums: the verdict comes back
+        as the number of ranks that saw a non-finite value (clamped to 1 for the
+        optimizers), ``ride`` as its sum over ranks. One collective either way.
         """
-        if not scaler_found:
-            if found is not None and self.world > 1:
-                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-            return found
-        flags = [f for per_opt in scaler_found for f in per_opt.values()]
-        for flag in flags:
-            found = flag.clone() if found is None else found + flag.to(found.device)
+        if scaler_found:
+            flags = [f for per_opt in scaler_found for f in per_opt.values()]
+            for flag in flags:
+                found = flag.clone() if found is None else found + flag.to(found.device)
+        else:
+            flags = []
         if found is None:
-            return None
+            if ride is None:
+                return None, None
+            found = torch.zeros(1, dtype=torch.float32, device=ride.device)
         if self.world > 1:
-            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            if ride is None:
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            else:
+                packed = torch.cat([found.reshape(1), ride.to(found.device).reshape(1)])
+                torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
+                found, ride = packed[:1].clamp(max=1), packed[1]
         # The scaler then steps (or not) on the whole verdict: losses, optimizers, ranks.
         for flag in flags:
             flag.copy_(found.reshape(flag.shape).clamp(max=1).to(flag.device))
-        return found
+        return found, ride
 
 
 class VerdictMailbox:
     """Verdict tensors posted by sync-free steps, read back on the host later.
 
-    A post enqueues a copy of the verdict into a small host buffer (pinned, with a
-    CUDA event, on a GPU), so nothing waits. :meth:`drain` reads the posted verdicts
-    in order: after the event (already passed one step later) and straight from the
-    host buffer's memory, so the read itself launches nothing and syncs nothing more.
+    A post enqueues a copy of the verdict (and of what a spike rule watches, riding
+    with it) into a small host buffer (pinned, with a CUDA event, on a GPU), so nothing
+    waits. :meth:`drain` reads the posted values in order: after the event (already
+    passed one step later) and straight from the host buffer's memory, so the read
+    itself launches nothing and syncs nothing more.
     """
 
     def __init__(self) -> None:
-        self._posted: list[tuple[torch.Tensor, Any, ctypes.c_float]] = []
-        self._free: list[tuple[torch.Tensor, ctypes.c_float]] = []
+        self._posted: list[tuple[torch.Tensor, Any, Any]] = []
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 
     def __len__(self) -> int:
         return len(self._posted)
 
-    def post(self, verdict: torch.Tensor) -> None:
-        """Enqueue the device-to-host copy of a 1-element float32 verdict."""
-        if self._free:
-            host, cell = self._free.pop()
+    def post(self, values: torch.Tensor) -> None:
+        """Enqueue the device-to-host copy of a float32 verdict (its first value) and extras."""
+        n = values.numel()
+        free = self._free.get(n)
+        if free:
+            host, cells = free.pop()
         else:
-            pin = verdict.device.type == "cuda"
-            host = torch.empty(1, dtype=torch.float32, pin_memory=pin)
-            cell = ctypes.c_float.from_address(host.data_ptr())
+            pin = values.device.type == "cuda"
+            host = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+            kind = ctypes.c_float if n == 1 else ctypes.c_float * n
+            cells = kind.from_address(host.data_ptr())
         event: Any = None
-        if verdict.device.type == "cuda":
-            host.copy_(verdict.reshape(1), non_blocking=True)
+        if values.device.type == "cuda":
+            host.copy_(values.reshape(n), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:  # the CPU (already in order), or another accelerator (a plain copy)
-            host.copy_(verdict.reshape(1))
-        self._posted.append((host, event, cell))
+            host.copy_(values.reshape(n))
+        self._posted.append((host, event, cells))
 
     def drain(self) -> list[bool]:
         """True for each posted verdict that found an inf/NaN, oldest first; empties it."""
-        out: list[bool] = []
-        for host, event, cell in self._posted:
+        return [values[0] > 0 for values in self.drain_values()]
+
+    def drain_values(self) -> list[tuple[float, ...]]:
+        """The posted values, oldest first (``[0] > 0``: an inf/NaN was found); empties it."""
+        out: list[tuple[float, ...]] = []
+        for host, event, cells in self._posted:
             # One window later the copy has long landed: query() says so without a wait
             # (and without anything torch's sync debug mode would flag).
             if event is not None and not event.query():
                 event.synchronize()
-            out.append(cell.value > 0)
-            self._free.append((host, cell))
+            one = isinstance(cells, ctypes.c_float)
+            out.append((cells.value,) if one else tuple(cells))
+            self._free.setdefault(1 if one else len(cells), []).append((host, cells))
         self._posted.clear()
         return out
 
     def clear(self) -> None:
         """Forget posted verdicts (their windows were rolled back)."""
-        for host, _, cell in self._posted:
-            self._free.append((host, cell))
+        for host, _, cells in self._posted:
+            n = 1 if isinstance(cells, ctypes.c_float) else len(cells)
+            self._free.setdefault(n, []).append((host, cells))
         self._posted.clear()

@@ -9,7 +9,14 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from typing_extensions import ParamSpec
 
-__all__ = ["StepResult", "SteppedFunction", "Verdict", "extract_loss", "weight_tensor"]
+__all__ = [
+    "SpikeVerdict",
+    "StepResult",
+    "SteppedFunction",
+    "Verdict",
+    "extract_loss",
+    "weight_tensor",
+]
 
 P = ParamSpec("P")
 
@@ -24,10 +31,12 @@ class StepResult(NamedTuple):
     ``.item()``/``float()`` on them syncs, when you choose to.
 
     >>> r = StepResult(torch.tensor(0.5), None, True, False, None, None)
-    >>> r.stepped, float(r.loss)
-    (True, 0.5)
+    >>> r.stepped, float(r.loss), r.spike, r.nonfinite
+    (True, 0.5, False, None)
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2
+       ``spike`` and ``nonfinite``.
     """
 
     #: The loss the function returned, detached (not divided by ``accumulate``).
@@ -42,6 +51,13 @@ class StepResult(NamedTuple):
     scale: torch.Tensor | None
     #: Total gradient norm before clipping (0-dim tensor) on clipping steps; else None.
     grad_norm: torch.Tensor | None
+    #: True when the step was skipped for a loss spike (``skip_spikes=``), with a finite
+    #: loss and gradients; ``skipped`` is then True too. Read lazily on the sync-free path.
+    spike: bool = False
+    #: Where the first inf/NaN of a window skipped for one came from (a
+    #: :class:`~cudakit.amp.NonFiniteSource`, with ``locate_nonfinite=True``); else None.
+    #: On a GPU's sync-free path it is read lazily: test it with ``if result.nonfinite:``.
+    nonfinite: Any = None
 
 
 class SteppedFunction(Protocol[P]):
@@ -183,9 +199,12 @@ class Verdict:
 
     def __bool__(self) -> bool:
         if self._value is None:
-            found = bool(self._flag.item() > 0)
-            self._value = found if self._skipped else not found
+            self._value = self._read()
         return self._value
+
+    def _read(self) -> bool:
+        found = bool(self._flag.item() > 0)
+        return found if self._skipped else not found
 
     def __eq__(self, other: object) -> bool:
         return bool(self) == other
@@ -206,3 +225,21 @@ class Verdict:
 
     def __repr__(self) -> str:
         return repr(bool(self))
+
+
+class SpikeVerdict(Verdict):
+    """``StepResult.spike`` of a sync-free step: read when you ask, like :class:`Verdict`.
+
+    ``flag`` holds the window's non-finite verdict, then the statistics a spike rule
+    watched; ``thresholds`` are the levels they were compared with.
+    """
+
+    __slots__ = ("_thresholds",)
+
+    def __init__(self, flag: torch.Tensor, thresholds: tuple[float, ...]) -> None:
+        super().__init__(flag, skipped=True)
+        self._thresholds = thresholds
+
+    def _read(self) -> bool:
+        found, *values = self._flag.tolist()
+        return not found > 0 and any(x > t for x, t in zip(values, self._thresholds, strict=True))

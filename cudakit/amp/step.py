@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
-from typing_extensions import ParamSpec
+from typing_extensions import ParamSpec, Unpack
 
 from .._check import for_attribute
 from . import checkpoint, misuse
@@ -30,6 +30,7 @@ from .ops import zero_grad
 from .options import check_accumulate, check_max_skipped, compile_forward, resolve_options
 from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
 from .stepper import OptimizerStep
+from .watch import Watching, WatchOptions
 from .window import GradSync, Window, backward_in_window, reached_any
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
@@ -45,7 +46,7 @@ _DEFAULT_MAX_SKIPPED = 10
 _ACTIVE = ACTIVE  # (step, form) of the autocast_step call running here, if any
 
 
-class AutocastStep(Block, misuse.AttributeGuard):
+class AutocastStep(Block, Watching, misuse.AttributeGuard):
     """A mixed-precision training step: build it with :func:`autocast_step`.
 
     Use it as a decorator over the loss function (``@step``), or explicitly with
@@ -80,6 +81,7 @@ class AutocastStep(Block, misuse.AttributeGuard):
         skip_nonfinite: bool = True,
         max_skipped: int | None = None,
         compile: bool | Mapping[str, Any] = False,
+        **watch: Unpack[WatchOptions],
     ) -> None:
         options = resolve_options(
             optimizer,
@@ -137,6 +139,7 @@ class AutocastStep(Block, misuse.AttributeGuard):
             device_type=device_type,
             buffers=self._buffers,
             compile_options=compile_options,
+            **watch,
         )
         self._scaling = self._stepper.scaling
         self._window = Window(options.accumulate)
@@ -273,7 +276,7 @@ class AutocastStep(Block, misuse.AttributeGuard):
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> StepResult:
             return self._run(func, compiled, args, kwargs)
 
-        w = cast(Any, wrapper)
+        w = cast(Any, self._watched(func, wrapper))
         w.autocast_step = self
         w.flush = self.flush
         w.state_dict = self.state_dict

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
+from typing_extensions import Unpack
 
 from .._accel import host_read_waits
 from .buffers import BufferSnapshot
@@ -23,7 +24,9 @@ from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
 from .ops import check_and_clip, optimizer_step, scaler_step, step_on_device
 from .options import compile_fn
-from .result import StepResult, Verdict
+from .result import SpikeVerdict, StepResult, Verdict
+from .spikes import SpikeWatch
+from .watch import Pending, PendingSource, Watch, WatchOptions, scaler_step_on_device
 from .window import Window
 
 __all__ = ["OptimizerStep"]
@@ -45,7 +48,10 @@ class OptimizerStep:
         device_type: str,
         buffers: BufferSnapshot | None,
         compile_options: dict[str, Any] | None,
+        **watch: Unpack[WatchOptions],
     ) -> None:
+        #: Loss spikes (``skip_spikes=``) and the replay of skipped windows (``locate_nonfinite=``).
+        self.watch = Watch(skip_nonfinite=skip_nonfinite, **watch)
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.scaler = scaler
@@ -73,7 +79,8 @@ class OptimizerStep:
             NonFiniteGuard.read_memory if self.sync_free and not self.lazy else NonFiniteGuard.read
         )
         self._mailbox = VerdictMailbox()
-        self._undo: list[SchedulerUndo] = []  # one per posted verdict
+        self._pending: list[Pending] = []  # one per posted verdict
+        self._total: torch.Tensor | None = None  # a token-weighted window's total weight
         #: Optimizers whose state, created by a skipped fused step, would not equal a fresh
         #: state (see :meth:`_states_ready`): all but Adam/AdamW and momentum-free SGD.
         self._unsafe_first_step = tuple(o for o in optimizers if not _skip_creates_fresh_state(o))
@@ -128,7 +135,11 @@ class OptimizerStep:
         scaler = self.scaler if self.scaling else None
         scale = window.scale
         grad_norm: torch.Tensor | None = None
-        skipped = streak = False
+        skipped = streak = spike = False
+        watch, spikes = self.watch, self.watch.spikes
+        calls, seed = watch.take(window) if watch.locate else (None, None)
+        learnt: list[float] | None = None
+        source = None
         try:
             factor = (
                 self._prepare(window, pending)
@@ -141,14 +152,22 @@ class OptimizerStep:
                     # the guard (non-finite iff a gradient is, or it overflowed), so no
                     # second pass over the gradients on a good step.
                     grad_norm = self.clip()
-                skipped = self._decide_skip(window, scaler, grad_norm, factor)
+                ride = watch.ride(window) if spikes is not None else None
+                skipped, ride = self._decide_skip(window, scaler, grad_norm, factor, ride)
+                if spikes is not None and not skipped:
+                    if self.max_grad_norm is not None and grad_norm is None:
+                        grad_norm = self.clip()
+                    learnt = watch.judge_host(window, ride, grad_norm, self)
+                    skipped = spike = learnt is None
             if skipped:
                 grad_norm = None
                 if scaler is not None:
                     scaler.update()  # lowers the scale; no optimizer runs
                 if self.buffers is not None:
                     self.buffers.restore()
-                streak = self.counters.record_skip()
+                streak = self.counters.record_skip(spike)
+                if calls is not None and not spike:
+                    source = watch.locate_now(calls, seed)
             else:
                 if self.max_grad_norm is not None and grad_norm is None:
                     grad_norm = self.clip()
@@ -160,6 +179,8 @@ class OptimizerStep:
                     for opt in self.optimizers:
                         optimizer_step(opt)
                 self.counters.record_step()
+                if learnt is not None:
+                    cast(SpikeWatch, spikes).learn(learnt)
                 if self.schedulers:
                     self._close(window)  # counters and window settled if one raises
                     for s in self.schedulers:
@@ -168,7 +189,7 @@ class OptimizerStep:
             self._close(window)
         if streak:
             raise self.counters.streak_error(self._dtype)
-        return StepResult(loss, output, not skipped, skipped, scale, grad_norm)
+        return StepResult(loss, output, not skipped, skipped, scale, grad_norm, spike, source)
 
     def _states_ready(self) -> bool:
         """True when no optimizer creates state in this step, or when it does so safely.
@@ -204,20 +225,38 @@ class OptimizerStep:
         if not self._mailbox:
             return
         streak = False
-        undos, self._undo = self._undo, []
-        for found, undo in zip(self._mailbox.drain(), undos, strict=True):
-            if found:
-                undo.apply()  # the schedulers stepped ahead of a step that did not happen
-                streak = self.counters.record_skip() or streak
+        pending, self._pending = self._pending, []
+        spikes = self.watch.spikes
+        for (flag, *values), item in zip(self._mailbox.drain_values(), pending, strict=True):
+            found = flag > 0
+            judged = spikes if spikes is not None and len(values) == len(spikes.on) else None
+            spike = not found and judged is not None and judged.is_spike(values, item.thresholds)
+            if found or spike:
+                item.undo.apply()  # the schedulers stepped ahead of a step that did not happen
+                streak = self.counters.record_skip(spike) or streak
             else:
                 self.counters.record_step()
+                if judged is not None:
+                    judged.learn(values)
+            self.watch.resolve(item, found)
         if streak:
             raise self.counters.streak_error(self._dtype)
 
     def forget_pending(self) -> None:
         """Drop unread verdicts (a checkpoint replaces the windows they belong to)."""
         self._mailbox.clear()
-        self._undo = []
+        self._pending = []
+        self.watch.forget()
+
+    @property
+    def world(self) -> int:
+        """Ranks in the default process group."""
+        return self._guard.world
+
+    def total_weight(self, window: Window) -> torch.Tensor:
+        """A token-weighted window's total weight over all ranks (as :meth:`_factor` summed it)."""
+        total = self._total
+        return total if total is not None else cast(torch.Tensor, window.weight)
 
     def clip(self) -> torch.Tensor:
         """Clip the total gradient norm of :meth:`params`; the norm before clipping."""
@@ -227,6 +266,7 @@ class OptimizerStep:
     # ------------------------------------------------------------------ parts
 
     def _close(self, window: Window) -> None:
+        self._total = None
         window.clear()
         if self.buffers is not None:
             self.buffers.forget()
@@ -239,7 +279,7 @@ class OptimizerStep:
         A partial window (``flush``), unweighted: ``accumulate / pending``.
         """
         if window.weight is not None:
-            total = window.weight.clone()
+            total = self._total = window.weight.clone()
             world = self._guard.world
             if world > 1:
                 torch.distributed.all_reduce(total)
@@ -292,8 +332,12 @@ class OptimizerStep:
         scaler: torch.amp.GradScaler | None,
         grad_norm: torch.Tensor | None,
         factor: torch.Tensor | float | None,
-    ) -> bool:
+        ride: torch.Tensor | None = None,
+    ) -> tuple[bool, torch.Tensor | None]:
         """Did any rank see a non-finite loss or gradient? One host read per optimizer step.
+
+        Returns the answer and ``ride`` (a spike rule's loss share) summed over ranks by the
+        same all-reduce (see :meth:`NonFiniteGuard.combine`).
 
         The window's losses are checked together with either the scaler's own verdict
         (fp16: ``unscale_`` already checked every gradient), the clipping norm (when
@@ -314,15 +358,15 @@ class OptimizerStep:
             checks.append(grad_norm)
         clean = False
         try:
-            verdict = guard.combine(guard.check(checks), scaler_found)
+            verdict, ride = guard.combine(guard.check(checks), scaler_found, ride)
             skipped = verdict is not None and self._read(verdict)
             if skipped and grad_norm is not None:
                 guard.reset()
                 exact = [*window.losses, *self.grads()]
-                verdict = guard.combine(guard.check(exact))
+                verdict, _ = guard.combine(guard.check(exact))
                 skipped = verdict is not None and self._read(verdict)
             clean = not skipped
-            return skipped
+            return skipped, ride
         finally:
             if not clean:
                 guard.reset()
@@ -339,23 +383,30 @@ class OptimizerStep:
         """
         scaler = self.scaler if self.scaling else None
         scale = window.scale
+        watch = self.watch
+        calls, seed = watch.take(window) if watch.locate else (None, None)
         try:
             factor = self._prepare(window, pending)
-            verdict, grad_norm = self._verdict_on_device(window, scaler, factor)
+            verdict, grad_norm, posted, thresholds = self._verdict_on_device(window, scaler, factor)
             if scaler is not None:
                 for opt in self.optimizers:
-                    scaler.step(opt)  # fused: hands the flags to the optimizer, no read
+                    if posted is verdict:
+                        scaler.step(opt)  # fused: hands the flags to the optimizer, no read
+                    else:  # the flags know inf/NaN only; the verdict knows spikes too
+                        scaler_step_on_device(scaler, opt, verdict)
                 scaler.update()
             else:
                 for opt in self.optimizers:
                     step_on_device(opt, verdict)
             if self.buffers is not None:
                 self.buffers.restore_where(verdict.reshape(()) > 0)
-            self._mailbox.post(verdict)
+            self._mailbox.post(posted)
             # The schedulers step now, as if the step was real (it almost always is), so
             # the learning rate and the schedulers' state are current for logging and
             # checkpoints; a skip found when the verdict is read puts them back.
-            self._undo.append(SchedulerUndo(self.schedulers, self.optimizers))
+            undo = SchedulerUndo(self.schedulers, self.optimizers)
+            item = Pending(undo, posted, thresholds, calls, seed)
+            self._pending.append(item)
             for s in self.schedulers:
                 s.step()
         finally:
@@ -367,6 +418,8 @@ class OptimizerStep:
             cast(bool, Verdict(verdict, skipped=True)),
             scale,
             grad_norm,
+            cast(bool, SpikeVerdict(posted, thresholds)) if thresholds else False,
+            PendingSource(item, watch) if calls is not None else None,
         )
 
     def _compiled_region(
@@ -393,9 +446,16 @@ class OptimizerStep:
         window: Window,
         scaler: torch.amp.GradScaler | None,
         factor: torch.Tensor | float | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[float, ...]]:
+        """The window's verdict as a fresh tensor (> 0: skip), and the clipping norm.
+
+        With a spike rule, the verdict (0 or 1) joins the spike test, and the tensor to
+        post holds the non-finite verdict and the statistics; with the thresholds used.
+        Without one, the verdict itself is posted.
+        """
         guard = self._guard
+        watch = self.watch
+        ride = watch.ride(window) if watch.spikes is not None else None
         checks = list(window.losses) if self.skip_nonfinite else []
         scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
         if scaler is None:
@@ -408,10 +468,17 @@ class OptimizerStep:
             else:
                 found = guard.check(checks)
                 grad_norm = self.clip() if self.max_grad_norm is not None else None
-            verdict = guard.combine(found, scaler_found)
+            verdict, ride = guard.combine(found, scaler_found, ride)
             if verdict is None:  # nothing to check: a step that cannot go wrong
                 verdict = torch.zeros(1, device=self.params()[0].device)
-            return verdict.clone(), grad_norm
+            if watch.spikes is None:
+                verdict = verdict.clone()
+                return verdict, grad_norm, verdict, ()
+            if scaler_found:  # found_inf must be 0 or 1 (fused optimizers subtract it)
+                verdict = verdict.clamp(max=1)
+            values = watch.values(window, ride, grad_norm, self)
+            skip, posted, thresholds = watch.judge_device(verdict, values)
+            return skip, grad_norm, posted, thresholds
         finally:
             guard.reset()  # the flags are zero again for the next window
 

@@ -1,0 +1,424 @@
+"""What a step watches besides inf/NaN: loss spikes (``skip_spikes=``) and where an inf/NaN
+came from (``locate_nonfinite=True``).
+
+:class:`Watch` is the stepper's part: the spike rule's statistics of a window (as
+tensors, then as the host's numbers), and the micro-batches a skipped window replays.
+:class:`Watching` gives :class:`~cudakit.amp.AutocastStep` its public side
+(``spike_steps``, ``skip_spikes``, ``locate_nonfinite``) and records the micro-batches
+of a decorated step function.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .._check import check_bool, describe
+from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
+from .ops import step_on_device
+from .spikes import (
+    SpikeRule,
+    SpikeWatch,
+    check_skip_spikes,
+    check_state,
+    read_float,
+)
+
+if TYPE_CHECKING:
+    from .counters import StepCounters
+    from .window import GradSync, Window
+
+__all__ = [
+    "Owner",
+    "Pending",
+    "PendingSource",
+    "Stepper",
+    "Watch",
+    "WatchOptions",
+    "Watching",
+    "scaler_step_on_device",
+]
+
+
+class Stepper(Protocol):
+    """What this module needs of :class:`~cudakit.amp.stepper.OptimizerStep`."""
+
+    watch: Watch
+
+    @property
+    def world(self) -> int: ...
+
+    def grads(self) -> list[torch.Tensor]: ...
+
+    def total_weight(self, window: Window) -> torch.Tensor: ...
+
+    def settle(self) -> None: ...
+
+
+class WatchOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`~cudakit.amp.AutocastStep` this module handles."""
+
+    skip_spikes: bool | str | SpikeRule | None
+    locate_nonfinite: bool
+
+
+def _refuse_unknown(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"AutocastStep() got an unexpected keyword argument {unknown[0]!r}; the "
+            "options are those of cudakit.amp.autocast_step() (skip_spikes=..., "
+            "locate_nonfinite=..., max_grad_norm=..., ...)."
+        )
+
+
+class Pending:
+    """A sync-free window whose verdict is not read yet: what reading it must do."""
+
+    __slots__ = ("calls", "found", "seed", "source", "thresholds", "undo", "values")
+
+    def __init__(
+        self,
+        undo: Any,
+        values: torch.Tensor,
+        thresholds: tuple[float, ...],
+        calls: list[Call] | None,
+        seed: Any,
+    ) -> None:
+        self.undo = undo  # the schedulers' state before their optimistic step
+        self.values = values  # [non-finite verdict, statistics...] on the device
+        self.thresholds = thresholds
+        self.calls = calls  # the window's micro-batches (locate_nonfinite=True)
+        self.seed = seed
+        self.found: bool | None = None  # the verdict, once read
+        self.source: NonFiniteSource | None = None
+
+
+class PendingSource:
+    """``StepResult.nonfinite`` of a sync-free step: located when you read it.
+
+    Reading it (``bool()``, an attribute, ``repr()``) reads the window's verdict (a
+    wait, like ``.item()``) and, for a window skipped for an inf/NaN, replays it, unless
+    the step already did when it read the verdict. False when there is nothing to name.
+    """
+
+    __slots__ = ("_pending", "_watch")
+
+    def __init__(self, pending: Pending, watch: Watch) -> None:
+        self._pending = pending
+        self._watch = watch
+
+    def get(self) -> NonFiniteSource | None:
+        """The source, or None."""
+        pending = self._pending
+        if pending.found is None:
+            self._watch.resolve(pending, pending.values.reshape(-1)[0].item() > 0)
+        return pending.source
+
+    def __bool__(self) -> bool:
+        return self.get() is not None
+
+    def __eq__(self, other: object) -> bool:
+        return self.get() == other
+
+    def __hash__(self) -> int:
+        return hash(self.get())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    def __repr__(self) -> str:
+        return repr(self.get())
+
+
+class Watch:
+    """The stepper's spike rule and micro-batch record."""
+
+    def __init__(self, *, skip_nonfinite: bool, **options: Any) -> None:
+        _refuse_unknown(options)
+        rule = check_skip_spikes(options.get("skip_spikes"))
+        flag = options.get("locate_nonfinite", False)
+        locate = check_bool("autocast_step", "locate_nonfinite", flag)
+        if rule is not None and not skip_nonfinite:
+            raise ValueError(
+                "autocast_step(skip_spikes=...) needs skip_nonfinite=True: a window is judged "
+                "a spike only once its loss and gradients are known to be finite, and an "
+                "inf/NaN must never reach the running statistics. Drop skip_nonfinite=False."
+            )
+        if locate and not skip_nonfinite:
+            raise ValueError(
+                "autocast_step(locate_nonfinite=True) needs skip_nonfinite=True: it replays "
+                "the windows the non-finite guard skips. Drop skip_nonfinite=False."
+            )
+        #: The spike rule and its statistics, or None (``skip_spikes`` off).
+        self.spikes: SpikeWatch | None = SpikeWatch(rule) if rule is not None else None
+        self.rule: SpikeRule | None = rule
+        self._loss = rule is not None and "loss" in rule.on
+        self._only_loss = rule is not None and rule.on == ("loss",)
+        self.locate = locate
+        self._calls: list[Call] = []
+        self._autocast: Callable[[], Any] | None = None
+        self._pause: Callable[[], Any] | None = None
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def record(self, func: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        """``wrapper`` (a decorated step), recording each call's arguments for a replay."""
+        calls = self._calls
+
+        @functools.wraps(wrapper)
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            calls.append((func, args, kwargs))
+            return wrapper(*args, **kwargs)
+
+        return recording
+
+    def bind(self, autocast: Callable[[], Any], pause: Callable[[], Any] | None) -> None:
+        """How a replay runs its forward: the step's autocast, and DDP's ``no_sync``."""
+        self._autocast, self._pause = autocast, pause
+
+    def take(self, window: Window) -> tuple[list[Call], Any]:
+        """The window's micro-batches (the last ``position`` recorded calls) and the factor
+        its backward started from (the loss scale over ``accumulate``); the record empties.
+        """
+        count = window.position
+        calls, self._calls[:] = self._calls[-count:] if count else [], []
+        accumulate = 1 if window.weighted else window.accumulate
+        seed = 1.0 / accumulate if window.scale is None else window.scale / accumulate
+        return calls, seed
+
+    def forget(self) -> None:
+        """Drop recorded calls (a checkpoint replaced the window)."""
+        self._calls.clear()
+
+    def resolve(self, pending: Pending, found: bool) -> None:
+        """The verdict of ``pending`` is known: for an inf/NaN, replay its micro-batches once."""
+        if pending.found is not None:
+            return
+        pending.found = found
+        if found and pending.calls is not None:
+            pending.source = self.locate_now(pending.calls, pending.seed)
+        pending.calls = None  # the micro-batches are no longer needed
+
+    def locate_now(self, calls: Sequence[Call], seed: Any) -> NonFiniteSource | None:
+        """Replay a skipped window's micro-batches; warn with what was found."""
+        if not calls:
+            warnings.warn(
+                "autocast_step(locate_nonfinite=True) skipped a window for an inf/NaN but "
+                "cannot replay it: its losses came through step.backward(loss), not a "
+                "decorated step function. Call cudakit.amp.find_nonfinite(fn, *batch) on "
+                "the batch yourself.",
+                NonFiniteWarning,
+                stacklevel=4,
+            )
+            return None
+        start = float(seed)  # the loss scale: a read, made only for a replay
+        try:
+            source = replay(calls, autocast=self._autocast, seed=start, pause=self._pause)
+        except Exception as exc:  # the replay is a report: it never stops training
+            warnings.warn(
+                f"autocast_step(locate_nonfinite=True) skipped a window for an inf/NaN; "
+                f"replaying it raised {type(exc).__name__}: {exc}",
+                NonFiniteWarning,
+                stacklevel=4,
+            )
+            return None
+        if source is None:
+            message = (
+                "autocast_step skipped a window for an inf/NaN, but a replay of its "
+                f"{len(calls)} micro-batch(es) stayed finite: the gradients overflowed only "
+                "when summed over the window, or the data changed since the step."
+            )
+        else:
+            message = f"autocast_step skipped a window for an inf/NaN; the first came from {source}"
+        warnings.warn(message, NonFiniteWarning, stacklevel=4)
+        return source
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state(self, counters: StepCounters) -> dict[str, Any]:
+        """The spike counters and running statistics, for ``AutocastStep.state_dict()``."""
+        return {
+            "spike_steps": counters.spikes,
+            "consecutive_spikes": counters.consecutive_spikes,
+            "spike_stats": self.spikes.state() if self.spikes is not None else {},
+        }
+
+    def check_state(self, state: Mapping[str, Any]) -> Callable[[StepCounters], None]:
+        """Check this part of a state whole (absent in older checkpoints); how to apply it."""
+        spikes = _count(state, "spike_steps")
+        streak = _count(state, "consecutive_spikes")
+        skipped = state.get("skipped_steps", 0)
+        consecutive = state.get("consecutive_skipped", 0)
+        if spikes > skipped or streak > min(spikes, consecutive):
+            raise ValueError(
+                f"AutocastStep.load_state_dict(): state['spike_steps']={spikes} and "
+                f"state['consecutive_spikes']={streak} must not exceed the skipped steps "
+                f"they are part of (skipped_steps={skipped}, consecutive_skipped="
+                f"{consecutive}). Pass the dict returned by AutocastStep.state_dict(), "
+                "unchanged."
+            )
+        stats = check_state(state.get("spike_stats", {}))
+
+        def apply(counters: StepCounters) -> None:
+            counters.spikes, counters.consecutive_spikes = spikes, streak
+            if self.spikes is not None:  # statistics this rule does not watch are ignored
+                self.spikes.restore(stats)
+
+        return apply
+
+    # ------------------------------------------------------------------ spike statistics
+
+    def ride(self, window: Window) -> torch.Tensor | None:
+        """This rank's share of the window loss, for the guard's all-reduce (or None)."""
+        losses = window.losses
+        if not self._loss or not losses:
+            return None
+        if len(losses) == 1 and losses[0].dtype is torch.float32:
+            return losses[0]  # the common case, without a call
+        return SpikeWatch.local_loss(losses, bool(window.weighted))
+
+    def values(
+        self,
+        window: Window,
+        ride: torch.Tensor | None,
+        grad_norm: torch.Tensor | None,
+        stepper: Stepper,
+    ) -> list[torch.Tensor]:
+        """The watched statistics of the window as 0-dim float32 tensors, in rule order."""
+        spikes = self.spikes
+        assert spikes is not None  # callers check
+        out: list[torch.Tensor] = []
+        for name in spikes.on:
+            if name == "loss":
+                x = ride if ride is not None else torch.zeros(())
+                if window.weighted:
+                    x = x / stepper.total_weight(window)
+                elif stepper.world > 1:
+                    x = x / stepper.world
+                out.append(x)
+            else:
+                norm = grad_norm if grad_norm is not None else spikes.grad_norm(stepper.grads())
+                out.append(norm.float().reshape(()))
+        return out
+
+    def judge_host(
+        self,
+        window: Window,
+        ride: torch.Tensor | None,
+        grad_norm: torch.Tensor | None,
+        stepper: Stepper,
+    ) -> list[float] | None:
+        """Read the window's statistics (from memory on the CPU) and judge them.
+
+        Returns None for a spike, else the numbers to learn once the window has stepped.
+        """
+        spikes = self.spikes
+        assert spikes is not None
+        if self._only_loss and ride is not None and window.weighted is not True:
+            losses = window.losses
+            # One float32 loss, not reduced across ranks (the guard returned it as it was):
+            # the statistic is that loss itself, read without a torch op.
+            if len(losses) == 1 and ride is losses[0] and ride.is_cpu:
+                x = ctypes.c_float.from_address(ride.data_ptr()).value
+                return None if x > spikes._levels[0] else [x]
+        numbers = [read_float(x) for x in self.values(window, ride, grad_norm, stepper)]
+        return None if spikes.is_spike(numbers, spikes._levels) else numbers
+
+    def judge_device(
+        self, verdict: torch.Tensor, values: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[float, ...]]:
+        """On the device: (skip flag 0/1, [verdict, statistics...] to post, thresholds)."""
+        spikes = self.spikes
+        assert spikes is not None
+        thresholds = spikes.thresholds()
+        skip = verdict
+        for x, level in zip(values, thresholds, strict=True):
+            skip = torch.maximum(skip, torch.gt(x, level))
+        posted = torch.cat([verdict.reshape(1), *(x.reshape(1) for x in values)])
+        return skip, posted, thresholds
+
+
+def _count(state: Mapping[str, Any], key: str) -> int:
+    value = state.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"AutocastStep.load_state_dict(): state[{key!r}] must be an int >= 0, got "
+            f"{describe(value)}. Pass the dict returned by AutocastStep.state_dict(), unchanged."
+        )
+    if value < 0:
+        raise ValueError(
+            f"AutocastStep.load_state_dict(): state[{key!r}] must be an int >= 0, got "
+            f"{value!r}. Pass the dict returned by AutocastStep.state_dict(), unchanged."
+        )
+    return value
+
+
+def scaler_step_on_device(
+    scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, skip: torch.Tensor
+) -> None:
+    """``scaler.step(opt)`` of an unscaled fused optimizer, skipping on ``skip`` (spikes too)."""
+    step_on_device(opt, skip)
+    scaler._per_optimizer_states[id(opt)]["stage"] = OptState.STEPPED
+
+
+class Owner(Protocol):
+    """What :class:`Watching` needs of the :class:`~cudakit.amp.AutocastStep` it is part of."""
+
+    @property
+    def _stepper(self) -> Stepper: ...
+
+    @property
+    def _counts(self) -> StepCounters: ...
+
+    @property
+    def _sync(self) -> GradSync: ...
+
+    def autocast(self) -> torch.autocast: ...
+
+
+class Watching:
+    """:class:`~cudakit.amp.AutocastStep`'s side of ``skip_spikes=`` and ``locate_nonfinite=``."""
+
+    @property
+    def spike_steps(self: Owner) -> int:
+        """Optimizer steps skipped for a loss spike (reads pending verdicts).
+
+        They are counted in ``skipped_steps`` too.
+        """
+        self._stepper.settle()
+        return self._counts.spikes
+
+    @property
+    def skip_spikes(self: Owner) -> SpikeRule | None:
+        """The loss-spike rule in force, or None."""
+        return self._stepper.watch.rule
+
+    @property
+    def locate_nonfinite(self: Owner) -> bool:
+        """Whether a window skipped for an inf/NaN is replayed to name its producer."""
+        return self._stepper.watch.locate
+
+    def _watched(
+        self: Owner, func: Callable[..., Any], wrapper: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        """The decorated ``wrapper``, recording its calls when ``locate_nonfinite`` is on."""
+        watch = self._stepper.watch
+        if not watch.locate:
+            return wrapper
+        if self._sync.kind == "fsdp":
+            raise ValueError(
+                "autocast_step(locate_nonfinite=True) cannot replay an FSDP2 model: its "
+                "forward and backward change state inside FSDP2 that nothing can put back. "
+                "Find the source on one process without FSDP2, or call "
+                "cudakit.amp.find_nonfinite(fn, *batch) on an unsharded copy."
+            )
+        sync = self._sync
+        watch.bind(self.autocast, sync.paused if sync.active else None)
+        return watch.record(func, wrapper)
