@@ -11,7 +11,8 @@ One data file per figure:
 data                        figure                       what it shows
 ==========================  ===========================  =================================
 demo.json                   demo.png                     what ``cudakit demo --plot`` draws:
-                                                         loss and memory per step
+                                                         loss and memory per step,
+                                                         throughput per epoch
 prefetch_timeline.csv       prefetch_timeline.png        copy/compute overlap (a schematic)
 bench_on_device.json        bench_on_device.png          ratios to the hand-written code
 bench_autocast_step.json    bench_autocast_step.png      ratios to the hand-written code
@@ -19,6 +20,7 @@ bench_memory_report.json    bench_memory_report.png      time per report
 bench_warmup.json           bench_warmup.png             pass times with and without warmup
 bench_prefetch.json         bench_prefetch.png           time per batch with and without it
 bench_checkpoint.json       bench_checkpoint.png         save and load time; the time blocked
+bench_speed_report.json     bench_speed_report.png       what the meter adds to a step
 ==========================  ===========================  =================================
 
 The benchmark data files hold the figures of the tables on docs/benchmarks.md, with the
@@ -305,6 +307,7 @@ def make_all(out: Path, figures: Path = FIGURES) -> list[Path]:
         bars_figure(figures / "bench_warmup.json", out),
         bars_figure(figures / "bench_prefetch.json", out),
         bars_figure(figures / "bench_checkpoint.json", out),
+        bars_figure(figures / "bench_speed_report.json", out),
     ]
 
 

@@ -334,6 +334,7 @@ BENCHMARKS = {
     "bench_warmup.py": "warmup.md",
     "bench_prefetch.py": "data.md",
     "bench_checkpoint.py": "checkpoint.md",
+    "bench_speed_report.py": "observe.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
