@@ -2,7 +2,8 @@
 
 Run ``python benchmarks/bench_speed_report.py`` (``--quick`` for a smoke run,
 ``--device cuda`` on a GPU machine, ``--dtype fp32`` for the fastest step, where the
-meter's share is largest). The step is the 64-wide MLP (batch 32, AdamW) of
+meter's share is largest; ``--dtype`` again for several; ``--figure FILE.json`` writes
+the chart data of ``docs/figures/``). The step is the 64-wide MLP (batch 32, AdamW) of
 ``bench_autocast_step.py``, decorated with ``@autocast_step``; the meter wraps that
 same decorated function, so both variants run the very same model, optimizer and
 tensors, and the only difference is the meter. Variants:
@@ -28,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -197,25 +201,12 @@ def time_case(
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "auto"), default="bf16")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--block", type=float, default=0.02, help="seconds of steps per turn")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    args = parser.parse_args(argv)
-    if args.clock == "cpu" and args.device != "cpu":
-        parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
-    if not args.block > 0:
-        parser.error("--block must be a positive number of seconds")
-    torch.set_num_threads(args.threads)
+def run(
+    args: argparse.Namespace, name: str, rounds: int, clock: Callable[[], float]
+) -> list[dict[str, Any]]:
+    """One precision: print its table and notes; return its rows for the chart."""
     device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    rounds = args.rounds or (3 if args.quick else 21)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    dtype = resolve_dtype(name, device)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -227,29 +218,80 @@ def main(argv: list[str] | None = None) -> None:
     for width, batch in ((64, 32), (1024, 256)):
         times.update(time_case(variants(width, batch, device, dtype), args, rounds, clock, sync))
     keys = list(times)
+    label = str(dtype).removeprefix("torch.")
     print(
         f"# torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, device {device}, threads {torch.get_num_threads()}, "
-        f"{rounds} rounds, {args.clock} clock, {str(dtype).removeprefix('torch.')}"
+        f"{rounds} rounds, {args.clock} clock, {label}"
     )
     print("| case | implementation | median per step | ratio to @autocast_step |")
     print("|---|---|---:|---:|")
+    rows: list[dict[str, Any]] = []
     for key in keys:
         case, impl = key.split(" | ")
         base = f"{case} | @autocast_step"
-        ratios = [a / b for a, b in zip(times[key], times[base], strict=True)]
+        ratio = statistics.median(a / b for a, b in zip(times[key], times[base], strict=True))
         med = statistics.median(times[key]) * 1e6
-        print(f"| {case} | {impl} | {med:.1f} µs | {statistics.median(ratios):.3f} |")
+        print(f"| {case} | {impl} | {med:.1f} µs | {ratio:.3f} |")
+        if case.startswith("MLP 64 ") and impl != "@autocast_step":
+            group = f"side by side: {impl}"
+            rows.append({"group": group, "series": label, "value": round(100 * (ratio - 1), 2)})
     step_time = statistics.median(times[keys[0]])
     costs = isolated_cost(device, dtype, clock)
-    for form, cost in zip(("@speed_report", "with form"), costs, strict=True):
+    for form, cost in zip(("@speed_report", "with meter.measure(x)"), costs, strict=True):
         print(
             f"# the meter alone ({form}) around a function that does nothing: "
             f"{cost * 1e6:.2f} µs per call, {cost / step_time:.2%} of the 64-wide step's "
             f"{step_time * 1e6:.0f} µs"
         )
+        share = round(100 * cost / step_time, 2)
+        rows.append({"group": f"the meter alone: {form}", "series": label, "value": share})
     reads, n = host_reads(device, dtype)
     print(f"# host reads in {n} metered optimizer steps (sync-free guarded step): {reads}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32", "auto"),
+        action="append",
+        help="precision of the step; repeat for several (default: bf16)",
+    )
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--block", type=float, default=0.02, help="seconds of steps per turn")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument(
+        "--figure", default=None, help="write the chart data (docs/figures/bench_speed_report.json)"
+    )
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
+    if not args.block > 0:
+        parser.error("--block must be a positive number of seconds")
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (3 if args.quick else 21)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    load = os.getloadavg()[0]
+    rows = [row for name in args.dtype or ["bf16"] for row in run(args, name, rounds, clock)]
+    if args.figure is not None:
+        record = {
+            "title": "speed_report: what the meter adds to the 64-wide MLP step",
+            "script": "benchmarks/bench_speed_report.py",
+            "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"Python {platform.python_version()}, device {args.device}, load average "
+            f"{load:.1f} to {os.getloadavg()[0]:.1f}; {rounds} rounds, {args.clock} clock",
+            "unit": "% added to the step",
+            "goal": {"value": 1, "label": "goal: at most 1 %"},
+            "rows": rows,
+        }
+        Path(args.figure).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        print(f"# chart data written to {args.figure}")
 
 
 if __name__ == "__main__":
