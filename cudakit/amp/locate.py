@@ -118,7 +118,8 @@ def find_nonfinite(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> NonF
         **kwargs: its keyword arguments.
 
     Returns:
-        Where the first non-finite value came from (a :class:`NonFiniteSource`), or None when the forward and backward stay finite.
+        Where the first non-finite value came from, as a ``NonFiniteSource``; None
+        when the forward and backward stay finite.
 
     Raises:
         TypeError: ``fn`` is not callable.
