@@ -381,7 +381,8 @@ def test_process_group_reentered_under_launch() -> None:
     # group's gloo addresses there: 6 launches in 10 failed ("Connection refused") or hung.
     start = time.monotonic()
     r0, r1 = cp.launch(_reenter, 4, nprocs=2, timeout=60)
-    assert time.monotonic() - start < 30
+    # A hang ends at the launch timeout (60 s); 4 groups took 10 to 40 s on the loaded machine.
+    assert time.monotonic() - start < 55
     assert r0[:4] == r1[:4] == [(3.0 + 2 * i, 2.0, True, True) for i in range(4)]
     assert r0[4] == r1[4]  # the DDP gradients are all-reduced: equal on both ranks
     assert multiprocessing.active_children() == []
