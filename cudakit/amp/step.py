@@ -319,7 +319,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
                 # forward's activations can then reuse the gradients' memory.
                 self._clear_grads()
             elif window.position:  # a zero_grad() left in the loop: refused before the forward
-                window.check_grads(self._stepper.params())
+                window.check_grads()
             if self._buffers is not None and not self._buffers.saved:
                 self._buffers.save()
             if self._sync.active and not window.closes_next():
@@ -468,7 +468,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         window.last_loss = loss
         window.position += 1
         if window.position < window.accumulate:
-            window.record(self._stepper.params())  # to notice a zero_grad() before the next
+            window.record(self.optimizers)  # to notice a zero_grad() before the next
             return StepResult(loss, output, False, False, window.scale, None)
         self._check_reached()
         return self._stepper.finish(window, loss, output, pending=None)

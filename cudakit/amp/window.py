@@ -5,8 +5,8 @@ optimizer step. :class:`Window` counts them and keeps what the step needs at the
 end: the micro-batch losses (for the non-finite guard) and, for token-weighted
 losses, the running sum of the weights, on the device (no host sync).
 
-Between micro-steps it remembers which tensors hold the window's gradients, so a
-``zero_grad()`` left in the loop is noticed. :func:`backward_in_window` runs a
+Between micro-steps it remembers one of the window's gradient tensors per optimizer,
+so a ``zero_grad()`` left in the loop is noticed. :func:`backward_in_window` runs a
 micro-step's backward so that a failure (an exception, Ctrl-C) leaves the window as
 it was before: after the first micro-step, the window's gradients are set aside
 (``.grad`` set to None, no copy), the micro-step's own land in ``.grad``, and after
@@ -22,7 +22,6 @@ and brings a partial window's gradients in line across ranks for ``flush()``.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,6 +32,8 @@ from .._dist import group_world_size
 from . import misuse
 
 __all__ = ["GradSync", "Window", "backward_in_window", "ddp_comm_hook", "reached_any"]
+
+_STRIDED = torch.strided
 
 
 class Window:
@@ -62,8 +63,9 @@ class Window:
         self.cleared = False  # the step's gradients were cleared for this window
         self.scale: torch.Tensor | None = None  # the loss scale this window's losses used
         self.last_loss: torch.Tensor | None = None  # the last micro-batch's loss, detached
-        # The window's gradient tensors after its last micro-step.
-        self.recorded: list[torch.Tensor | None] | None = None
+        # (parameter, its gradient tensor) after the window's last micro-step, one per
+        # optimizer: a zero_grad() between micro-steps takes them away.
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # The loss tensor of the last good backward (any window), to refuse it twice.
         self.backwarded: Callable[[], torch.Tensor | None] | None = None
 
@@ -92,24 +94,27 @@ class Window:
         self.last_loss = None
         self.recorded = None
 
-    def record(self, params: list[torch.Tensor]) -> None:
-        """Remember the window's gradients after a micro-step, when the window goes on."""
-        self.recorded = [p.grad for p in params]
+    def record(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        """Remember a gradient per optimizer after a micro-step, when the window goes on."""
+        self.recorded = [w for w in map(_witness, optimizers) if w is not None]
 
-    def check_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The gradients now; raise if the window's were cleared or replaced since its last
-        micro-step (a ``zero_grad()`` left in the loop). Parameters added mid-window are
-        not compared, nor values: zeroing in place (``set_to_none=False``) goes unseen."""
-        grads = [p.grad for p in params]
-        recorded = self.recorded
-        if (
-            recorded is not None
-            and len(recorded) == len(grads)
-            and not all(map(operator.is_, grads, recorded))
-        ):
-            cleared = any(g is None for g, r in zip(grads, recorded, strict=True) if r is not None)
-            raise misuse.grads_changed_error(self.position, self.accumulate, cleared)
-        return grads
+    def check_grads(self) -> None:
+        """Raise if the window's gradients were cleared or replaced since its last micro-step
+        (a ``zero_grad()`` left in the loop). One gradient per optimizer is looked at, and
+        no value: zeroing in place (``set_to_none=False``) goes unseen."""
+        for p, grad in self.recorded or ():
+            if p.grad is not grad:
+                raise misuse.grads_changed_error(self.position, self.accumulate, p.grad is None)
+
+
+def _witness(opt: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first parameter of ``opt`` that has a gradient, and that gradient."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None:
+                return p, grad
+    return None
 
 
 def reached_any(optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
@@ -122,10 +127,13 @@ def reached_any(optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
     return False
 
 
-def _set_aside(params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+def _set_aside(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The window's gradients, taken out of ``.grad`` (None there now)."""
+    grads = [p.grad for p in params]
     for p, g in zip(params, grads, strict=True):
         if g is not None:
             p.grad = None
+    return grads
 
 
 def _merge(params: list[torch.Tensor], aside: list[torch.Tensor | None]) -> None:
@@ -138,16 +146,15 @@ def _merge(params: list[torch.Tensor], aside: list[torch.Tensor | None]) -> None
             continue  # the micro-step's gradient (or none) is the window's now
         new = p.grad
         if new is None:
-            back.append((p, old))
-        elif old.is_sparse and not new.is_sparse:
-            back.append((p, new + old))  # autograd's way for a dense onto a sparse gradient
-        elif old.layout == torch.strided and new.layout == torch.strided:
+            pass
+        elif old.layout is _STRIDED and new.layout is _STRIDED:
             olds.append(old)
             news.append(new)
-            back.append((p, old))
+        elif old.is_sparse and not new.is_sparse:
+            old = new + old  # autograd's way for a dense gradient onto a sparse one
         else:
             old += new
-            back.append((p, old))
+        back.append((p, old))
     if olds:
         torch._foreach_add_(olds, news)
     for p, g in back:
@@ -169,14 +176,14 @@ def backward_in_window(
     accumulated ``.grad``) and under FSDP2 (which keeps unsynced gradients inside
     itself), a failure drops the window (``drop``) and the exception says so.
     """
-    grads = window.check_grads(params)
-    aside = sync.kind != "fsdp" and not (sync.active and window.closes_next())
-    if aside:
-        _set_aside(params, grads)
+    window.check_grads()
+    grads = None
+    if sync.kind != "fsdp" and not (sync.active and window.closes_next()):
+        grads = _set_aside(params)
     try:
         loss.backward()
     except BaseException as exc:
-        if aside:
+        if grads is not None:
             for p, old in zip(params, grads, strict=True):
                 p.grad = old
         else:
@@ -185,7 +192,7 @@ def backward_in_window(
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(note)
         raise
-    if aside:
+    if grads is not None:
         _merge(params, grads)
 
 
