@@ -3,10 +3,11 @@
 Run ``python benchmarks/bench_speed_report.py`` (``--quick`` for a smoke run,
 ``--device cuda`` on a GPU machine, ``--dtype fp32`` for the fastest step, where the
 meter's share is largest; ``--dtype`` again for several; ``--figure FILE.json`` writes
-the chart data of ``docs/figures/``). The step is the 64-wide MLP (batch 32, AdamW) of
-``bench_autocast_step.py``, decorated with ``@autocast_step``; the meter wraps that
-same decorated function, so both variants run the very same model, optimizer and
-tensors, and the only difference is the meter. Variants:
+the chart data of ``docs/figures/``; ``--one meter 200`` runs only that many calls of one
+variant, for an instruction count under valgrind's callgrind). The step is the 64-wide
+MLP (batch 32, AdamW) of ``bench_autocast_step.py``, decorated with ``@autocast_step``;
+the meter wraps that same decorated function, so both variants run the very same model,
+optimizer and tensors, and the only difference is the meter. Variants:
 
 * ``@autocast_step`` alone (the baseline);
 * ``@speed_report`` above it, counting samples and FLOPs (a ``FlopCount`` scaled per
@@ -251,6 +252,22 @@ def run(
     return rows
 
 
+def run_one(variant: str, steps: int, args: argparse.Namespace) -> None:
+    """Only ``steps`` calls of one variant, after 50 warm-up calls: for an instruction count.
+
+    ``valgrind --tool=callgrind python benchmarks/bench_speed_report.py --one bare 200``
+    against ``--one meter 200`` (and ``--one bare 0`` for the set-up) counts what the
+    meter adds per step, unmoved by other tenants of the machine.
+    """
+    device = torch.device(args.device)
+    dtype = resolve_dtype((args.dtype or ["bf16"])[0], device)
+    fns = variants(64, 32, device, dtype)
+    name = "@autocast_step" if variant == "bare" else "@speed_report over it"
+    (fn,) = [f for k, f in fns.items() if k.endswith(f"| {name}")]
+    for _ in range(50 + steps):
+        fn()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -268,7 +285,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--figure", default=None, help="write the chart data (docs/figures/bench_speed_report.json)"
     )
+    parser.add_argument(
+        "--one",
+        nargs=2,
+        metavar=("VARIANT", "STEPS"),
+        help="only run STEPS calls of VARIANT (bare or meter), e.g. under callgrind",
+    )
     args = parser.parse_args(argv)
+    if args.one is not None:
+        variant, steps = args.one
+        if variant not in ("bare", "meter") or not steps.isdigit():
+            parser.error("--one takes bare or meter, then a number of steps")
+        torch.set_num_threads(args.threads)
+        run_one(variant, int(steps), args)
+        return
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
     if not args.block > 0:

@@ -223,3 +223,16 @@ def test_cuda_not_started_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> None
 def test_probes_read_nothing_on_the_cpu() -> None:
     assert probes.device_name(torch.device("cpu")) is None
     assert probes.tf32_matmuls() in (True, False)
+
+
+def test_a_name_two_entries_match_gets_no_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cudakit.speed.peaks as peaks
+
+    twin = dataclasses.replace(PEAKS[0], model="A100 twin")
+    monkeypatch.setattr(peaks, "PEAKS", (*PEAKS, twin))
+    peak = lookup_peak("NVIDIA A100-SXM4-80GB", "bf16")
+    assert peak.tflops is None
+    assert peak.reason == (
+        "the device 'NVIDIA A100-SXM4-80GB' could be A100 or A100 twin; pass peak_tflops=... "
+        "(its dense peak for bf16)"
+    )
