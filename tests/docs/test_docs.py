@@ -1,11 +1,24 @@
-"""Every code example in ``docs/`` runs on CPU.
+"""Every code example in ``docs/`` runs on CPU, as a reader pastes it.
 
-For each page ``docs/*.md``, the fenced ```` ```python ```` (or ```` ```py ````) blocks
-are executed in order in one shared namespace, with the working directory set to a
-temporary folder, so a page reads like a script a user can paste. ```` ```pycon ````
-blocks (``>>>`` prompts) are checked as doctests in the same namespace. Examples
-that need a GPU or ``torchrun`` belong in ```` ```bash ```` or ```` ```text ```` fences,
-which are shown but not run.
+Each fenced ```` ```python ```` (or ```` ```py ````) block runs **on its own**, in a
+fresh namespace with the working directory set to a temporary folder: a reader can
+paste any block into a file and run it. A block that continues an earlier one says so
+in its title, which the site shows above the code::
+
+    ```python title="train.py"
+    ...
+    ```
+    ```python title="train.py (continued)"
+    ...
+    ```
+
+Blocks with the same title, the later ones ending in `` (continued)``, run in order in
+one namespace, like one script. ```` ```pycon ```` blocks (``>>>`` prompts) are checked
+as doctests, alone or continuing a titled block the same way. Examples that need a GPU
+or ``torchrun`` belong in ```` ```bash ```` or ```` ```text ```` fences, which are shown
+but not run.
+
+No code line on a page is wider than the page shows without scrolling (``WIDTH``).
 
 Tracebacks point at the Markdown file and line, because every block is compiled
 with the page as its file name and padded to its real line number.
@@ -39,6 +52,20 @@ class Block:
     lang: str  # "python" or "pycon"
     source: str  # dedented code
     line: int  # 1-based line of the first code line in the page
+    title: str = ""  # the fence's title="...", if any
+
+    @property
+    def script(self) -> str:
+        """The script the block belongs to: its title without `` (continued)``."""
+        return self.title.removesuffix(CONTINUED)
+
+    @property
+    def continues(self) -> bool:
+        return self.title.endswith(CONTINUED)
+
+
+CONTINUED = " (continued)"
+_TITLE = re.compile(r"""\btitle=(?:"([^"]*)"|'([^']*)')""")
 
 
 def extract_blocks(text: str, page: str = "<page>") -> list[Block]:
@@ -74,25 +101,55 @@ def extract_blocks(text: str, page: str = "<page>") -> list[Block]:
             body = [
                 ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[start:j]
             ]
-            blocks.append(Block(_RUN_LANGS[lang], "\n".join(body) + "\n", start + 1))
+            title = _TITLE.search(m["info"])
+            name = (title[1] if title[1] is not None else title[2]) if title else ""
+            blocks.append(Block(_RUN_LANGS[lang], "\n".join(body) + "\n", start + 1, name))
         i = j + 1
     return blocks
 
 
-def run_page(path: Path) -> int:
-    """Run every runnable block of ``path`` in one namespace; return how many ran."""
-    text = path.read_text(encoding="utf-8")
-    blocks = extract_blocks(text, str(path))
+def scripts(blocks: list[Block], page: str = "<page>") -> list[list[Block]]:
+    """Group ``blocks`` into what runs together: each block alone, or a titled script.
+
+    Raises:
+        ValueError: a `` (continued)`` block names no earlier block of the page.
+    """
+    groups: list[list[Block]] = []
+    named: dict[str, list[Block]] = {}
+    for block in blocks:
+        if block.continues:
+            if block.script not in named:
+                raise ValueError(
+                    f"{page}:{block.line}: the block titled {block.title!r} continues "
+                    f"{block.script!r}, and no earlier block of the page has that title; "
+                    f'title the block it continues title="{block.script}".'
+                )
+            named[block.script].append(block)
+        else:
+            groups.append([block])
+            if block.title:
+                named[block.title] = groups[-1]
+    return groups
+
+
+def run_script(blocks: list[Block], path: Path) -> None:
+    """Run ``blocks`` in order in one fresh namespace, as ``python page.py`` would."""
     # A real module, as a script run by `python page.py` has (torch.compile looks the
     # functions' module up in sys.modules).
     module = types.ModuleType("__docs__")
     module.__file__ = str(path)
     sys.modules["__docs__"] = module
-    namespace: dict[str, Any] = module.__dict__
     try:
-        _run_blocks(blocks, namespace, path)
+        _run_blocks(blocks, module.__dict__, path)
     finally:
         sys.modules.pop("__docs__", None)
+
+
+def run_page(path: Path) -> int:
+    """Run every runnable block of ``path``, each alone or with its script; return how many."""
+    blocks = extract_blocks(path.read_text(encoding="utf-8"), str(path))
+    for group in scripts(blocks, str(path)):
+        run_script(group, path)
     return len(blocks)
 
 
@@ -117,9 +174,19 @@ def _run_blocks(blocks: list[Block], namespace: dict[str, Any], path: Path) -> N
 PAGES = sorted(DOCS.glob("*.md"))
 
 
+def _cases() -> list[Any]:
+    cases = []
+    for page in PAGES:
+        blocks = extract_blocks(page.read_text(encoding="utf-8"), str(page))
+        for group in scripts(blocks, str(page)):
+            name = group[0].title or f"line {group[0].line}"
+            cases.append(pytest.param(page, group, id=f"{page.name}:{name}"))
+    return cases
+
+
 @pytest.fixture
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Temp working directory, and torch's global state restored after the page."""
+    """Temp working directory, and torch's global state restored after the block."""
     monkeypatch.chdir(tmp_path)
     rng = torch.get_rng_state()
     dtype = torch.get_default_dtype()
@@ -134,9 +201,69 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_page_examples_run(page: Path, isolated: Path) -> None:
-    run_page(page)
+@pytest.mark.parametrize(("page", "blocks"), _cases())
+def test_each_block_runs_alone_or_with_the_block_it_continues(
+    page: Path, blocks: list[Block], isolated: Path
+) -> None:
+    run_script(blocks, page)
+
+
+#: Characters of code a page shows without scrolling: Material at 1280 px shows about
+#: 82 in a code block beside both sidebars (docs/ruff.toml formats Python to this).
+WIDTH = 80
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})")
+
+
+def code_lines(text: str) -> list[tuple[int, str]]:
+    """Every line inside a fenced block of any language, dedented, with its line number."""
+    out: list[tuple[int, str]] = []
+    fence = indent = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        m = _FENCE.match(line)
+        if not fence and m:
+            fence, indent = m["fence"], m["indent"]
+        elif fence and m and m["fence"].startswith(fence) and not line.strip(" \t`~"):
+            fence = ""
+        elif fence:
+            out.append((number, line.removeprefix(indent)))
+    return out
+
+
+def test_no_code_line_is_wider_than_the_page_shows() -> None:
+    wide = [
+        f"{page.relative_to(DOCS)}:{number}: {len(line)} characters: {line.strip()[:50]}..."
+        for page in sorted(DOCS.rglob("*.md"))
+        for number, line in code_lines(page.read_text(encoding="utf-8"))
+        if len(line.rstrip()) > WIDTH
+    ]
+    assert not wide, (
+        f"{len(wide)} code lines are wider than {WIDTH} characters, the width a page shows "
+        "without scrolling; wrap them (`ruff format docs` wraps Python):\n" + "\n".join(wide)
+    )
+
+
+def test_a_continued_block_names_an_earlier_block() -> None:
+    text = '```python title="a.py"\nx = 1\n```\n\n```python title="b.py (continued)"\ny = x\n```\n'
+    with pytest.raises(ValueError, match=r"p.md:6: .* continues 'b.py', and no earlier block"):
+        scripts(extract_blocks(text, "p.md"), "p.md")
+
+
+def test_blocks_run_alone_unless_titled_as_continuing(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    script = (
+        '```python title="t.py"\na = 2\n```\n\n'
+        '```pycon title="t.py (continued)"\n>>> a * 21\n42\n```\n'
+    )
+    page.write_text(script)
+    assert run_page(page) == 2
+    page.write_text(script + "\n```python\nb = a\n```\n")
+    with pytest.raises(NameError, match="'a' is not defined"):
+        run_page(page)
+
+
+def test_code_lines_include_every_language_and_skip_prose() -> None:
+    text = "prose " * 40 + "\n\n!!! note\n    ```bash\n    pip install x\n    ```\n"
+    assert code_lines(text) == [(5, "pip install x")]
 
 
 # -- the extractor itself ----------------------------------------------------------
@@ -163,8 +290,8 @@ def test_longer_fences_and_tildes_nest() -> None:
 
 def test_pycon_blocks_are_doctests(tmp_path: Path) -> None:
     page = tmp_path / "p.md"
-    page.write_text("```python\na = 2\n```\n\n```pycon\n>>> a * 21\n42\n```\n")
-    assert run_page(page) == 2
+    page.write_text("```pycon\n>>> a = 2\n>>> a * 21\n42\n```\n")
+    assert run_page(page) == 1
     page.write_text("```pycon\n>>> 1 + 1\n3\n```\n")
     with pytest.raises(pytest.fail.Exception, match="Expected:\n    3\nGot:\n    2"):
         run_page(page)
