@@ -102,11 +102,18 @@ class ReserveIgnoredWarning(UserWarning):
 class TensorsLeftBehindWarning(UserWarning):
     """:func:`~cudakit.device.on_device` left tensors behind inside an object it cannot rebuild.
 
-    Raised once per type, the first time an object of a type cudakit does not know
-    (a ``SimpleNamespace``, a class without ``.to()``) is found holding tensors: the
-    object comes back as it is, its tensors where they were. Teach cudakit the type
-    with :func:`cudakit.register_container`, give it a ``.to(device)`` method, or
-    filter the warning with ``warnings.filterwarnings("ignore",
+    Raised once per type, in two cases:
+
+    - an object of a type cudakit does not know (a ``SimpleNamespace``, a class
+      without ``.to()``) is found holding tensors: the object comes back as it is, its
+      tensors where they were. Teach cudakit the type with
+      :func:`cudakit.register_container`, or give it a ``.to(device)`` method;
+    - an object of a registered type holds tensors in attributes that its registered
+      ``flatten`` does not return (a typo, a forgotten field): those tensors stay where
+      they were, and the warning names the attributes. Add them to ``flatten``'s dict
+      and let ``unflatten`` set them.
+
+    Filter the warning with ``warnings.filterwarnings("ignore",
     category=TensorsLeftBehindWarning)`` if leaving them is what you want.
 
     .. versionadded:: 0.2
@@ -129,7 +136,9 @@ class LaunchError(CudakitError, RuntimeError):
         rank: the rank that failed first.
         pid: its process id.
         exitcode: its exit code (negative: killed by that signal), ``None`` if it
-            was still running when the launch timed out.
+            was still running when it was stopped: it hung, either past the launch's
+            ``timeout`` or while the other ranks gave up waiting for it in a
+            collective (the process group's timeout), and the message says which.
         traceback_text: the child's formatted traceback (empty when it died
             without raising, e.g. from a signal or ``os._exit``).
         pids: the process ids of every rank (all terminated and reaped by then).

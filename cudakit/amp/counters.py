@@ -12,7 +12,15 @@ __all__ = ["StepCounters"]
 class StepCounters:
     """Counts of real and skipped optimizer steps; says when a skip streak is too long."""
 
-    __slots__ = ("consecutive", "consecutive_spikes", "max_skipped", "skipped", "spikes", "steps")
+    __slots__ = (
+        "consecutive",
+        "consecutive_spikes",
+        "max_skipped",
+        "skipped",
+        "spikes",
+        "steps",
+        "weighted",
+    )
 
     def __init__(self, max_skipped: int) -> None:
         self.max_skipped = max_skipped
@@ -21,6 +29,8 @@ class StepCounters:
         self.spikes = 0  # of those, the ones dropped for a loss spike (skip_spikes=)
         self.consecutive = 0  # skipped steps since the last real one
         self.consecutive_spikes = 0  # of those, loss spikes
+        # A weight tensor was seen: a negative one skips its window like an inf/NaN.
+        self.weighted = False
 
     def record_step(self) -> None:
         """A real optimizer step: the streak ends."""
@@ -40,15 +50,15 @@ class StepCounters:
     def streak_error(self, dtype: torch.dtype) -> NonFiniteStepsError:
         """The error for a streak of ``max_skipped`` skipped steps."""
         spikes = self.consecutive_spikes
+        nonfinite = "the loss or gradients were inf/NaN"
+        if self.weighted:
+            nonfinite += " (or a token weight was negative)"
         if spikes == 0:
-            why = "because the loss or gradients were inf/NaN"
+            why = f"because {nonfinite}"
         elif spikes == self.consecutive:
             why = "because every window's loss was a spike under skip_spikes="
         else:
-            why = (
-                f"({spikes} of them loss spikes under skip_spikes=, the rest with an inf/NaN "
-                "loss or gradient)"
-            )
+            why = f"({spikes} of them loss spikes under skip_spikes=, the rest because {nonfinite})"
         spike_fix = (
             " The spike rule's running statistics learn from accepted windows only, so a "
             "lasting change of level keeps being skipped: loosen SpikeRule(z=..., ratio=...)."

@@ -435,6 +435,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         # Counted only once its backward has run: a failed call adds no phantom weight.
         if weight_t is not None:
             window.add_weight(weight_t)
+            self._counts.weighted = True
         window.weighted = weight_t is not None
         return weight_t
 

@@ -110,3 +110,30 @@ def test_zero_and_positive_weights_still_step() -> None:
     x = torch.ones(3, 4)
     fn(x, torch.tensor(0))
     assert fn(x, torch.tensor(4.0)).stepped
+
+
+def test_a_streak_of_negative_weights_says_a_weight_may_be_the_cause() -> None:
+    """Skips for a negative weight count towards max_skipped like an inf/NaN, and the
+    streak error names that cause too, not only an inf/NaN loss or gradient."""
+    from cudakit.exceptions import NonFiniteStepsError
+
+    m, fn = _weighted(fused=False, max_skipped=2)
+    before = m.weight.detach().clone()
+    x = torch.ones(3, 4)
+    fn(x, torch.tensor(1))
+    fn(x, torch.tensor(-1))
+    fn(x, torch.tensor(1))
+    with pytest.raises(NonFiniteStepsError, match=r"or a token weight was negative"):
+        fn(x, torch.tensor(-1))
+    assert torch.equal(m.weight, before)
+
+
+def test_an_unweighted_streak_does_not_mention_weights() -> None:
+    from cudakit.exceptions import NonFiniteStepsError
+
+    m = _net()
+    step = autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), max_skipped=1)
+    loss = m(torch.full((2, 4), float("nan"))).sum()
+    with pytest.raises(NonFiniteStepsError) as info:
+        step.backward(loss)
+    assert "token weight" not in str(info.value)
