@@ -208,15 +208,24 @@ class RunningStat:
         """Take an accepted window's ``x``: Finch's exponentially weighted update.
 
         ``a = max(1/n, 1 - decay)`` (n: accepted windows, this one included),
-        ``d = x - mean``, ``mean += a * d``, ``var = (1 - a) * (var + a * d * d)``.
+        ``d = x - mean``, ``mean += a * d``, ``var = (1 - a) * (var + a * d * d)``; then
+        :meth:`update` (inlined here: this runs once per optimizer step).
         """
-        alpha = max(1.0 / (self.count + 1), 1.0 - rule.decay)
+        count = self.count + 1
+        alpha = 1.0 / count
+        if alpha < 1.0 - rule.decay:
+            alpha = 1.0 - rule.decay
         d = x - self.mean
         ad = alpha * d
-        self.mean += ad
-        self.var = (1.0 - alpha) * (self.var + ad * d)
-        self.count += 1
-        self.update(rule)
+        self.mean = mean = self.mean + ad
+        self.var = var = (1.0 - alpha) * (self.var + ad * d)
+        self.count = count
+        if count < rule.warmup or rule.ratio is not None:
+            self.update(rule)
+            return
+        level = mean + rule.z * math.sqrt(var)  # type: ignore[operator]  # z is set
+        _CELL[0] = level if level < FLOAT32_MAX else FLOAT32_MAX
+        self.level = _CELL[0]
 
 
 class SpikeWatch:
@@ -279,7 +288,17 @@ class SpikeWatch:
 
     @staticmethod
     def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-        """The total 2-norm of ``grads``, as clipping computes it (a sharded norm made whole)."""
+        """The total 2-norm of ``grads``, as clipping computes it (a sharded norm made whole).
+
+        Plain dense gradients of one device and dtype take what ``get_total_norm`` runs for
+        them (the same two ops, bit for bit) without its grouping; others the call.
+        """
+        if grads and all(type(g) is torch.Tensor and not g.is_sparse for g in grads):
+            first = grads[0]
+            if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+                norms = torch._foreach_norm(grads, 2.0)
+                total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                return total.float()
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         full = getattr(norm, "full_tensor", None)
         if callable(full):  # FSDP2: a DTensor norm, reduced across ranks

@@ -14,7 +14,7 @@ import ctypes
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -161,6 +161,7 @@ class Watch:
         self.rule: SpikeRule | None = rule
         self._loss = rule is not None and "loss" in rule.on
         self._only_loss = rule is not None and rule.on == ("loss",)
+        self._norm = rule is not None and "grad_norm" in rule.on
         self.locate = locate
         self._calls: list[Call] = []
         self._autocast: Callable[[], Any] | None = None
@@ -291,21 +292,19 @@ class Watch:
         grad_norm: torch.Tensor | None,
         stepper: Stepper,
     ) -> list[torch.Tensor]:
-        """The watched statistics of the window as 0-dim float32 tensors, in rule order."""
-        spikes = self.spikes
-        assert spikes is not None  # callers check
+        """The watched statistics of the window as float32 tensors, in rule order."""
         out: list[torch.Tensor] = []
-        for name in spikes.on:
-            if name == "loss":
-                x = ride if ride is not None else torch.zeros(())
-                if window.weighted:
-                    x = x / stepper.total_weight(window)
-                elif stepper.world > 1:
-                    x = x / stepper.world
-                out.append(x)
-            else:
-                norm = grad_norm if grad_norm is not None else spikes.grad_norm(stepper.grads())
-                out.append(norm.float().reshape(()))
+        if self._loss:
+            x = ride if ride is not None else torch.zeros(())
+            if window.weighted:
+                x = x / stepper.total_weight(window)
+            elif stepper.world > 1:
+                x = x / stepper.world
+            out.append(x)
+        if self._norm:
+            if grad_norm is None:
+                grad_norm = SpikeWatch.grad_norm(stepper.grads())
+            out.append(grad_norm if grad_norm.dtype is torch.float32 else grad_norm.float())
         return out
 
     def judge_host(
@@ -319,8 +318,7 @@ class Watch:
 
         Returns None for a spike, else the numbers to learn once the window has stepped.
         """
-        spikes = self.spikes
-        assert spikes is not None
+        spikes = cast(SpikeWatch, self.spikes)
         if self._only_loss and ride is not None and window.weighted is not True:
             losses = window.losses
             # One float32 loss, not reduced across ranks (the guard returned it as it was):
