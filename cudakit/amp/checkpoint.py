@@ -383,7 +383,7 @@ def load(parts: StepParts, state: Mapping[str, Any]) -> None:
         if buffers is not None and saved_buffers is not None and restored.position
         else None
     )
-    apply_watch = parts.stepper.watch.check_state(state)  # loss spikes; absent before 0.2
+    apply_watch = parts.stepper.watch.check_state(state)  # loss spikes; older checkpoints lack them
     parts.stepper.forget_pending()  # verdicts of windows the checkpoint replaces
     apply(
         restored,

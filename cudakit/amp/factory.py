@@ -116,10 +116,6 @@ def autocast_step(
             come with ``skip_nonfinite=False``.
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.2
-       Several optimizers and schedulers, FSDP2, token-weighted accumulation, gradients
-       cleared when a window opens, native-only ``"auto"`` precision, ``skip_spikes``
-       and ``locate_nonfinite``.
     """
     return AutocastStep(
         optimizer,

@@ -46,7 +46,7 @@ Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 class NonFiniteWarning(UserWarning):
     """``autocast_step(locate_nonfinite=True)`` skipped a window: where its inf/NaN came from.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
 
@@ -60,7 +60,7 @@ class NonFiniteSource:
     >>> print(src)
     forward of 'encoder.1' (Linear): a float32 tensor of shape (16, 32)
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     #: ``"input"`` (an argument of the function), ``"forward"`` or ``"backward"``.
@@ -124,7 +124,7 @@ def find_nonfinite(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> NonF
     Raises:
         TypeError: ``fn`` is not callable.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
     check_callable("find_nonfinite", "fn", fn, expected="the loss function to replay")
     return replay([(fn, args, dict(kwargs))])

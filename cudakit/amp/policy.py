@@ -63,7 +63,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class Capabilities(NamedTuple):
     """What the hardware runs natively (False where it was not asked or is absent).
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     #: The CUDA device computes bf16 natively (compute capability 8.0 or later).
@@ -77,7 +77,7 @@ class Capabilities(NamedTuple):
 class Precision(NamedTuple):
     """A decided precision: ``dtype`` is float32 exactly when autocast is off.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     dtype: torch.dtype
@@ -140,7 +140,7 @@ def decide_precision(
     ...                  caps=Capabilities(cuda_bf16=True)).dtype
     torch.bfloat16
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
     if not enabled:
         return Precision(torch.float32, False, False)

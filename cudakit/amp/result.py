@@ -35,8 +35,6 @@ class StepResult(NamedTuple):
     (True, 0.5, False, None)
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.2
-       ``spike`` and ``nonfinite``.
     """
 
     #: The loss the function returned, detached (not divided by ``accumulate``).
@@ -187,7 +185,7 @@ class Verdict:
     >>> bool(v), v == False, v, int(v), sum([v, v])
     (False, True, False, 0, 0)
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     __slots__ = ("_flag", "_skipped", "_value")

@@ -75,7 +75,7 @@ def register_container(
             built-in container (a namedtuple, say) without ``flatten`` and ``unflatten``
             (the default would move its attributes and leave its items behind).
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
     fn = "register_container"
     check_type(

@@ -258,7 +258,7 @@ class MemoryReport(ReportFigures):
     def figures(self) -> DeviceMemory:
         """The block's figures: the device's, or the sum over :attr:`devices`.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         return combine(self._devs())
 

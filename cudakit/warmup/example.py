@@ -67,7 +67,7 @@ def example_batch(loader: Iterable[T], /) -> T:
             dict of loaders, pass one of them).
         ValueError: ``loader`` yields nothing.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
     _refuse_non_loaders(loader)
     if isinstance(loader, Iterator):

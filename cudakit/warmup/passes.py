@@ -404,8 +404,6 @@ def warmup(
             compile again.
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.2
-       Functional criteria (``F.nll_loss``); the CPU peak is measured; more checks.
     """
     plan = _plan(model, example_batch, loss_fn, steps, optimizer, amp, extra, reserve, device)
     if amp is None and plan.model is not None and _is_compiled(plan.model):
