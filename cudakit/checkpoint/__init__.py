@@ -8,11 +8,15 @@ complete or absent (a manifest written last, then an atomic rename); ``keep=`` k
 the newest few; ``async_save=True`` writes in the background on a process group of
 its own; SIGTERM/SIGUSR1 save at the next window boundary and exit for a requeue.
 
-The parts: ``layout`` (the directory, the manifest, which checkpoints are complete),
-``state`` (the tensor and host parts), ``data`` (the data position and RNG),
-``writer`` (synchronous and background writes), ``preemption`` (signals, agreed across
-ranks), ``arguments`` (the door) and ``checkpointer`` (the object that composes them).
+:func:`find_latest` names the newest complete checkpoint in a directory, and a
+:class:`Position` (what a resume returns) is where the run stands: the next epoch and
+batch, and the totals so far.
 """
+
+# The parts: layout (the directory, the manifest, which checkpoints are complete),
+# state (the tensor and host parts), data (the data position and RNG), writer
+# (synchronous and background writes), preemption (signals, agreed across ranks),
+# arguments (the door) and checkpointer (the object that composes them).
 
 from .checkpointer import Checkpointer, find_latest
 from .data import Position

@@ -19,10 +19,13 @@ the docs recommend:
   ``--nprocs N``, which goes through :func:`~cudakit.parallel.launch`).
 
 Run it as ``cudakit demo`` or ``python -m cudakit demo``; ``--help`` lists the options.
-
-Modules: ``data`` (:func:`make_dataset`), ``model`` (:func:`make_model`), ``summary``
-(:class:`DemoSummary`, :class:`EpochStats`) and ``command`` (:func:`main`).
+Its pieces are importable for experiments of your own: :func:`make_dataset` (the data
+set), :func:`make_model` (the network), :func:`main` (the command itself), and
+:class:`DemoSummary` and :class:`EpochStats` (what a run reports).
 """
+
+# Modules: data (make_dataset), model (make_model), summary (DemoSummary, EpochStats)
+# and command (main).
 
 # Private modules: _args (the command line: parser and the checks made before anything
 # runs), _training (the training loop), _evaluation (held-out scoring, sums over ranks),

@@ -11,13 +11,14 @@ Design notes:
 * **Never starts CUDA.** Before CUDA is initialised nothing can be allocated on a
   GPU, so a report says "CUDA not started" instead of creating a context.
 * **Nesting is safe.** Peak resets are global per device, so every open report
-  keeps the peak it saw before each later reset (``_frames``).
+  keeps the peak it saw before each later reset.
 * **Threads.** Reports on different threads that overlap on one device are marked
   ``shared=True``.
-
-Modules: ``results`` (the report types and their one renderer), ``reporter``
-(:func:`memory_report`), ``snapshot`` (:func:`memory_snapshot`).
 """
+
+# Modules: results (the report types and their one renderer), reporter
+# (memory_report), snapshot (memory_snapshot); private: _frames (the peaks of nested
+# reports), _probes, _targets, _throttle, _notes.
 
 # Private modules: _probes (every read of torch.cuda or /proc; tests replace its
 # objects with fakes), _frames (open reports), _targets (device=), _throttle

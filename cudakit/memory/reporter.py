@@ -12,8 +12,8 @@ import copy
 import os
 import time
 from collections.abc import Callable
-from types import TracebackType
-from typing import IO, Any, Final, Literal, Protocol, TypeVar, overload
+from types import EllipsisType, TracebackType
+from typing import IO, Any, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import ParamSpec, Self
 
@@ -45,13 +45,6 @@ __all__ = ["LogTarget", "MemoryReported", "MemoryReporter", "memory_report"]
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-
-
-class _Keep:
-    """Sentinel default of ``clone(label=...)``: keep the label."""
-
-
-_KEEP: Final = _Keep()
 
 
 class MemoryReported(Protocol[P, R_co]):
@@ -171,7 +164,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
     def figures(self) -> DeviceMemory:
         """The latest finished block's figures (see :meth:`MemoryReport.figures`).
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         return self._latest().figures()
 
@@ -195,10 +188,14 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         """How many blocks or calls this object (and its clones) has measured."""
         return self._agg.calls
 
-    def clone(self, label: str | _Keep | None = _KEEP) -> Self:
-        """A fresh, un-entered reporter with the same settings and the same output throttle."""
+    def clone(self, label: str | EllipsisType | None = ...) -> Self:
+        """A fresh, un-entered reporter with the same settings and the same output throttle.
+
+        Args:
+            label: The clone's label; ``...`` (the default) keeps this reporter's.
+        """
         twin = copy.copy(self)  # the settings, the resolved targets, the throttle
-        twin.label = self.label if isinstance(label, _Keep) else label
+        twin.label = self.label if isinstance(label, EllipsisType) else label
         twin._agg_ = self._agg  # shared: made now if it was not yet
         twin._frames = None
         twin._report = None

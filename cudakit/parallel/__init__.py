@@ -1,6 +1,6 @@
 """Parallel training: choose DataParallel / DDP / FSDP2, set it up correctly, tear it down.
 
-The decision is pure (:func:`choose_strategy`, and ``strategy.plan_parallel`` behind
+The decision is a pure function (:func:`choose_strategy`, the one behind
 :func:`parallelize`), tested over every input; :func:`parallelize` only carries it
 out (moves the model, initialises the process group, wraps) and logs it once.
 Around it sit the helpers every DDP script needs: :func:`process_group`
@@ -9,13 +9,14 @@ environment), :func:`unwrap`, :func:`state_dict` / :func:`load_state_dict` (no
 ``module.`` prefix), :func:`rank`, :func:`world_size`, :func:`local_rank`,
 :func:`is_main_process`, :func:`main_process_first` and :func:`distributed_loader`
 (a rank's shard, ``set_epoch`` called for you).
-
-Modules, one concern each: ``strategy`` (the pure decisions), ``options`` (the
-wrapper options, checked), ``group`` (the process group's lifetime), ``ranks`` (who
-am I), ``launcher`` (``launch``), ``failures`` (which rank a failed launch blames),
-``wrap`` (``parallelize``, ``unwrap``, state dicts) and ``loaders``. The launcher
-environment (torchrun's or SLURM's) is read in ``cudakit._dist``.
+:func:`read_env` reads the launcher's environment (torchrun's or SLURM's) without
+starting anything.
 """
+
+# Modules, one concern each: strategy (the pure decisions), options (the wrapper
+# options, checked), group (the process group's lifetime), ranks (who am I), launcher
+# (launch), failures (which rank a failed launch blames), wrap (parallelize, unwrap,
+# state dicts) and loaders. The launcher environment is read in cudakit._dist.
 
 from .._dist import DistributedEnv, read_env
 from ..exceptions import LaunchError
@@ -24,12 +25,13 @@ from .launcher import launch
 from .loaders import DistributedLoader, distributed_loader
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
 from .strategy import Strategy, StrategyRequest, choose_strategy
-from .wrap import load_state_dict, parallelize, state_dict, unwrap
+from .wrap import LoadResult, load_state_dict, parallelize, state_dict, unwrap
 
 __all__ = [
     "DistributedEnv",
     "DistributedLoader",
     "LaunchError",
+    "LoadResult",
     "ProcessGroupInfo",
     "Strategy",
     "StrategyRequest",

@@ -34,7 +34,7 @@ from .options import WRAPPER_NAMES, check_option_names, fully_shard
 from .ranks import is_main_process
 from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, make_plan
 
-__all__ = ["is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
+__all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
 logger = logging.getLogger("cudakit")
 
@@ -169,21 +169,36 @@ def _strip(sd: Mapping[str, Any], own_keys: set[str]) -> Mapping[str, Any]:
     return out
 
 
-class _LoadResult(NamedTuple):
+class LoadResult(NamedTuple):
+    """What :func:`load_state_dict` returns: the keys that did not match.
+
+    Like the result of ``nn.Module.load_state_dict``, after ``module.`` and
+    ``_orig_mod.`` prefixes are taken off; both lists are empty when every key matched.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> missing, unexpected = cp.load_state_dict(torch.nn.Linear(2, 2), {}, strict=False)
+    >>> missing, unexpected
+    (['weight', 'bias'], [])
+
+    .. versionadded:: 0.1
+    """
+
+    #: The model's keys that the state dict did not have.
     missing_keys: list[str]
+    #: The state dict's keys that the model does not have.
     unexpected_keys: list[str]
 
 
 def load_state_dict(
     model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
-) -> _LoadResult:
+) -> LoadResult:
     """Load a state dict saved with or without ``module.`` / ``_orig_mod.`` prefixes.
 
     >>> import torch, cudakit.parallel as cp
     >>> wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
     >>> bare = torch.nn.Linear(2, 2)
     >>> cp.load_state_dict(bare, wrapped.state_dict())     # keys 'module.weight', ...
-    _LoadResult(missing_keys=[], unexpected_keys=[])
+    LoadResult(missing_keys=[], unexpected_keys=[])
     >>> torch.equal(bare.weight, wrapped.module.weight)
     True
 
@@ -223,10 +238,10 @@ def load_state_dict(
         own = set(inner.state_dict().keys())
         bare = dict(_strip(state, own)) if state else {}
         res = set_model_state_dict(inner, bare, options=opts)
-        return _LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+        return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
     own = set(inner.state_dict().keys())
     res = inner.load_state_dict(_strip(state, own), strict=strict)
-    return _LoadResult(list(res.missing_keys), list(res.unexpected_keys))
+    return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
 
 
 # --------------------------------------------------------------------------- parallelize

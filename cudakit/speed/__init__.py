@@ -10,13 +10,16 @@ every rank when a process group runs, with no read of the device per step.
 * **Peaks are dense:** :data:`PEAKS` holds NVIDIA's dense figures per GPU and dtype,
   each with its datasheet; :func:`lookup_peak` matches a device name on whole words
   and never lends one GPU's peak to another.
-
-Modules: ``flops`` (:func:`count_flops`), ``peaks`` (the table), ``counts`` (what a
-call counts, and the FLOP scaling rule), ``clock`` (CUDA events or the wall clock),
-``tally`` (calls into steps, totals, the rolling window), ``combine`` (all ranks),
-``figures`` (:class:`SpeedFigures` and the line), ``meter`` (:func:`speed_report`);
-private: ``_args`` (argument checks), ``_probes`` (the device reads tests replace).
+* **Figures you can read:** a :class:`SpeedReport` gives :class:`SpeedFigures` for the
+  rolling window and since the start, and a :class:`SpeedSummary`; a decorated
+  function is a :class:`SpeedReported`.
 """
+
+# Modules: flops (count_flops), peaks (the table), counts (what a call counts, and the
+# FLOP scaling rule), clock (CUDA events or the wall clock), tally (calls into steps,
+# totals, the rolling window), combine (all ranks), figures (SpeedFigures and the
+# line), meter (speed_report); private: _args (argument checks), _probes (the device
+# reads tests replace).
 
 from .figures import SpeedFigures, SpeedSummary
 from .flops import FlopCount, count_flops

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from types import TracebackType
-from typing import IO, Any, Final, Protocol, TypeVar, overload
+from typing import IO, Any, Protocol, TypeVar, overload
 
 import torch
 from typing_extensions import ParamSpec, Self
@@ -34,15 +34,6 @@ __all__ = ["SpeedReport", "SpeedReported", "speed_report"]
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
-
-
-class _NoBatch:
-    def __repr__(self) -> str:
-        return "<no batch>"
-
-
-_NO_BATCH: Final = _NoBatch()
-_NO_COUNTS: Final[tuple[None, None]] = (None, None)
 
 
 class SpeedReported(Protocol[P, R_co]):
@@ -81,8 +72,8 @@ class SpeedReport(ContextDecorator):
         self,
         settings: Settings,
         recorder: Recorder | None = None,
-        batch: Any = _NO_BATCH,
-        counts: tuple[Count | None, Count | None] = _NO_COUNTS,
+        batch: Any = ...,
+        counts: tuple[Count | None, Count | None] = (None, None),
     ) -> None:
         self._settings = settings
         self._recorder = recorder if recorder is not None else Recorder(settings)
@@ -101,7 +92,7 @@ class SpeedReport(ContextDecorator):
         return type(self)(self._settings, self._recorder, self._batch, self._counts)
 
     def measure(
-        self, batch: Any = _NO_BATCH, *, samples: Count | None = None, tokens: Count | None = None
+        self, batch: Any = ..., *, samples: Count | None = None, tokens: Count | None = None
     ) -> Self:
         """A ``with`` block for one call on ``batch``, or with the counts given.
 
@@ -114,7 +105,8 @@ class SpeedReport(ContextDecorator):
         8.0
 
         Args:
-            batch: the call's batch, for ``samples=``/``tokens=``/``flops=`` functions.
+            batch: the call's batch, for ``samples=``/``tokens=``/``flops=`` functions;
+                left out (``...``) when the block is given its counts instead.
             samples: this call's samples (a number or a one-element tensor), instead
                 of ``samples=``'s.
             tokens: this call's tokens, instead of ``tokens=``'s.
@@ -123,7 +115,7 @@ class SpeedReport(ContextDecorator):
             TypeError, ValueError: a count that is not a number >= 0 or a one-element
                 tensor.
         """
-        given: tuple[Count | None, Count | None] = _NO_COUNTS
+        given: tuple[Count | None, Count | None] = (None, None)
         if samples is not None or tokens is not None:
             given = (
                 None if samples is None else check_count("samples", samples),
@@ -138,7 +130,7 @@ class SpeedReport(ContextDecorator):
                 "object measures one call at a time. For a nested block use "
                 "meter.measure(...) or a new speed_report()."
             )
-        if self._batch is _NO_BATCH:
+        if self._batch is ...:  # no batch given: the counts must come from elsewhere
             missing = self._settings.counter.missing(*self._counts)
             if missing:
                 raise RuntimeError(

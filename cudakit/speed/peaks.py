@@ -69,7 +69,7 @@ _H200 = "NVIDIA H200 Tensor Core GPU datasheet"
 _H200_URL = "https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446"
 _HALF = "Tensor Core figures: the datasheet's sparse figure (marked *) halved."
 
-#: The table. Add a model by appending an entry with its datasheet; never guess.
+# Add a model by appending an entry with its datasheet; never guess.
 PEAKS: Final[tuple[DevicePeak, ...]] = (
     # A100 SXM4 and PCIe, 40 GB and 80 GB: one column of figures for all four.
     DevicePeak(
@@ -160,6 +160,19 @@ PEAKS: Final[tuple[DevicePeak, ...]] = (
         note=_HALF + " TF32 2.2 PF*, BF16/FP16 4.5 PF*, FP8 9 PF* (HGX B200, 1,000 W).",
     ),
 )
+"""The table :func:`lookup_peak` reads: one :class:`DevicePeak` per GPU model.
+
+Each entry holds the dense TFLOP/s per dtype key, the words a device name must (and
+must not) contain, and the datasheet the figures come from, with its address.
+
+>>> [p.model for p in PEAKS]  # doctest: +NORMALIZE_WHITESPACE
+['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'L4', 'L40S',
+ 'RTX 4090', 'B200']
+>>> PEAKS[1].tflops["bf16"], PEAKS[1].source
+(989.5, 'NVIDIA H100 Tensor Core GPU datasheet')
+
+.. versionadded:: 0.1
+"""
 
 _WORD = re.compile(r"[A-Z0-9]+")
 _DTYPES: Final[Mapping[object, str]] = {

@@ -12,28 +12,32 @@ Public names:
   its ``reserve=`` pre-allocates memory in the CUDA caching allocator.
 * :class:`preserve_state` is the no-trace guarantee on its own, as ``with`` or ``@``.
 * :func:`warmed` wraps a step function so that its first call is preceded by
-  warm-up calls that leave no trace.
+  warm-up calls that leave no trace (without the function it returns a
+  :class:`WarmedDecorator`).
 * :func:`example_batch` takes a warm-up batch from a loader and leaves the RNG as it was.
-* :func:`find_batch_size` grows the batch size geometrically, then bisects;
-  :func:`is_oom_error` is the out-of-memory test it uses.
-
-Modules: ``preserve`` (state rollback), ``passes`` (:func:`warmup`), ``report``,
-``warmed``, ``example`` (:func:`example_batch`), ``batch_size``; private: ``_args``
-(shared argument checks), ``_loss`` (the two forms of ``loss_fn``), ``_reserve``.
+* :func:`find_batch_size` grows the batch size geometrically, then bisects (without
+  ``trial_fn`` it returns a :class:`FindBatchSizeDecorator`); :func:`is_oom_error` is
+  the out-of-memory test it uses.
 """
+
+# Modules: preserve (state rollback), passes (warmup), report, warmed, example
+# (example_batch), batch_size; private: _args (shared argument checks), _loss (the two
+# forms of loss_fn), _reserve.
 
 from .._oom import is_oom_error
 from ..exceptions import MemoryReserveError, ReserveIgnoredWarning
-from .batch_size import find_batch_size
+from .batch_size import FindBatchSizeDecorator, find_batch_size
 from .example import example_batch
 from .passes import warmup
 from .preserve import preserve_state
 from .report import WarmupReport
-from .warmed import warmed
+from .warmed import WarmedDecorator, warmed
 
 __all__ = [
+    "FindBatchSizeDecorator",
     "MemoryReserveError",
     "ReserveIgnoredWarning",
+    "WarmedDecorator",
     "WarmupReport",
     "example_batch",
     "find_batch_size",

@@ -22,7 +22,7 @@ R = TypeVar("R")
 
 _log = logging.getLogger("cudakit.warmup")
 
-__all__ = ["find_batch_size", "free_memory"]
+__all__ = ["FindBatchSizeDecorator", "find_batch_size", "free_memory"]
 
 
 def free_memory() -> None:
@@ -169,8 +169,19 @@ def _check_trial(fn: Callable[..., Any], what: str) -> None:
         )
 
 
-class _SearchDecorator(Protocol):
-    def __call__(self, fn: Callable[Concatenate[int, P], R], /) -> Callable[P, R]: ...
+class FindBatchSizeDecorator(Protocol):
+    """What ``find_batch_size(...)`` returns when no ``trial_fn`` is given: the decorator.
+
+    Calling it on ``def fn(batch_size, *args, **kwargs)`` gives a function of the
+    remaining arguments: each call searches for the batch size afresh and returns
+    ``fn``'s result at it (``@find_batch_size(start=16)`` above a ``def``). A type for
+    annotations; at run time the decorator is a plain function.
+
+    .. versionadded:: 0.1
+    """
+
+    def __call__(self, fn: Callable[Concatenate[int, P], R], /) -> Callable[P, R]:
+        """Wrap ``fn``, whose first parameter is the batch size the search chooses."""
 
 
 @overload
@@ -194,7 +205,7 @@ def find_batch_size(
     upper: int | None = ...,
     multiple_of: int = ...,
     margin: float = ...,
-) -> _SearchDecorator: ...
+) -> FindBatchSizeDecorator: ...
 def find_batch_size(
     trial_fn: Callable[[int], object] | None = None,
     /,
@@ -204,7 +215,7 @@ def find_batch_size(
     upper: int | None = None,
     multiple_of: int = 1,
     margin: float = 0.0,
-) -> int | _SearchDecorator:
+) -> int | FindBatchSizeDecorator:
     """Find the largest batch size at which ``trial_fn(batch_size)`` fits in memory.
 
     Starting at ``start``, the size doubles while trials succeed (halves while they

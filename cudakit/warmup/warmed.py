@@ -18,11 +18,21 @@ from .preserve import preserve_state
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["warmed"]
+__all__ = ["WarmedDecorator", "warmed"]
 
 
-class _WarmedDecorator(Protocol):
-    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]: ...
+class WarmedDecorator(Protocol):
+    """What ``warmed(model=...)`` returns when no function is given: the decorator.
+
+    Calling it on a step function gives the warmed function, with the same signature,
+    as :func:`warmed` would (``@warmed(model=model, optimizer=opt)`` above a ``def``).
+    A type for annotations; at run time the decorator is a plain function.
+
+    .. versionadded:: 0.1
+    """
+
+    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]:
+        """Wrap ``fn``: its first call is preceded by warm-up calls that leave no trace."""
 
 
 @overload
@@ -44,7 +54,7 @@ def warmed(
     optimizer: torch.optim.Optimizer | None = ...,
     extra: Iterable[Any] = ...,
     steps: int = ...,
-) -> _WarmedDecorator: ...
+) -> WarmedDecorator: ...
 def warmed(
     fn: Callable[P, R] | None = None,
     /,
@@ -53,7 +63,7 @@ def warmed(
     optimizer: torch.optim.Optimizer | None = None,
     extra: Iterable[Any] = (),
     steps: int = 1,
-) -> Callable[P, R] | _WarmedDecorator:
+) -> Callable[P, R] | WarmedDecorator:
     """Wrap a step function so its first call is preceded by warm-up calls that leave no trace.
 
     On the first call, ``fn(*args, **kwargs)`` runs ``steps`` times inside

@@ -79,6 +79,81 @@ def test_signatures_are_formatted(site: Site) -> None:
     assert 0 < longest <= 100, f"a signature line of {longest} characters: not formatted"
 
 
+def _api_objects(site: Site) -> list[tuple[str, list[str]]]:
+    """(object id, its signature blocks as plain text) for every object on the API pages.
+
+    An object's signatures are rendered between its heading and its contents.
+    """
+    found = []
+    for name in API_PAGES:
+        page = site.text(site.root / "api" / name / "index.html")
+        for m in re.finditer(
+            r'<h\d id="(cudakit\.[\w.]+)" class="doc doc-heading">(.*?)'
+            r'<div class="doc doc-contents',
+            page,
+            re.S,
+        ):
+            blocks = re.findall(
+                r'<div class="doc-signature highlight">(.*?)</div>', m.group(2), re.S
+            )
+            found.append((m.group(1), [_plain(b) for b in blocks]))
+    return found
+
+
+def _private_names(text: str) -> set[str]:
+    """Identifiers a user cannot import: each part that starts with "_" and is no dunder."""
+    return {n for n in re.findall(r"(?<!\w)_\w+", text) if not re.fullmatch(r"__\w+__", n)}
+
+
+def test_private_names_finds_what_it_should() -> None:
+    found = _private_names("x: _Keep = _KEEP, y: cudakit._output.Stderr, z: __Mangled = 1_000")
+    assert found == {"_Keep", "_KEEP", "_output", "__Mangled"}
+    assert not _private_names("__init__(self, some_name: int = 1_000) -> SearchDecorator")
+
+
+def test_no_signature_shows_a_private_name(site: Site) -> None:
+    """A signature names only what a user can import and read about: no ``_Private`` types."""
+    objects = _api_objects(site)
+    assert len(objects) > 100
+    bad = {f"{obj}: {n}" for obj, blocks in objects for b in blocks for n in _private_names(b)}
+    assert not bad, "; ".join(sorted(bad))
+
+
+def test_every_api_object_shows_one_signature(site: Site) -> None:
+    """Overloads are described in the docstring; the page shows one signature, then the text."""
+    counts = {obj: len(blocks) for obj, blocks in _api_objects(site)}
+    assert counts["cudakit.device.on_device"] == 1
+    assert counts["cudakit.data.prefetch"] == 1
+    assert not {obj: n for obj, n in counts.items() if n > 1}
+
+
+def test_module_intros_name_no_internal_module(site: Site) -> None:
+    """A module's intro says what it offers, not how its files are laid out."""
+    import importlib
+    import pkgutil
+
+    bad = []
+    intros = 0
+    for name in API_PAGES:
+        page = site.text(site.root / "api" / name / "index.html")
+        for m in re.finditer(
+            r'<div class="doc doc-object doc-module">\s*<a id="(cudakit[\w.]*)"></a>(.*?)'
+            r'<div class="doc doc-children">',
+            page,
+            re.S,
+        ):
+            intros += 1
+            module = importlib.import_module(m.group(1))
+            inner = {i.name for i in pkgutil.iter_modules(getattr(module, "__path__", []))}
+            internal = inner - set(getattr(module, "__all__", ()))
+            spans = set(re.findall(r"<code>([\w.]+)</code>", m.group(2)))
+            named = sorted(internal & spans) + sorted(_private_names(_plain(m.group(2))))
+            if named:
+                bad.append(f"{m.group(1)}: {', '.join(named)}")
+    assert intros >= 8
+    assert not bad, bad
+
+
 def test_every_public_name_is_on_an_api_page(site: Site) -> None:
     import cudakit
 
