@@ -38,6 +38,11 @@ the forward and loss; backward through the compiled graph; the fused optimizer s
 the same with either hand-written guard, and ``autocast_step(..., compile=True)``.
 ``--dtype`` picks the precision of every implementation (default bf16; ``auto`` is what
 ``autocast_step`` picks here).
+
+``--json PATH`` also writes the figures, the machine and the date as a data file of
+``docs/figures/`` (``bench_autocast_step.json``, and ``bench_autocast_step_compile.json``
+for ``--compile``): ``python scripts/make_figures.py`` redraws the chart from it and
+``python scripts/bench_tables.py`` the table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -62,10 +68,11 @@ import torch.nn.functional as F
 try:
     from cudakit.amp import autocast_step
 except ImportError:  # run from a checkout without installing
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from cudakit.amp import autocast_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report
 
 Step = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -486,7 +493,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="eager and compiled steps (hand-written and cudakit) with fused AdamW",
     )
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
     args = parser.parse_args(argv)
+    load = _report.load_average()
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures host work only; use the wall clock with --device cuda")
     torch.set_num_threads(args.threads)
@@ -510,6 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     header = "| case | implementation | median per step | ratio to hand-written |"
     print(header)
     print("|---|---|---:|---:|")
+    rows: list[dict[str, Any]] = []
+    compared: list[dict[str, Any]] = []
     for name, width, batch in cases:
         kinds = (
             make_compile_steps(device, dtype) if args.compile else make_steps(width, device, dtype)
@@ -559,7 +570,16 @@ def main(argv: list[str] | None = None) -> None:
             workers.close()
         for key in steps:
             med = statistics.median(times[key]) * 1e6
-            print(f"| {name} | {key} | {med:.1f} µs | {statistics.median(ratios[key]):.3f} |")
+            ratio = statistics.median(ratios[key])
+            print(f"| {name} | {key} | {med:.1f} µs | {ratio:.3f} |")
+            rows.append(
+                {
+                    "case": name,
+                    "implementation": key,
+                    "time_us": round(med, 1),
+                    "ratio": round(ratio, 4),
+                }
+            )
         pairs = [
             ("cudakit @autocast_step", "hand-written + guard"),
             ("cudakit compile=True", "hand-written, compiled"),
@@ -571,7 +591,45 @@ def main(argv: list[str] | None = None) -> None:
         for mine, theirs in pairs:
             if mine in steps and theirs in steps:
                 per_round = [a / b for a, b in zip(times[mine], times[theirs], strict=True)]
-                print(f"# {mine} / {theirs}: {statistics.median(per_round):.3f}")
+                ratio = statistics.median(per_round)
+                print(f"# {mine} / {theirs}: {ratio:.3f}")
+                compared.append(
+                    {"case": name, "mine": mine, "theirs": theirs, "ratio": round(ratio, 4)}
+                )
+    if args.json:
+        settings = (
+            f"device {device}, {str(dtype).removeprefix('torch.')}, {args.threads} thread(s), "
+            f"a process per implementation, {args.sets} sets, {rounds} rounds, "
+            f"{args.clock} clock, malloc {args.malloc}"
+        )
+        data = figure_data(rows, compared, settings, args.compile, argv, load)
+        _report.write(args.json, data)
+
+
+def figure_data(
+    rows: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    settings: str,
+    compiled: bool,
+    argv: list[str] | None,
+    load: float,
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_autocast_step.json (with
+    ``compiled``, ``--compile``'s: bench_autocast_step_compile.json)."""
+    kind = "eager and compiled steps" if compiled else "time per step"
+    return _report.record(
+        "benchmarks/bench_autocast_step.py",
+        title=f"autocast_step and its peers, {kind} against the hand-written step",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        peers=("accelerate", "lightning-fabric"),
+        reference="hand-written",
+        group_by=["case"],
+        ratio="median over rounds of each round's time divided by the reference's",
+        pairs=pairs,
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ accelerate's ``save_state``/``load_state`` join when accelerate is installed (th
 ``--fsdp``: 2 gloo processes shard the model with FSDP2; each measures, with
 ``memory_report``, its resident-memory peak during ``Checkpointer.save()`` above what it
 held before, against its own shard (parameters and optimizer state).
+
+``--json PATH`` writes the figures, the machine and the date as the data file of
+``docs/figures/bench_checkpoint.json`` (``--figure`` is the same option): the medians,
+and with ``--fsdp`` each rank's memory figures. ``python scripts/make_figures.py`` redraws
+the chart from it and ``python scripts/bench_tables.py`` the table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _report
 
 import cudakit
 
@@ -197,36 +205,49 @@ def fsdp_memory(width: int, layers: int) -> list[dict[str, Any]]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def figure_data(result: dict[str, Any], machine: str, measured: str) -> dict[str, Any]:
-    """The chart data ``scripts/make_figures.py`` draws (docs/figures/bench_checkpoint.json)."""
+def figure_data(
+    result: dict[str, Any], settings: str, argv: list[str] | None, load: float
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_checkpoint.json: the chart's rows
+    (median seconds), and the rest of ``result`` (parameters, rounds, FSDP figures)."""
     rows = []
     for name, med in result["table"].items():
         for series in ("save", "load"):
             rows.append({"group": name, "series": series, "value": round(med[series], 3)})
     blocked = result["table"]["Checkpointer async"]["blocked"]
     rows.append({"group": "async: loop blocked", "series": "save", "value": round(blocked, 3)})
-    return {
-        "title": "Checkpointer: save and load of 100M parameters with AdamW state",
-        "script": "benchmarks/bench_checkpoint.py",
-        "measured": measured,
-        "machine": machine,
-        "unit": "seconds",
-        "rows": rows,
-    }
+    extra = {k: v for k, v in result.items() if k != "table"}
+    return _report.record(
+        "benchmarks/bench_checkpoint.py",
+        title=f"Checkpointer: save and load of {result['params'] / 1e6:.1f}M parameters with "
+        "AdamW state",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        peers=("accelerate",),
+        unit="seconds",
+        **extra,
+        rows=rows,
+    )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
     parser.add_argument("--device", default="cpu", help="where the model lives (cpu, cuda)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--fsdp", action="store_true", help="also FSDP2 memory over 2 ranks")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     parser.add_argument(
-        "--figure", default=None, help="write the chart data (docs/figures/bench_checkpoint.json)"
+        "--json",
+        "--figure",
+        dest="json",
+        default=None,
+        metavar="PATH",
+        help="also write the data file (docs/figures/bench_checkpoint.json)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    load = _report.load_average()
     width, layers = (256, 4) if args.quick else (2048, 24)
     rounds = args.rounds or (1 if args.quick else 3)
     model, opt = make(width, layers, args.device)
@@ -280,14 +301,9 @@ def main() -> None:
                 f"({extra / item['shard_bytes']:.2f}x the shard; memory_report)"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    if args.figure:
-        machine = (
-            f"{os.cpu_count()}-core {platform.machine()}, torch {torch.__version__}, Python "
-            f"{platform.python_version()}, {rounds} rounds, wall time"
-        )
-        data = figure_data(result, machine, time.strftime("%Y-%m-%d"))
-        Path(args.figure).write_text(json.dumps(data, indent=1) + "\n")
+        settings = f"model on {args.device}, {rounds} round(s), median wall time"
+        data = json.loads(json.dumps(figure_data(result, settings, argv, load), default=str))
+        _report.write(args.json, data)
 
 
 if __name__ == "__main__":

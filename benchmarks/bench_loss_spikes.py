@@ -245,18 +245,24 @@ def main(argv: list[str] | None = None) -> None:
             f"device {args.device}, {dtype}, {args.threads} thread(s), {rounds} rounds, "
             f"{args.sets} sets, blocks of {args.block} steps, {args.clock} clock"
         )
-        data = _report.record(
-            "benchmarks/bench_loss_spikes.py",
-            title="skip_spikes: time per step with the rule against without it",
-            settings=settings,
-            argv=argv,
-            load_before=load,
-            reference="without the rule",
-            group_by=["clipping", "skip_spikes"],
-            ratio="median over rounds of the time with the rule divided by the time without",
-            rows=rows,
-        )
-        _report.write(args.json, data)
+        _report.write(args.json, figure_data(rows, settings, argv, load))
+
+
+def figure_data(
+    rows: list[dict[str, Any]], settings: str, argv: list[str] | None, load: float
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_loss_spikes.json."""
+    return _report.record(
+        "benchmarks/bench_loss_spikes.py",
+        title="skip_spikes: time per step with the rule against without it",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        reference="without the rule",
+        group_by=["clipping", "skip_spikes"],
+        ratio="median over rounds of the time with the rule divided by the time without",
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ No peer library offers a per-block memory report (accelerate, Lightning Fabric
 and Ignite expose the raw ``torch.cuda`` counters), so the comparison is with
 the hand-written ``torch.cuda`` equivalent on CUDA, and with a bare /proc read
 on the CPU.
+
+``--json PATH`` also writes the figures, the machine and the date as the data file of
+``docs/figures/bench_memory_report.json`` (chart: ``scripts/make_figures.py``; table of
+docs/benchmarks.md: ``scripts/bench_tables.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +29,21 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _report
 
 from cudakit.memory import memory_report, memory_snapshot
+
+#: The variant every verdict is about: a fresh report entered and left.
+FRESH = "with memory_report(device={device!r}, file=None)"
+EMPTY = "empty loop (subtracted)"
+SCALE = "torch.add(1-elem), for scale"
 
 
 def _variants(device: str) -> dict[str, Callable[[int], None]]:
@@ -74,13 +87,13 @@ def _variants(device: str) -> dict[str, Callable[[int], None]]:
             memory_snapshot(device)
 
     out = {
-        "empty loop (subtracted)": empty,
-        "torch.add(1-elem) for scale": tiny_op,
-        "with memory_report(file=None)": fresh,
-        "with memory_report() default device": fresh_default_device,
-        "reused reporter `with rep:`": reuse,
+        EMPTY: empty,
+        SCALE: tiny_op,
+        FRESH.format(device=device).replace("'", '"'): fresh,
+        "with memory_report(file=None)": fresh_default_device,
+        "reused reporter: with rep:": reuse,
         "@memory_report decorated call": decorator,
-        "memory_snapshot()": snapshot,
+        f'memory_snapshot("{device}")': snapshot,
     }
     if device.startswith("cuda"):
         idx = torch.device(device).index or 0
@@ -105,7 +118,7 @@ def _variants(device: str) -> dict[str, Callable[[int], None]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -114,7 +127,9 @@ def main() -> None:
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time or wall time"
     )
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
+    args = parser.parse_args(argv)
+    load = _report.load_average()
     rounds = args.rounds or (3 if args.quick else 15)
     calls = args.calls or (500 if args.quick else 5000)
     device = args.device
@@ -133,29 +148,54 @@ def main() -> None:
             t0 = clock()
             fn(calls)
             times[name].append((clock() - t0) / calls)
-    base = times["empty loop (subtracted)"]
-    scale = [t - b for t, b in zip(times["torch.add(1-elem) for scale"], base, strict=True)]
+    base = times[EMPTY]
+    scale = [t - b for t, b in zip(times[SCALE], base, strict=True)]
 
     print(
         f"memory_report overhead on {device}: torch {torch.__version__}, Python "
         f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
         f"{rounds} interleaved rounds x {calls} calls; median {args.clock} time per call"
     )
-    print(f"| {'variant':<40} | {'µs / call':>10} | {'x torch.add':>11} |")
-    print(f"|{'-' * 42}|{'-' * 11}:|{'-' * 12}:|")
+    w = max(len(name) for name in times)
+    print(f"| {'variant':<{w}} | {'µs / call':>10} | {'x torch.add':>11} |")
+    print(f"|{'-' * (w + 2)}|{'-' * 11}:|{'-' * 12}:|")
+    rows: list[dict[str, Any]] = []
     for name, ts in times.items():
-        if name == "empty loop (subtracted)":
+        if name == EMPTY:
             continue
         net = [t - b for t, b in zip(ts, base, strict=True)]
         med = statistics.median(net) * 1e6
         ratio = statistics.median(n / s for n, s in zip(net, scale, strict=True))
-        print(f"| {name:<40} | {med:>10.2f} | {ratio:>11.1f} |")
-    fresh = statistics.median(
-        t - b for t, b in zip(times["with memory_report(file=None)"], base, strict=True)
-    )
+        print(f"| {name:<{w}} | {med:>10.2f} | {ratio:>11.1f} |")
+        rows.append({"group": name, "series": "median", "value": round(med, 2), "x_add": ratio})
+    fresh_name = FRESH.format(device=device).replace("'", '"')
+    fresh = statistics.median(t - b for t, b in zip(times[fresh_name], base, strict=True))
     goal = 20e-6
     verdict = "meets" if fresh < goal else "MISSES"
     print(f"\nenter+exit of a fresh report: {fresh * 1e6:.1f} µs ({verdict} the < 20 µs goal)")
+    if args.json:
+        settings = (
+            f"device {device}, {rounds} interleaved rounds x {calls} calls, median "
+            f"{'thread CPU' if args.clock == 'cpu' else 'wall'} time per call, an empty loop "
+            "subtracted"
+        )
+        _report.write(args.json, figure_data(rows, settings, argv, load))
+
+
+def figure_data(
+    rows: list[dict[str, Any]], settings: str, argv: list[str] | None, load: float
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_memory_report.json."""
+    return _report.record(
+        "benchmarks/bench_memory_report.py",
+        title="memory_report: cost of entering and leaving a report",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        unit="µs per call",
+        goal={"value": 20, "label": "goal: under 20 µs"},
+        rows=[{**row, "x_add": round(row["x_add"], 1)} for row in rows],
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ already on the device; with ``meta`` the same path without a GPU).
 counts only the CPU time of the timing thread (``time.thread_time``), so time
 slices other processes take on a shared machine do not count. With a CUDA target
 use ``wall``: the CPU time would not include waiting for the copies.
+
+``--json PATH`` also writes the figures, the machine and the date as the data file of
+``docs/figures/bench_on_device.json``: ``python scripts/make_figures.py`` redraws the chart
+from it and ``python scripts/bench_tables.py`` the table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,10 +41,11 @@ import torch
 try:
     from cudakit.device import on_device
 except ImportError:  # run from a checkout without installing: use the repository's package
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from cudakit.device import on_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report
 
 Mover = Callable[[Any, torch.device], Any]
 
@@ -136,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="wall: perf_counter (default); cpu: this thread's CPU time (shared machines)",
     )
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
     args = parser.parse_args(argv)
+    load = _report.load_average()
     clock = CLOCKS[args.clock]
     target = torch.device(args.device)
     if target.type == "cuda" and target.index is None:
@@ -144,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 25)
     impls = movers()
     # "move": data on the CPU, target the device; "stay": data already where it goes.
+    # Named "source to target": the last two have nothing to move.
     scenarios: list[tuple[str, torch.device, torch.device]] = [
-        (f"to {target}", torch.device("cpu"), target),
-        ("to cpu (nothing to move)", torch.device("cpu"), torch.device("cpu")),
+        (f"cpu to {target}", torch.device("cpu"), target),
+        ("cpu to cpu", torch.device("cpu"), torch.device("cpu")),
     ]
     if target.type != "cpu":
-        scenarios.append((f"on {target} already", target, target))
+        scenarios.append((f"{target} to {target}", target, target))
     rows: list[tuple[str, str, str, float, float]] = []
     for scen, source, dest in scenarios:
         for case, data in cases(source).items():
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{rounds} interleaved rounds, median per call ({args.clock} clock)"
     )
     print()
-    print("| target | case | implementation | time per call | vs hand-written |")
+    print("| from, to | case | implementation | time per call | vs hand-written |")
     print("|---|---|---|---:|---:|")
     for scen, case, name, med, ratio in rows:
         print(f"| {scen} | {case} | {name} | {med * 1e6:,.1f} µs | {ratio:.2f}x |")
@@ -189,7 +198,40 @@ def main(argv: list[str] | None = None) -> int:
         ]
         verdict = "ahead on every case" if not behind else "behind on " + ", ".join(behind)
         print(f"cudakit vs {peer}: {verdict}")
+    if args.json:
+        _report.write(args.json, figure_data(rows, rounds, args.clock, argv, load))
     return 0
+
+
+def figure_data(
+    rows: list[tuple[str, str, str, float, float]],
+    rounds: int,
+    clock: str,
+    argv: list[str] | None,
+    load: float,
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_on_device.json."""
+    return _report.record(
+        "benchmarks/bench_on_device.py",
+        title="on_device and its peers, time per call against the hand-written recursion",
+        settings=f"{rounds} interleaved rounds, median time per call, {clock} clock",
+        argv=argv,
+        load_before=load,
+        peers=("accelerate", "lightning-fabric", "optree"),
+        reference="hand-written",
+        group_by=["move", "case"],
+        ratio="median time divided by the reference's median time",
+        rows=[
+            {
+                "move": scen,
+                "case": case,
+                "implementation": name,
+                "time_us": round(med * 1e6, 2),
+                "ratio": round(ratio, 3),
+            }
+            for scen, case, name, med, ratio in rows
+        ],
+    )
 
 
 if __name__ == "__main__":

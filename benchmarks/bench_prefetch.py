@@ -13,6 +13,10 @@ overlap, and the goal is a step time within 10 percent of max(copy, compute).
     python benchmarks/bench_prefetch.py            # CPU overhead
     python benchmarks/bench_prefetch.py --quick    # smoke run
     python benchmarks/bench_prefetch.py --device cuda
+
+``--json PATH`` also writes the figures, the machine and the date as the data file of
+``docs/figures/bench_prefetch.json`` (chart: ``scripts/make_figures.py``; table of
+docs/benchmarks.md: ``scripts/bench_tables.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +36,11 @@ from torch.utils.data import DataLoader, TensorDataset
 try:
     from cudakit.data import prefetch
 except ImportError:  # run from a checkout without installing: use the repository's package
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from cudakit.data import prefetch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report
 
 
 def _consume(batches: Iterable[Any]) -> float:
@@ -52,9 +58,10 @@ def _interleaved(cases: dict[str, Callable[[], float]], rounds: int) -> dict[str
     return times
 
 
-def bench_cpu(quick: bool) -> int:
+def bench_cpu(quick: bool, rounds: int | None = None) -> dict[str, Any]:
+    """Time the CPU overhead, print its table; return the data file's fields."""
     torch.set_num_threads(1)
-    rounds = 5 if quick else 31
+    rounds = rounds or (5 if quick else 31)
     n_samples = 2_048 if quick else 16_384
     rows = []
     for batch_size in (8, 32, 128):
@@ -104,7 +111,38 @@ def bench_cpu(quick: bool) -> int:
     ok = worst_loader <= 3.0
     print()
     print(f"goal: DataLoader overhead <= 3%: {'met' if ok else 'NOT met'} ({worst_loader:+.1f}%)")
-    return 0
+    return cpu_figure_data(rows, rounds)
+
+
+def cpu_figure_data(
+    rows: list[tuple[str, int, float, float, float, float]], rounds: int
+) -> dict[str, Any]:
+    """The CPU run's chart rows (the DataLoader's), its table, title and settings."""
+    chart = [
+        {"group": f"{source}, batch {bs}", "series": series, "value": round(us, 1)}
+        for source, bs, plain_us, pref_us, _, _ in rows
+        if source == "DataLoader"
+        for series, us in (("plain loop", plain_us), ("prefetch", pref_us))
+    ]
+    table = [
+        {
+            "source": source,
+            "batch": bs,
+            "plain_us": round(plain_us, 1),
+            "prefetch_us": round(pref_us, 1),
+            "extra_us": round(extra_us, 2),
+            "overhead_pct": round(pct, 1) if source == "DataLoader" else None,
+        }
+        for source, bs, plain_us, pref_us, extra_us, pct in rows
+    ]
+    return {
+        "title": "prefetch on a CPU: time per batch with and without it",
+        "settings": f"{torch.get_num_threads()} intra-op thread(s), median of {rounds} "
+        "interleaved rounds, wall time",
+        "unit": "µs per batch",
+        "table": table,
+        "rows": chart,
+    }
 
 
 def _time_cuda(fn: Callable[[], None], device: torch.device) -> float:
@@ -115,7 +153,8 @@ def _time_cuda(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_cuda(quick: bool, device_spec: str) -> int:
+def bench_cuda(quick: bool, device_spec: str) -> dict[str, Any]:
+    """Time the copy/compute overlap on a GPU, print its table; return the data's fields."""
     from cudakit.device import resolve_device
 
     device = resolve_device(device_spec)
@@ -162,6 +201,7 @@ def bench_cuda(quick: bool, device_spec: str) -> int:
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
     worst = 0.0
+    chart: list[dict[str, Any]] = []
     for target in (0.5, 1.0, 2.0):
         reps = max(1, round(target * copy_s / one_rep))
         compute_s = compute_for(reps)
@@ -190,6 +230,9 @@ def bench_cuda(quick: bool, device_spec: str) -> int:
             ratio = pref_s / bound
             if label == "pinned":
                 worst = max(worst, ratio)
+            group = f"compute/copy {compute_s / copy_s:.2f}, {label}"
+            for series, value in (("no prefetch", plain_s), ("prefetch", pref_s)):
+                chart.append({"group": group, "series": series, "value": round(value * 1e3, 3)})
             print(
                 f"| {compute_s / copy_s:.2f} | {label} | {copy_s * 1e3:.2f} | "
                 f"{compute_s * 1e3:.2f} | {plain_s * 1e3:.2f} | {pref_s * 1e3:.2f} | "
@@ -200,20 +243,37 @@ def bench_cuda(quick: bool, device_spec: str) -> int:
         "goal: pinned prefetch step <= 1.10 x max(copy, compute): "
         f"{'met' if worst <= 1.10 else 'NOT met'} (worst {worst:.3f})"
     )
-    return 0
+    return {
+        "title": f"prefetch on {torch.cuda.get_device_name(device)}: time per step with and "
+        "without it",
+        "settings": f"batch {numel * 4 / 2**20:.0f} MiB, {steps} steps, median of {rounds} "
+        f"rounds; copy {copy_s * 1e3:.2f} ms per batch",
+        "unit": "ms per step",
+        "rows": chart,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--device", default="cpu", help="cpu (overhead) or cuda[:N] (overlap)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
     args = parser.parse_args(argv)
+    load = _report.load_average()
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             print("--device cuda needs a CUDA GPU; this machine has none.", file=sys.stderr)
             return 2
-        return bench_cuda(args.quick, args.device)
-    return bench_cpu(args.quick)
+        fields = bench_cuda(args.quick, args.device)
+    else:
+        fields = bench_cpu(args.quick, args.rounds)
+    if args.json:
+        record = _report.record(
+            "benchmarks/bench_prefetch.py", argv=argv, load_before=load, **fields
+        )
+        _report.write(args.json, record)
+    return 0
 
 
 if __name__ == "__main__":

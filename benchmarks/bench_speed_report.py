@@ -2,9 +2,11 @@
 
 Run ``python benchmarks/bench_speed_report.py`` (``--quick`` for a smoke run,
 ``--device cuda`` on a GPU machine, ``--dtype fp32`` for the fastest step, where the
-meter's share is largest; ``--dtype`` again for several; ``--figure FILE.json`` writes
-the chart data of ``docs/figures/``; ``--one meter 200`` runs only that many calls of one
-variant, for an instruction count under valgrind's callgrind). The step is the 64-wide
+meter's share is largest; ``--dtype`` again for several; ``--json PATH`` writes the data
+file of ``docs/figures/bench_speed_report.json``, which ``scripts/make_figures.py`` draws
+and ``scripts/bench_tables.py`` turns into the table of docs/benchmarks.md; ``--one meter
+200`` runs only that many calls of one variant, for an instruction count under valgrind's
+callgrind). The step is the 64-wide
 MLP (batch 32, AdamW) of ``bench_autocast_step.py``, decorated with ``@autocast_step``;
 the meter wraps that same decorated function, so both variants run the very same model,
 optimizer and tensors, and the only difference is the meter. Variants:
@@ -30,14 +32,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _report
 from bench_autocast_step import mlp, resolve_dtype  # the same model as that benchmark
 
 from cudakit.amp import autocast_step
@@ -204,8 +204,9 @@ def time_case(
 
 def run(
     args: argparse.Namespace, name: str, rounds: int, clock: Callable[[], float]
-) -> list[dict[str, Any]]:
-    """One precision: print its table and notes; return its rows for the chart."""
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One precision: print its table and notes; return its rows for the chart, and the
+    step's time, the meter's own cost per call and the host reads."""
     device = torch.device(args.device)
     dtype = resolve_dtype(name, device)
 
@@ -239,6 +240,7 @@ def run(
             rows.append({"group": group, "series": label, "value": round(100 * (ratio - 1), 2)})
     step_time = statistics.median(times[keys[0]])
     costs = isolated_cost(device, dtype, clock)
+    meter_us = {}
     for form, cost in zip(("@speed_report", "with meter.measure(x)"), costs, strict=True):
         print(
             f"# the meter alone ({form}) around a function that does nothing: "
@@ -247,9 +249,17 @@ def run(
         )
         share = round(100 * cost / step_time, 2)
         rows.append({"group": f"the meter alone: {form}", "series": label, "value": share})
+        meter_us[form] = round(cost * 1e6, 2)
     reads, n = host_reads(device, dtype)
     print(f"# host reads in {n} metered optimizer steps (sync-free guarded step): {reads}")
-    return rows
+    step = {
+        "series": label,
+        "step_us": round(step_time * 1e6, 1),
+        "meter_us": meter_us,
+        "host_reads": reads,
+        "metered_steps": n,
+    }
+    return rows, step
 
 
 def run_one(variant: str, steps: int, args: argparse.Namespace) -> None:
@@ -283,7 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument(
-        "--figure", default=None, help="write the chart data (docs/figures/bench_speed_report.json)"
+        "--json",
+        "--figure",
+        dest="json",
+        default=None,
+        metavar="PATH",
+        help="also write the data file (docs/figures/bench_speed_report.json)",
     )
     parser.add_argument(
         "--one",
@@ -306,22 +321,40 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 21)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    load = os.getloadavg()[0]
-    rows = [row for name in args.dtype or ["bf16"] for row in run(args, name, rounds, clock)]
-    if args.figure is not None:
-        record = {
-            "title": "speed_report: what the meter adds to the 64-wide MLP step",
-            "script": "benchmarks/bench_speed_report.py",
-            "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"Python {platform.python_version()}, device {args.device}, load average "
-            f"{load:.1f} to {os.getloadavg()[0]:.1f}; {rounds} rounds, {args.clock} clock",
-            "unit": "% added to the step",
-            "goal": {"value": 1, "label": "goal: at most 1 %"},
-            "rows": rows,
-        }
-        Path(args.figure).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        print(f"# chart data written to {args.figure}")
+    load = _report.load_average()
+    rows: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    for name in args.dtype or ["bf16"]:
+        more, step = run(args, name, rounds, clock)
+        rows += more
+        steps.append(step)
+    if args.json is not None:
+        settings = (
+            f"device {args.device}, {torch.get_num_threads()} thread(s), {rounds} rounds, "
+            f"{args.clock} clock"
+        )
+        _report.write(args.json, figure_data(rows, steps, settings, argv, load))
+
+
+def figure_data(
+    rows: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    settings: str,
+    argv: list[str] | None,
+    load: float,
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_speed_report.json."""
+    return _report.record(
+        "benchmarks/bench_speed_report.py",
+        title="speed_report: what the meter adds to the 64-wide MLP step",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        unit="% added to the step",
+        goal={"value": 1, "label": "goal: at most 1 %"},
+        steps=steps,
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ Run ``python benchmarks/bench_warmup.py`` (``--quick`` for a smoke run,
 * reserve (CUDA only): time to allocate a large activation-sized tensor straight from
   the driver (after ``empty_cache()``) vs. from memory ``warmup(reserve=...)`` cached;
 * find_batch_size: tries needed to find the exact largest fitting size.
+
+``--json PATH`` also writes the figures, the machine and the date as the data file of
+``docs/figures/bench_warmup.json`` (chart: ``scripts/make_figures.py``; table of
+docs/benchmarks.md: ``scripts/bench_tables.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _report
 
 from cudakit.warmup import find_batch_size, warmup
 
@@ -65,11 +72,13 @@ def bare_pass(model: nn.Module, batch: Any, device: torch.device) -> float:
     return dt
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, small model")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
+    args = parser.parse_args(argv)
+    load = _report.load_average()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -167,6 +176,41 @@ def main() -> None:
     print(f"|{'-' * (key_w + 2)}|-------|")
     for key, value in rows:
         print(f"| {key.ljust(key_w)} | {value} |")
+    if args.json:
+        ms = {
+            "first pass (first warmup in process)": (cold.first_pass_s or 0) * 1e3,
+            "last pass": (cold.last_pass_s or 0) * 1e3,
+            "bare fwd+bwd pass, median": statistics.median(bare) * 1e3,
+            "warmup(steps=1) incl. snapshot+restore, median": statistics.median(warm) * 1e3,
+        }
+        settings = (
+            f"device {device}, {rounds} interleaved rounds, batch {n}x3x{side}x{side}, "
+            "a two-conv CNN with BatchNorm and Dropout, Adam, wall time"
+        )
+        _report.write(args.json, figure_data(rows, ms, device.type, settings, argv, load))
+
+
+def figure_data(
+    table: list[tuple[str, str]],
+    ms: dict[str, float],
+    device_type: str,
+    settings: str,
+    argv: list[str] | None,
+    load: float,
+) -> dict[str, Any]:
+    """The run as the data file of docs/figures/bench_warmup.json: the chart's passes in
+    ``ms``, the printed table in ``table``."""
+    return _report.record(
+        "benchmarks/bench_warmup.py",
+        title=f"warmup on {'a GPU' if device_type == 'cuda' else 'a CPU'}: pass times, and "
+        "what the no-trace guarantee costs",
+        settings=settings,
+        argv=argv,
+        load_before=load,
+        unit="ms",
+        table=[{"measure": key, "value": value} for key, value in table],
+        rows=[{"group": k, "series": "ms", "value": round(v, 1)} for k, v in ms.items()],
+    )
 
 
 if __name__ == "__main__":
