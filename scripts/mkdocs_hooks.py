@@ -15,18 +15,29 @@ both use the site's Markdown extensions; code inside fences is left alone):
   becomes a fenced block, ``python`` when it compiles and ``text`` otherwise, and the
   paragraph ends in one colon (``Example::`` -> ``Example:``; a lone or spaced ``::``
   disappears), as Sphinx renders it.
+
+A third convention is not Markdown's but griffe's to read: fields and attributes are
+documented by ``#:`` comments above them (Sphinx's autodoc convention), which griffe
+ignores. :class:`CommentDocstrings`, a griffe extension that mkdocs.yml loads from this
+file, makes those comments the attributes' docstrings, so a ``StepResult`` field is
+described on the API page as in the source; an attribute set in a method
+(``self.extra = self._parts.extras``) is shown without the expression that computes it.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
+from pathlib import Path
 from typing import Any
 
+import griffe
 from markdown import Extension, Markdown
 from markdown.preprocessors import Preprocessor
 from mkdocs.plugins import event_priority
 
+_COMMENT_DOC = re.compile(r"^\s*#: ?(.*)$")
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 _ROLE = re.compile(r":(?:func|class|meth|attr|data|exc|mod|obj):`(~?)([\w.]+)(\(\))?`")
 _VERSION = re.compile(r"^(\s*)\.\. version(added|changed):: *(\S+)\s*$")
@@ -138,3 +149,33 @@ class DoctestFencesExtension(Extension):
 def on_config(config: Any) -> Any:
     config.markdown_extensions.append(DoctestFencesExtension())
     return config
+
+
+class CommentDocstrings(griffe.Extension):
+    """griffe extension: the ``#:`` comment lines just above an attribute are its docstring."""
+
+    def on_attribute_instance(
+        self, *, node: Any, attr: griffe.Attribute, agent: Any, **kwargs: Any
+    ) -> None:
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Attribute) for t in targets):
+            attr.value = None  # ``self.x = <how __init__ computes it>``: no value to show
+        if attr.docstring is not None or attr.lineno is None:
+            return
+        if not isinstance(attr.filepath, Path):
+            return  # a namespace package's attribute, of several files: no source to read
+        lines = attr.lines_collection[attr.filepath]
+        found: list[str] = []
+        i = attr.lineno - 2  # the line above, 0-based
+        while i >= 0 and (m := _COMMENT_DOC.match(lines[i])):
+            found.insert(0, m.group(1))
+            i -= 1
+        if found:
+            attr.docstring = griffe.Docstring(
+                "\n".join(found),
+                lineno=i + 2,
+                endlineno=attr.lineno - 1,
+                parent=attr,
+                parser=getattr(agent, "docstring_parser", None),
+                parser_options=getattr(agent, "docstring_options", None),
+            )

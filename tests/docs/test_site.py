@@ -154,6 +154,27 @@ def test_module_intros_name_no_internal_module(site: Site) -> None:
     assert not bad, bad
 
 
+def test_fields_documented_by_comments_are_described(site: Site) -> None:
+    """``#:`` comments above fields (Sphinx's convention) are their docs on the API pages."""
+    described = {}
+    for name in API_PAGES:
+        page = site.text(site.root / "api" / name / "index.html")
+        for m in re.finditer(
+            r'<h\d id="(cudakit\.[\w.]+)" class="doc doc-heading">.*?'
+            r'<div class="doc doc-contents ?[^"]*">(.*?)</div>',
+            page,
+            re.S,
+        ):
+            described[m.group(1)] = re.sub(r"\s+", " ", _plain(m.group(2)))
+    for field, words in {
+        "cudakit.amp.StepResult.stepped": "True when the optimizer really updated the weights",
+        "cudakit.parallel.LoadResult.missing_keys": "The model's keys that the state dict",
+        "cudakit.speed.DevicePeak.tflops": "Dense TFLOP/s per dtype key",
+    }.items():
+        assert field in described, f"{field} is not on the API pages"
+        assert words in described[field], f"{field}: {described[field][:200]!r}"
+
+
 def test_every_public_name_is_on_an_api_page(site: Site) -> None:
     import cudakit
 
