@@ -12,12 +12,13 @@ nothing beyond :func:`~cudakit.device.on_device` per batch.
 """
 
 from .loaders import MAX_AUTO_WORKERS, LoaderKwargs, loader_kwargs
-from .prefetcher import Prefetcher, SizedPrefetcher, prefetch
+from .prefetcher import Prefetcher, SizedIterable, SizedPrefetcher, prefetch
 
 __all__ = [
     "MAX_AUTO_WORKERS",
     "LoaderKwargs",
     "Prefetcher",
+    "SizedIterable",
     "SizedPrefetcher",
     "loader_kwargs",
     "prefetch",

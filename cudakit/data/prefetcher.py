@@ -24,15 +24,27 @@ from .._check import check_device
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
 
-__all__ = ["Prefetcher", "SizedPrefetcher", "prefetch"]
+__all__ = ["Prefetcher", "SizedIterable", "SizedPrefetcher", "prefetch"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
-class _SizedIterable(Protocol[T_co]):
-    def __len__(self) -> int: ...
-    def __iter__(self) -> Iterator[T_co]: ...
+class SizedIterable(Protocol[T_co]):
+    """An iterable with ``len()``, such as a ``DataLoader`` or a list of batches.
+
+    :func:`prefetch` over one returns a :class:`SizedPrefetcher`, which has ``len()``
+    too; over any other iterable (a generator) it returns a :class:`Prefetcher`. A type
+    for annotations: any object with ``__len__`` and ``__iter__`` is one.
+
+    .. versionadded:: 0.1
+    """
+
+    def __len__(self) -> int:
+        """The number of batches an iteration yields."""
+
+    def __iter__(self) -> Iterator[T_co]:
+        """A fresh pass over the batches."""
 
 
 # -- iterators ----------------------------------------------------------------------
@@ -365,7 +377,7 @@ def _check_source(loader: object) -> None:
 
 @overload
 def prefetch(
-    loader: _SizedIterable[T], device: DeviceLike = None, depth: int = 2
+    loader: SizedIterable[T], device: DeviceLike = None, depth: int = 2
 ) -> SizedPrefetcher[T]: ...
 @overload
 def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> Prefetcher[T]: ...
