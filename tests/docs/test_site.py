@@ -190,6 +190,31 @@ def test_every_public_name_is_on_an_api_page(site: Site) -> None:
     assert not missing, f"not in the API reference: {missing}"
 
 
+@pytest.mark.parametrize(
+    "module_name",
+    [
+        "cudakit.amp",
+        "cudakit.checkpoint",
+        "cudakit.data",
+        "cudakit.demo",
+        "cudakit.device",
+        "cudakit.exceptions",
+        "cudakit.info",
+        "cudakit.memory",
+        "cudakit.parallel",
+        "cudakit.speed",
+        "cudakit.warmup",
+    ],
+)
+def test_every_package_export_is_on_an_api_page(site: Site, module_name: str) -> None:
+    import importlib
+
+    ids = {obj for obj, _ in _api_objects(site)}
+    module = importlib.import_module(module_name)
+    missing = [n for n in module.__all__ if not any(i.endswith(f".{n}") for i in ids)]
+    assert not missing, f"{module_name} exports names the API pages leave out: {missing}"
+
+
 def _returns_first_cells(site: Site) -> list[tuple[str, str]]:
     """(object, first cell) of every row of every Returns table that has a Name column."""
     found = []
