@@ -175,6 +175,49 @@ def test_fields_documented_by_comments_are_described(site: Site) -> None:
         assert words in described[field], f"{field}: {described[field][:200]!r}"
 
 
+def _is_public(path: str) -> bool:
+    """A cudakit path a user can import: no private part, exported by its package."""
+    import importlib
+
+    parts = path.split(".")
+    if parts[0] != "cudakit":
+        return True  # typing.Protocol, torch.utils.data.DataLoader, ValueError
+    if _private_names(path):
+        return False
+    obj = getattr(importlib.import_module(".".join(parts[:-1])), parts[-1], None)
+    if type(obj).__name__ in ("TypeVar", "ParamSpec"):
+        return True  # a type parameter: Generic[T], Protocol[P, R_co]
+    package = importlib.import_module(".".join(parts[:2]))
+    return parts[-1] in getattr(package, "__all__", ())
+
+
+def test_class_bases_name_only_public_classes(site: Site) -> None:
+    """ "Bases: ContextDecorator, ReportFigures" names classes a reader cannot look up."""
+    bad = set()
+    for name in API_PAGES:
+        page = site.text(site.root / "api" / name / "index.html")
+        for part in page.split('<div class="doc doc-object doc-class">')[1:]:
+            heading = re.search(r'<h\d id="(cudakit\.[\w.]+)"', part)
+            bases = re.search(r'<p class="doc doc-class-bases">(.*?)</p>', part, re.S)
+            if heading is None or bases is None or bases.start() > part.find("doc-children"):
+                continue
+            for path in re.findall(r'title="\s*(?:\w+ \()?([\w.]+)\)?"', bases.group(1)):
+                if not _is_public(path):
+                    bad.add(f"{heading.group(1)}: {path}")
+    assert not bad, "; ".join(sorted(bad))
+
+
+def test_inherited_members_are_described(site: Site) -> None:
+    """A figure a class inherits from an internal base is on its page all the same."""
+    ids = {obj for obj, _ in _api_objects(site)}
+    for member in (
+        "cudakit.memory.MemoryReport.peak_allocated",
+        "cudakit.memory.MemoryReporter.peak_allocated",
+        "cudakit.amp.AutocastStep.spike_steps",
+    ):
+        assert member in ids, f"{member} is not on the API pages"
+
+
 def test_every_public_name_is_on_an_api_page(site: Site) -> None:
     import cudakit
 
