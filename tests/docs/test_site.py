@@ -8,8 +8,10 @@ a few seconds); every test here reads that build. Marked ``docs``: deselect with
 from __future__ import annotations
 
 import html
+import importlib
 import importlib.util
 import os
+import pkgutil
 import re
 import struct
 import subprocess
@@ -129,9 +131,6 @@ def test_every_api_object_shows_one_signature(site: Site) -> None:
 
 def test_module_intros_name_no_internal_module(site: Site) -> None:
     """A module's intro says what it offers, not how its files are laid out."""
-    import importlib
-    import pkgutil
-
     bad = []
     intros = 0
     for name in API_PAGES:
@@ -177,8 +176,6 @@ def test_fields_documented_by_comments_are_described(site: Site) -> None:
 
 def _is_public(path: str) -> bool:
     """A cudakit path a user can import: no private part, exported by its package."""
-    import importlib
-
     parts = path.split(".")
     if parts[0] != "cudakit":
         return True  # typing.Protocol, torch.utils.data.DataLoader, ValueError
@@ -192,7 +189,7 @@ def _is_public(path: str) -> bool:
 
 
 def test_class_bases_name_only_public_classes(site: Site) -> None:
-    """ "Bases: ContextDecorator, ReportFigures" names classes a reader cannot look up."""
+    """A class's bases are classes a reader can look up, not ``ContextDecorator``."""
     bad = set()
     for name in API_PAGES:
         page = site.text(site.root / "api" / name / "index.html")
@@ -250,8 +247,6 @@ def test_every_public_name_is_on_an_api_page(site: Site) -> None:
     ],
 )
 def test_every_package_export_is_on_an_api_page(site: Site, module_name: str) -> None:
-    import importlib
-
     ids = {obj for obj, _ in _api_objects(site)}
     module = importlib.import_module(module_name)
     missing = [n for n in module.__all__ if not any(i.endswith(f".{n}") for i in ids)]
