@@ -11,6 +11,7 @@ __all__ = [
     "cpu_native_bf16",
     "cpu_native_fp16",
     "current_cuda_index",
+    "default_cuda_index",
     "follows_current_device",
     "host_read_waits",
     "synchronize",
@@ -23,6 +24,27 @@ def current_cuda_index() -> int:
     # (which starts CUDA).
     if torch.cuda.is_initialized():
         return int(torch.cuda.current_device())
+    return 0
+
+
+def default_cuda_index() -> int:
+    """The CUDA device this process means by ``"cuda"`` or ``"auto"`` (never starts CUDA).
+
+    Once CUDA runs, the current device. Before, torch's current device is 0 in every
+    process, so under a launcher it is the launcher's ``LOCAL_RANK`` (torchrun; SLURM's
+    ``SLURM_LOCALID`` under srun) when this machine shows that device, else 0: a rank
+    that resolves its device before ``torch.cuda.set_device`` (or ``parallelize()``)
+    gets its own GPU, not GPU 0.
+    """
+    if torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    import os
+
+    from ._dist import launcher_view
+
+    raw = launcher_view(os.environ).get("LOCAL_RANK", "")
+    if raw.isdigit() and int(raw) < torch.cuda.device_count():
+        return int(raw)
     return 0
 
 

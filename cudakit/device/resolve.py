@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from .._accel import current_cuda_index
+from .._accel import default_cuda_index
 from .._check import check_device
 from ..exceptions import DeviceError
 
@@ -67,7 +67,9 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     """Turn a device spec into a concrete ``torch.device``, or explain why it cannot.
 
     ``None`` and ``"auto"`` pick the current CUDA device, else MPS, else the CPU
-    (a quiet fallback: you asked for the best there is). Everything explicit is
+    (a quiet fallback: you asked for the best there is). Before CUDA starts, under
+    torchrun or SLURM the "current" CUDA device is this process's own, ``LOCAL_RANK``
+    (torch's would be 0 in every process). Everything explicit is
     honoured exactly or raises :class:`~cudakit.exceptions.DeviceError`.
 
     >>> resolve_device("cpu")
@@ -96,7 +98,7 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     """
     if spec is None or (isinstance(spec, str) and spec == "auto"):
         if torch.cuda.is_available():
-            return torch.device("cuda", current_cuda_index())
+            return torch.device("cuda", default_cuda_index())
         if _mps_available():
             return torch.device("mps")
         return torch.device("cpu")
@@ -124,7 +126,7 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     else:
         dev = spec
     if dev.type == "cuda":
-        return _check_cuda_index(current_cuda_index() if dev.index is None else dev.index, spec)
+        return _check_cuda_index(default_cuda_index() if dev.index is None else dev.index, spec)
     if dev.type == "mps" and not _mps_available():
         raise DeviceError(
             f"device={spec!r} asks for Apple MPS, which is not available on this machine. "
