@@ -616,10 +616,14 @@ def figure_data(
 ) -> dict[str, Any]:
     """The run as the data file of docs/figures/bench_autocast_step.json (with
     ``compiled``, ``--compile``'s: bench_autocast_step_compile.json)."""
-    kind = "eager and compiled steps" if compiled else "time per step"
+    title = (
+        "autocast_step, eager and compiled, against the hand-written eager step"
+        if compiled
+        else "autocast_step and its peers, time per step against the hand-written step"
+    )
     return _report.record(
         "benchmarks/bench_autocast_step.py",
-        title=f"autocast_step and its peers, {kind} against the hand-written step",
+        title=title,
         settings=settings,
         argv=argv,
         load_before=load,

@@ -2,29 +2,54 @@
 
     python scripts/make_figures.py                # every PNG in docs/figures/, from its data
     python scripts/make_figures.py --out DIR      # write the PNGs to DIR instead
-    python scripts/make_figures.py --rerun-demo   # first rerun `cudakit demo` on this machine
-                                                  # and refresh docs/figures/demo.json
+    python scripts/make_figures.py --tables       # also rewrite the tables of benchmarks.md
+    python scripts/make_figures.py --rerun-demo   # first run `cudakit demo` here and
+                                                  # replace docs/figures/demo.json with it
 
 One data file per figure:
 
-==========================  ===========================  =================================
-data                        figure                       what it shows
-==========================  ===========================  =================================
-demo.json                   demo.png                     what ``cudakit demo --plot`` draws:
-                                                         loss and memory per step,
-                                                         throughput per epoch
-prefetch_timeline.csv       prefetch_timeline.png        copy/compute overlap (a schematic)
-bench_on_device.json        bench_on_device.png          ratios to the hand-written code
-bench_autocast_step.json    bench_autocast_step.png      ratios to the hand-written code
-bench_memory_report.json    bench_memory_report.png      time per report
-bench_warmup.json           bench_warmup.png             pass times with and without warmup
-bench_prefetch.json         bench_prefetch.png           time per batch with and without it
-bench_checkpoint.json       bench_checkpoint.png         save and load time; the time blocked
-bench_speed_report.json     bench_speed_report.png       what the meter adds to a step
-==========================  ===========================  =================================
+================================  ================================  ==========================
+data                              figure                            what it shows
+================================  ================================  ==========================
+demo.json                         demo.png                          what ``cudakit demo
+                                                                    --plot`` draws: loss and
+                                                                    memory per step,
+                                                                    throughput per epoch
+prefetch_timeline.csv             prefetch_timeline.png             copy/compute overlap
+                                                                    (a schematic)
+bench_on_device.json              bench_on_device.png               ratios to the
+                                                                    hand-written code
+bench_autocast_step.json          bench_autocast_step.png           ratios to the
+                                                                    hand-written code
+bench_autocast_step_compile.json  bench_autocast_step_compile.png   the same, eager and
+                                                                    compiled
+bench_loss_spikes.json            bench_loss_spikes.png             the step with
+                                                                    ``skip_spikes`` over
+                                                                    the step without
+bench_memory_report.json          bench_memory_report.png           time per report
+bench_warmup.json                 bench_warmup.png                  pass times with and
+                                                                    without warmup
+bench_prefetch.json               bench_prefetch.png                time per batch with and
+                                                                    without it
+bench_checkpoint.json             bench_checkpoint.png              save and load time; the
+                                                                    time blocked
+bench_speed_report.json           bench_speed_report.png            what the meter adds to
+                                                                    a step
+================================  ================================  ==========================
 
-The benchmark data files hold the figures of the tables on docs/benchmarks.md, with the
-machine and the date they were measured on; after re-running a benchmark, update both.
+Each ``bench_*.json`` is what its script writes with ``--json`` (``benchmarks/_report.py``):
+the figures of one run, the machine (CPU model, cores, torch, Python, the peers' versions)
+and the date. To refresh a benchmark, run it with ``--json docs/figures/NAME.json``, then
+this script with ``--tables`` (or ``scripts/bench_tables.py``): the chart and the table on
+docs/benchmarks.md both come from that file, with nothing edited by hand. A ratio chart
+(``reference`` in the data) has bars from 1; any other, bars from 0.
+
+``--rerun-demo`` runs the demo on this machine. Its timings and memory are this
+machine's, and on another CPU even its losses differ with the same seed and torch build
+(most likely other kernels, which round differently): on 2026-12-04 a rerun on an AMD
+EPYC VM ended its last epoch at a training loss of 1.2078 where the saved run, made on
+another CPU with the same torch 2.13.0+cpu, had 1.2063. So the redrawn ``demo.png`` is
+this machine's, not the one in the docs.
 
 Needs matplotlib (the ``plot`` extra). Only matplotlib's object-oriented ``Figure`` API is
 used (no pyplot), so no display is needed.
@@ -41,6 +66,7 @@ import os
 import platform
 import sys
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,7 +77,10 @@ FIGURES = Path(__file__).resolve().parent.parent / "docs" / "figures"
 _PNG_METADATA: dict[str, Any] = {"Software": None}
 _DPI = 100
 _GREEN = ("#2e7d32", "#66bb6a", "#a5d6a7")  # cudakit's variants; the site's primary is green
-_PEERS = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b")
+_PEERS = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tables import describe  # noqa: E402  (the machine in words, as on the page)
 
 
 def _figure(**kwargs: Any) -> Any:
@@ -70,6 +99,9 @@ def _save(fig: Any, path: Path) -> Path:
 
 def rerun_demo(data: Path) -> None:
     """Run ``cudakit demo --plot`` here (defaults, seed 0) and save its data to ``data``.
+
+    The run is this machine's: another CPU gives other timings and memory, and other
+    losses for the same seed and torch build (most likely its kernels round differently).
 
     ``--json`` leaves out the per-step series the plot is drawn from, so the summary
     is taken from the demo's own plot function as it is called.
@@ -181,16 +213,23 @@ def timeline_figure(data: Path, out: Path) -> Path:
 
 
 def ratio_figure(data: Path, out: Path) -> Path:
-    """Bars from 1 (the hand-written reference) to each implementation's ratio, per case."""
+    """Bars from 1 (the hand-written reference) to each implementation's ratio, per case.
+
+    With one case only, each implementation is a line of its own, named on the axis.
+    """
     record = json.loads(data.read_text(encoding="utf-8"))
     rows = [r for r in record["rows"] if r["implementation"] != record["reference"]]
     keys = record["group_by"]
     groups = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
     impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    single = len(groups) == 1
+    if single:  # one case: the implementations are the lines
+        keys = ["implementation"]
+        groups = [(i,) for i in impls]
     ours = [i for i in impls if i.startswith("cudakit")]
     colors = dict(zip(ours, _GREEN, strict=False))
     colors.update(zip([i for i in impls if i not in ours], _PEERS, strict=False))
-    n = len(impls)
+    n = 1 if single else len(impls)
     height = 0.8 / n
     fig = _figure(figsize=(9, 1.0 + 0.19 * n * len(groups) + 0.25 * len(groups)))
     ax = fig.subplots()
@@ -198,7 +237,7 @@ def ratio_figure(data: Path, out: Path) -> Path:
     lo, hi = min(*ratios, 1.0), max(*ratios, 1.0)
     log = hi / lo > 3
     for g, group in enumerate(groups):
-        for k, impl in enumerate(impls):
+        for k, impl in enumerate([group[0]] if single else impls):
             (r,) = [
                 r
                 for r in rows
@@ -212,7 +251,7 @@ def ratio_figure(data: Path, out: Path) -> Path:
                 left=1,
                 height=height * 0.9,
                 color=colors[impl],
-                label=impl if g == 0 else None,
+                label=impl if g == 0 and n > 1 else None,
             )
             ax.text(
                 ratio,
@@ -234,17 +273,20 @@ def ratio_figure(data: Path, out: Path) -> Path:
         span = hi - lo
         ax.set_xlim(lo - 0.25 * span, hi + 0.2 * span)
     ax.set_xlabel(f"time / {record['reference']} time  (left of 1: faster, right: slower)")
-    ax.set_title(record["title"], fontsize=11)
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.set_title(textwrap.fill(record["title"], 80), fontsize=11)
+    if n > 1:
+        ax.legend(loc="lower right", fontsize=8, frameon=False)
     return _finish(fig, record, out / f"{data.stem}.png")
 
 
 def _finish(fig: Any, record: dict[str, Any], path: Path) -> Path:
     """Sign the figure with where and how it was measured, then save it."""
+    settings = f"; {record['settings']}" if record.get("settings") else ""
     fig.text(
         0.01,
         0.005,
-        f"{record['script']}, measured {record['measured']}: {record['machine']}",
+        f"{record['script']}, measured {record['measured']}: "
+        f"{describe(record['machine'])}{settings}",
         fontsize=7,
         color="dimgray",
         wrap=True,
@@ -267,6 +309,7 @@ def bars_figure(data: Path, out: Path) -> Path:
     fig = _figure(figsize=(9, 1.3 + 0.3 * n * len(groups) + 0.1 * len(groups)))
     ax = fig.subplots()
     top = max(r["value"] for r in rows)
+    low = min(0, *(r["value"] for r in rows))  # a bar can go below 0 (a share saved)
     for g, group in enumerate(groups):
         for k, name in enumerate(series):
             matches = [r for r in rows if r["group"] == group and r["series"] == name]
@@ -276,7 +319,14 @@ def bars_figure(data: Path, out: Path) -> Path:
             value = matches[0]["value"]
             label = name if g == 0 and n > 1 else None
             ax.barh(y, value, height=height * 0.9, color=colors[name], label=label)
-            ax.text(value, y, f" {value}", va="center", fontsize=8)
+            ax.text(
+                value,
+                y,
+                f" {value} ",
+                va="center",
+                ha="left" if value >= 0 else "right",
+                fontsize=8,
+            )
     goal = record.get("goal")
     if goal:
         ax.axvline(goal["value"], color="firebrick", linestyle="--", linewidth=1)
@@ -284,9 +334,11 @@ def bars_figure(data: Path, out: Path) -> Path:
         top = max(top, goal["value"])
     ax.set_yticks(range(len(groups)), groups, fontsize=9)
     ax.set_ylim(len(groups) - 0.5, -0.8)
-    ax.set_xlim(0, top * 1.15)
+    if low < 0:
+        ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlim(low - 0.15 * (top - low) if low < 0 else 0, top * 1.15)
     ax.set_xlabel(record["unit"])
-    ax.set_title(record["title"], fontsize=11)
+    ax.set_title(textwrap.fill(record["title"], 80), fontsize=11)
     if n > 1:
         ax.legend(loc="upper right", fontsize=8, frameon=False)
     return _finish(fig, record, out / f"{data.stem}.png")
@@ -295,19 +347,19 @@ def bars_figure(data: Path, out: Path) -> Path:
 # -- main ------------------------------------------------------------------------------
 
 
+def draw(data: Path, out: Path) -> Path:
+    """Draw one benchmark's chart from its data file into ``out``; return the PNG."""
+    record = json.loads(data.read_text(encoding="utf-8"))
+    return (ratio_figure if "reference" in record else bars_figure)(data, out)
+
+
 def make_all(out: Path, figures: Path = FIGURES) -> list[Path]:
     """Draw every figure from the data in ``figures`` into ``out``; return the PNGs."""
     out.mkdir(parents=True, exist_ok=True)
     return [
         demo_figure(figures / "demo.json", out),
         timeline_figure(figures / "prefetch_timeline.csv", out),
-        ratio_figure(figures / "bench_on_device.json", out),
-        ratio_figure(figures / "bench_autocast_step.json", out),
-        bars_figure(figures / "bench_memory_report.json", out),
-        bars_figure(figures / "bench_warmup.json", out),
-        bars_figure(figures / "bench_prefetch.json", out),
-        bars_figure(figures / "bench_checkpoint.json", out),
-        bars_figure(figures / "bench_speed_report.json", out),
+        *(draw(data, out) for data in sorted(figures.glob("bench_*.json"))),
     ]
 
 
@@ -317,7 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--rerun-demo",
         action="store_true",
-        help="rerun `cudakit demo` on this machine and rewrite docs/figures/demo.json first",
+        help="run `cudakit demo` on this machine first and replace docs/figures/demo.json "
+        "with its data (this machine's numbers: another CPU gives others)",
+    )
+    p.add_argument(
+        "--tables",
+        action="store_true",
+        help="also rewrite the tables of docs/benchmarks.md from the data (bench_tables.py)",
     )
     args = p.parse_args(argv)
     try:
@@ -328,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rerun_demo(FIGURES / "demo.json")
     for path in make_all(args.out):
         print(path)
+    if args.tables:
+        import bench_tables
+
+        return bench_tables.main([])
     return 0
 
 

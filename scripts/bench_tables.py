@@ -1,0 +1,303 @@
+"""Write each benchmark's table on docs/benchmarks.md from its data file in docs/figures/.
+
+    python scripts/bench_tables.py            # rewrite every table between its markers
+    python scripts/bench_tables.py --check    # only say which tables differ (exit 1)
+
+A benchmark run with ``--json docs/figures/NAME.json`` writes its figures, the machine
+and the date (``benchmarks/_report.py``). The page holds each table between two comments
+named after that file::
+
+    <!-- bench_on_device:table -->
+    (generated: the date, the machine and the command, then the table)
+    <!-- /bench_on_device:table -->
+
+and this script writes what goes between them from the file alone, as
+``scripts/make_figures.py`` draws the chart from it; nothing in a table is typed by hand.
+Needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "docs" / "figures"
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+Record = dict[str, Any]
+
+
+def load(path: Path) -> Record:
+    """A benchmark's data file."""
+    data: Record = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def describe(machine: dict[str, Any] | str) -> str:
+    """The machine in words: CPU model, cores, system, torch, Python, and the peers."""
+    if isinstance(machine, str):
+        return machine
+    text = (
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['system']}, "
+        f"torch {machine['torch']}, Python {machine['python']}"
+    )
+    peers = ", ".join(f"{name} {version}" for name, version in machine["peers"].items())
+    return f"{text} ({peers})" if peers else text
+
+
+def measured_line(record: Record) -> str:
+    """The line above a table: when, on what, with which command and settings."""
+    line = f"Measured {record['measured']} on {describe(record['machine'])}"
+    if record.get("revision"):
+        line += f", code at {record['revision']}"
+    if record.get("load_average"):
+        before, after = record["load_average"]
+        line += f", load average {before} to {after}"
+    return f"{line}; `{record['command']}`: {record['settings']}."
+
+
+def _table(header: Sequence[str], align: str, rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table; ``align`` has one letter per column, ``l`` or ``r``."""
+    rule = "|".join("---:" if a == "r" else "---" for a in align)
+    return [f"| {' | '.join(header)} |", f"|{rule}|", *(f"| {' | '.join(r)} |" for r in rows)]
+
+
+def _columns(record: Record, keys: Sequence[str]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The groups (by ``keys``) and the implementations of a ratio record, in order."""
+    rows = record["rows"]
+    groups = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    return groups, impls
+
+
+def _cell(record: Record, group: tuple[str, ...], keys: Sequence[str], impl: str) -> Record:
+    (row,) = [
+        r
+        for r in record["rows"]
+        if tuple(r[k] for k in keys) == group and r["implementation"] == impl
+    ]
+    return row
+
+
+def on_device_table(record: Record) -> list[str]:
+    """Cases down, implementations across: the reference's time, then ratios to it."""
+    keys = record["group_by"]
+    groups, impls = _columns(record, keys)
+    reference = record["reference"]
+    body = []
+    for group in groups:
+        cells = list(group)
+        for impl in impls:
+            row = _cell(record, group, keys, impl)
+            cells.append(
+                f"{row['time_us']:,.1f} µs" if impl == reference else f"{row['ratio']:.2f}x"
+            )
+        body.append(cells)
+    header = ["from, to", "case", *impls]
+    return _table(header, "l" * len(keys) + "r" * len(impls), body)
+
+
+def ratio_table(record: Record) -> list[str]:
+    """Implementations down, cases across: the reference's time, then ratios to it.
+
+    Narrow whatever the number of implementations (peers come and go with what is
+    installed); the runs' own comparisons (``pairs``) follow as a list.
+    """
+    keys = record["group_by"]
+    groups, impls = _columns(record, keys)
+    reference = record["reference"]
+    body = []
+    for impl in impls:
+        cells = [impl]
+        for group in groups:
+            row = _cell(record, group, keys, impl)
+            cells.append(
+                f"{row['time_us']:,.0f} µs" if impl == reference else f"{row['ratio']:.3f}"
+            )
+        body.append(cells)
+    header = ["implementation", *(", ".join(g) for g in groups)]
+    lines = _table(header, "l" + "r" * len(groups), body)
+    pairs = record.get("pairs") or []
+    if pairs:
+        lines.append("")
+        for pair in pairs:
+            where = f" ({pair['case']})" if len(groups) > 1 else ""
+            lines.append(f"- {pair['mine']} / {pair['theirs']}{where}: {pair['ratio']:.3f}")
+    return lines
+
+
+def loss_spikes_table(record: Record) -> list[str]:
+    """One line per variant: the step without the rule, with it, and the ratio."""
+    body = [
+        [
+            r["path"],
+            r["clipping"],
+            r["skip_spikes"],
+            f"{r['without_us']:,.1f} µs",
+            f"{r['time_us']:,.1f} µs",
+            f"{r['ratio']:.3f}",
+        ]
+        for r in record["rows"]
+    ]
+    header = ["path", "clipping", "skip_spikes", "without", "with", "ratio"]
+    return _table(header, "lllrrr", body)
+
+
+def memory_report_table(record: Record) -> list[str]:
+    """One line per variant: microseconds per call, and the multiple of a tiny op."""
+    body = [[r["group"], f"{r['value']:.2f}", f"{r['x_add']:.1f}"] for r in record["rows"]]
+    return _table(["variant", "µs / call", "x `torch.add`"], "lrr", body)
+
+
+def warmup_table(record: Record) -> list[str]:
+    """The measures as the script printed them."""
+    body = [[r["measure"], r["value"]] for r in record["table"]]
+    return _table(["measure", "value"], "lr", body)
+
+
+def prefetch_table(record: Record) -> list[str]:
+    """Per source and batch size: plain and prefetched µs per batch, and the overhead."""
+    if "table" not in record:  # the GPU mode: its chart rows
+        return bars_table(record)
+    body = [
+        [
+            r["source"],
+            str(r["batch"]),
+            f"{r['plain_us']:.1f}",
+            f"{r['prefetch_us']:.1f}",
+            f"{r['extra_us']:.2f}",
+            "n/a" if r["overhead_pct"] is None else f"{r['overhead_pct']:+.1f}%",
+        ]
+        for r in record["table"]
+    ]
+    header = ["source", "batch", "plain µs", "prefetch µs", "extra µs", "overhead"]
+    return _table(header, "lrrrrr", body)
+
+
+def speed_report_table(record: Record) -> list[str]:
+    """What is measured down, precisions across, with each precision's step time: the
+    share of the step in percent (side by side: added; the meter alone: its cost), then
+    the meter's own microseconds per call and the host reads."""
+    rows = record["rows"]
+    steps = {s["series"]: s for s in record["steps"]}
+    series = list(dict.fromkeys(r["series"] for r in rows))
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    value = {(r["group"], r["series"]): r["value"] for r in rows}
+    body = [[f"{group}, %", *(f"{value[group, s]:.2f}" for s in series)] for group in groups]
+    for form in steps[series[0]]["meter_us"]:
+        label = f"the meter alone: {form}, µs per call"
+        body.append([label, *(f"{steps[s]['meter_us'][form]:.2f}" for s in series)])
+    body.append(
+        [
+            f"host reads in {steps[series[0]]['metered_steps']} metered steps",
+            *(str(steps[s]["host_reads"]) for s in series),
+        ]
+    )
+    header = ["what is measured", *(f"{s} (step {steps[s]['step_us']:,.0f} µs)" for s in series)]
+    return _table(header, "l" + "r" * len(series), body)
+
+
+_CHECKPOINT_NAMES = {
+    "torch.save": "`torch.save` / `torch.load`",
+    "Checkpointer": "`Checkpointer.save()` / `resume()`",
+    "Checkpointer async": "`Checkpointer(async_save=True)`, until written",
+    "async: loop blocked": "`async_save=True`: the loop blocked",
+    "accelerate save_state": "accelerate `save_state` / `load_state`",
+}
+
+
+def checkpoint_table(record: Record) -> list[str]:
+    """Per implementation: save and load seconds, and their ratios to torch's."""
+    value = {(r["group"], r["series"]): r["value"] for r in record["rows"]}
+    base = {s: value["torch.save", s] for s in ("save", "load")}
+    body = []
+    for group in dict.fromkeys(r["group"] for r in record["rows"]):
+        cells = [_CHECKPOINT_NAMES.get(group, group)]
+        for series in ("save", "load"):
+            v = value.get((group, series))
+            cells += ["", ""] if v is None else [f"{v:.2f}", f"{v / base[series]:.2f}"]
+        body.append(cells)
+    header = ["implementation", "save s", "x `torch.save`", "load s", "x `torch.load`"]
+    return _table(header, "lrrrr", body)
+
+
+def bars_table(record: Record) -> list[str]:
+    """Any bar chart's rows: group, series, value."""
+    body = [[r["group"], r["series"], f"{r['value']:g}"] for r in record["rows"]]
+    return _table(["measure", "series", record["unit"]], "llr", body)
+
+
+#: The table of each data file, by its name (docs/figures/NAME.json).
+TABLES: dict[str, Callable[[Record], list[str]]] = {
+    "bench_on_device": on_device_table,
+    "bench_autocast_step": ratio_table,
+    "bench_autocast_step_compile": ratio_table,
+    "bench_loss_spikes": loss_spikes_table,
+    "bench_memory_report": memory_report_table,
+    "bench_warmup": warmup_table,
+    "bench_prefetch": prefetch_table,
+    "bench_speed_report": speed_report_table,
+    "bench_checkpoint": checkpoint_table,
+}
+
+
+def render(name: str, record: Record) -> str:
+    """What goes between the markers of ``name``: the measured line, then the table (a
+    blank line on either side, so that Markdown never reads a marker as a table row)."""
+    return "\n".join(["", measured_line(record), "", *TABLES[name](record), "", ""])
+
+
+def _markers(name: str) -> re.Pattern[str]:
+    return re.compile(
+        rf"(<!-- {re.escape(name)}:table -->\n)(.*?)(<!-- /{re.escape(name)}:table -->)",
+        re.S,
+    )
+
+
+def update(page: str, figures: Path = FIGURES) -> tuple[str, list[str]]:
+    """``page`` with every table rewritten from ``figures``; and the names that changed.
+
+    Raises:
+        ValueError: a data file whose markers are not on the page exactly once.
+    """
+    changed = []
+    for name in TABLES:
+        pattern = _markers(name)
+        found = pattern.findall(page)
+        if len(found) != 1:
+            raise ValueError(
+                f"docs/benchmarks.md has {len(found)} blocks for {name}; put its table "
+                f"between <!-- {name}:table --> and <!-- /{name}:table --> once"
+            )
+        new = render(name, load(figures / f"{name}.json"))
+        if found[0][1] != new:
+            changed.append(name)
+            page = pattern.sub(lambda m, new=new: m[1] + new + m[3], page)
+    return page, changed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    p.add_argument("--page", type=Path, default=PAGE)
+    p.add_argument("--figures", type=Path, default=FIGURES, help="folder of the data files")
+    args = p.parse_args(argv)
+    text = args.page.read_text(encoding="utf-8")
+    new, changed = update(text, args.figures)
+    for name in changed:
+        print(f"{name}: {'differs from its data' if args.check else 'rewritten'}")
+    if args.check:
+        return 1 if changed else 0
+    if changed:
+        args.page.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
