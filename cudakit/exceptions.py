@@ -85,7 +85,7 @@ class CompiledWarmupWarning(UserWarning):
     under autocast would compile again. Pass ``amp=`` the ``autocast_step`` you train
     with (or the dtype); ``amp=torch.float32`` says float32 training is meant.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
 
@@ -116,7 +116,7 @@ class TensorsLeftBehindWarning(UserWarning):
     Filter the warning with ``warnings.filterwarnings("ignore",
     category=TensorsLeftBehindWarning)`` if leaving them is what you want.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
 

@@ -97,7 +97,7 @@ class SpikeRule:
         TypeError, ValueError: an argument of the wrong kind or out of range, or
             neither ``z`` nor ``ratio`` set.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     on: Statistic | tuple[Statistic, ...] = "loss"
