@@ -112,7 +112,9 @@ def scripts(blocks: list[Block], page: str = "<page>") -> list[list[Block]]:
     """Group ``blocks`` into what runs together: each block alone, or a titled script.
 
     Raises:
-        ValueError: a `` (continued)`` block names no earlier block of the page.
+        ValueError: a `` (continued)`` block names no earlier block of the page, or two
+            blocks start a script of the same title (the reader could not tell which
+            one a later block continues).
     """
     groups: list[list[Block]] = []
     named: dict[str, list[Block]] = {}
@@ -126,6 +128,13 @@ def scripts(blocks: list[Block], page: str = "<page>") -> list[list[Block]]:
                 )
             named[block.script].append(block)
         else:
+            if block.title in named and block.lang == "python":
+                first = named[block.title][0].line
+                raise ValueError(
+                    f"{page}:{block.line}: a second script titled {block.title!r} (the first "
+                    f"starts at line {first}); give each script its own title, or title this "
+                    f'block "{block.title}{CONTINUED}" if it continues the first.'
+                )
             groups.append([block])
             if block.title:
                 named[block.title] = groups[-1]
@@ -208,6 +217,44 @@ def test_each_block_runs_alone_or_with_the_block_it_continues(
     run_script(blocks, page)
 
 
+_MAIN = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.M)
+
+
+def _launched_cases() -> list[Any]:
+    """Titled scripts behind a ``__main__`` guard: in-process they only define things."""
+    cases = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for group in scripts(extract_blocks(text, str(page)), str(page)):
+            title = group[0].title
+            if title and group[0].lang == "python" and any(_MAIN.search(b.source) for b in group):
+                torchrun = re.search(rf"torchrun [^\n`]*\b{re.escape(title)}\b", text) is not None
+                cases.append(pytest.param(page, group, torchrun, id=f"{page.name}:{title}"))
+    return cases
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("page", "blocks", "torchrun"), _launched_cases())
+def test_scripts_with_a_main_guard_run_as_the_page_says(
+    page: Path, blocks: list[Block], torchrun: bool, tmp_path: Path
+) -> None:
+    """Written to a file under its title and run: with ``torchrun --nproc-per-node 2`` when
+    the page runs it so (on the CPU: gloo), else with ``python`` (``launch()`` scripts)."""
+    import os
+    import subprocess
+
+    title = blocks[0].title
+    (tmp_path / title).write_text("".join(b.source for b in blocks), encoding="utf-8")
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [sys.executable, *(launcher if torchrun else []), title]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 0, f"{page.name}: {' '.join(command[1:])}\n{proc.stdout}{proc.stderr}"
+
+
 #: Characters of code a page shows without scrolling: Material at 1280 px shows about
 #: 82 in a code block beside both sidebars (docs/ruff.toml formats Python to this).
 WIDTH = 80
@@ -240,6 +287,12 @@ def test_no_code_line_is_wider_than_the_page_shows() -> None:
         f"{len(wide)} code lines are wider than {WIDTH} characters, the width a page shows "
         "without scrolling; wrap them (`ruff format docs` wraps Python):\n" + "\n".join(wide)
     )
+
+
+def test_two_scripts_of_one_title_are_refused() -> None:
+    text = '```python title="a.py"\nx = 1\n```\n\n```python title="a.py"\ny = 2\n```\n'
+    with pytest.raises(ValueError, match=r"p.md:6: a second script titled 'a.py' .* line 2"):
+        scripts(extract_blocks(text, "p.md"), "p.md")
 
 
 def test_a_continued_block_names_an_earlier_block() -> None:
