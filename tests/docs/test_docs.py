@@ -195,12 +195,17 @@ def _cases() -> list[Any]:
 
 @pytest.fixture
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Temp working directory, and torch's global state restored after the block."""
+    """Temp working directory; torch's global state and logging restored after the block."""
+    import logging
+
     monkeypatch.chdir(tmp_path)
     rng = torch.get_rng_state()
     dtype = torch.get_default_dtype()
     grad = torch.is_grad_enabled()
     threads = torch.get_num_threads()
+    # A page that shows how to see cudakit's log lines sets levels and adds handlers.
+    loggers = [logging.getLogger(), logging.getLogger("cudakit")]
+    saved = [(lg, lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
     try:
         yield tmp_path
     finally:
@@ -208,6 +213,13 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
         torch.set_num_threads(threads)
+        for lg, level, handlers, propagate in saved:
+            for h in lg.handlers:
+                if h not in handlers:
+                    h.close()
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
+            lg.propagate = propagate
 
 
 @pytest.mark.parametrize(("page", "blocks"), _cases())
