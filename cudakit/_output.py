@@ -26,16 +26,23 @@ __all__ = [
     "write_line",
 ]
 
+#: ``log=``: a ``logging.Logger`` (each line at INFO) or a function that takes the line.
 LogTarget = logging.Logger | Callable[[str], object]
 
 
 class Stderr:
-    """Sentinel default for ``file=``: whatever ``sys.stderr`` is when a line is written."""
+    """The type of :data:`STDERR`, the default of ``file=``: ``sys.stderr`` when a line is written.
+
+    Pass ``file=None`` for silence or a text stream of your own; this type is only
+    the default's.
+    """
 
     def __repr__(self) -> str:
         return "sys.stderr"
 
 
+#: The default of ``file=``: the line goes to whatever ``sys.stderr`` is when it is
+#: written (so pytest's capture and a redirected stderr get it).
 STDERR: Final = Stderr()
 
 

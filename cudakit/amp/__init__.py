@@ -34,19 +34,23 @@ What it offers:
 # (loss-spike skipping), locate (find_nonfinite) and watch (their part of the step).
 
 from .factory import autocast_step
-from .locate import NonFiniteSource, NonFiniteWarning, find_nonfinite
+from .locate import NonFiniteSource, NonFiniteWarning, Phase, find_nonfinite
 from .result import Verdict
-from .spikes import SpikeRule
+from .spikes import SpikeRule, Statistic
 from .step import AutocastStep, SteppedFunction, StepResult
+from .watch import WatchOptions
 
 __all__ = [
     "AutocastStep",
     "NonFiniteSource",
     "NonFiniteWarning",
+    "Phase",
     "SpikeRule",
+    "Statistic",
     "StepResult",
     "SteppedFunction",
     "Verdict",
+    "WatchOptions",
     "autocast_step",
     "find_nonfinite",
 ]

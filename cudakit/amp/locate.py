@@ -37,8 +37,10 @@ from .._check import check_callable
 from .._dist import group_world_size
 from ..warmup.preserve import RngState
 
-__all__ = ["NonFiniteSource", "NonFiniteWarning", "find_nonfinite", "replay"]
+__all__ = ["NonFiniteSource", "NonFiniteWarning", "Phase", "find_nonfinite", "replay"]
 
+#: Where the first inf/NaN appeared: a module's ``input``, its ``forward`` output, or a
+#: gradient in the ``backward``.
 Phase = Literal["input", "forward", "backward"]
 Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 

@@ -28,10 +28,20 @@ import torch
 
 from .._check import check_choice, check_int, check_number, check_optional, describe
 
-__all__ = ["STATISTICS", "SpikeRule", "SpikeWatch", "check_skip_spikes", "f32", "read_float"]
+__all__ = [
+    "STATISTICS",
+    "SpikeRule",
+    "SpikeWatch",
+    "Statistic",
+    "check_skip_spikes",
+    "f32",
+    "read_float",
+]
 
 #: The statistics a rule can watch, in the order they travel.
 STATISTICS = ("loss", "grad_norm")
+#: A statistic a :class:`SpikeRule` watches: the window's ``loss`` or its gradient
+#: norm before clipping (``grad_norm``).
 Statistic = Literal["loss", "grad_norm"]
 #: The largest finite float32: the threshold during warm-up (an overflow is a spike).
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)

@@ -62,7 +62,12 @@ class Stepper(Protocol):
 
 
 class WatchOptions(TypedDict, total=False):
-    """The keyword arguments of :class:`~cudakit.amp.AutocastStep` this module handles."""
+    """The watching options of :class:`~cudakit.amp.AutocastStep` (``**watch``).
+
+    The same keywords as :func:`~cudakit.amp.autocast_step` takes, described there:
+    ``skip_spikes`` (loss-spike skipping) and ``locate_nonfinite`` (naming the first
+    producer of an inf/NaN).
+    """
 
     skip_spikes: bool | str | SpikeRule | None
     locate_nonfinite: bool

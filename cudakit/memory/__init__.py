@@ -24,16 +24,20 @@ Design notes:
 # objects with fakes), _frames (open reports), _targets (device=), _throttle
 # (aggregate output), _notes (out-of-memory notes).
 
+from .._output import STDERR, LogTarget, Stderr
 from .reporter import MemoryReported, MemoryReporter, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot
 from .snapshot import memory_snapshot
 
 __all__ = [
+    "STDERR",
     "DeviceMemory",
+    "LogTarget",
     "MemoryReport",
     "MemoryReported",
     "MemoryReporter",
     "MemorySnapshot",
+    "Stderr",
     "memory_report",
     "memory_snapshot",
 ]

@@ -21,6 +21,7 @@ every rank when a process group runs, with no read of the device per step.
 # line), meter (speed_report); private: _args (argument checks), _probes (the device
 # reads tests replace).
 
+from .counts import Count, CountSpec, FlopSpec
 from .figures import SpeedFigures, SpeedSummary
 from .flops import FlopCount, count_flops
 from .meter import SpeedReport, SpeedReported, speed_report
@@ -28,8 +29,11 @@ from .peaks import PEAKS, DevicePeak, Peak, lookup_peak
 
 __all__ = [
     "PEAKS",
+    "Count",
+    "CountSpec",
     "DevicePeak",
     "FlopCount",
+    "FlopSpec",
     "Peak",
     "SpeedFigures",
     "SpeedReport",

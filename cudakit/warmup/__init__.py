@@ -26,6 +26,7 @@ Public names:
 
 from .._oom import is_oom_error
 from ..exceptions import MemoryReserveError, ReserveIgnoredWarning
+from ._reserve import ReserveSpec
 from .batch_size import FindBatchSizeDecorator, find_batch_size
 from .example import example_batch
 from .passes import warmup
@@ -37,6 +38,7 @@ __all__ = [
     "FindBatchSizeDecorator",
     "MemoryReserveError",
     "ReserveIgnoredWarning",
+    "ReserveSpec",
     "WarmedDecorator",
     "WarmupReport",
     "example_batch",

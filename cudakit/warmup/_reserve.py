@@ -14,6 +14,8 @@ from ..exceptions import MemoryReserveError
 __all__ = ["ReserveSpec", "parse_reserve", "reserve_cuda"]
 
 
+#: ``reserve=``: bytes (an int), a fraction of the device's memory (a float in
+#: (0, 1]), a size with a unit (``"2GiB"``, ``"500MB"``), or None for no reservation.
 ReserveSpec = int | float | str | None
 
 _UNITS = {

@@ -121,6 +121,32 @@ def test_no_signature_shows_a_private_name(site: Site) -> None:
     assert not bad, "; ".join(sorted(bad))
 
 
+def _cudakit_definitions() -> set[str]:
+    """Names that cudakit's modules define at top level: classes, aliases, constants."""
+    pattern = re.compile(r"^(?:class\s+)?([A-Za-z]\w*)\b(?:\s*[(:]|\s*=(?!=))", re.M)
+    names: set[str] = set()
+    for path in (ROOT / "cudakit").rglob("*.py"):
+        names |= set(pattern.findall(path.read_text(encoding="utf-8")))
+    return names
+
+
+def test_every_cudakit_type_in_a_signature_is_described(site: Site) -> None:
+    """A type or default a signature names (``LogTarget``, ``STDERR``) is on an API page too."""
+    objects = _api_objects(site)
+    described = {obj.rsplit(".", 1)[1] for obj, _ in objects}
+    ours = _cudakit_definitions()
+    # Type variables (T, P, T_co) are read as such, not looked up.
+    named = {
+        n
+        for _, blocks in objects
+        for b in blocks
+        for n in re.findall(r"\b[A-Z]\w*", b)
+        if not re.fullmatch(r"[A-Z](_co|_contra)?", n)
+    }
+    missing = sorted((named & ours) - described)
+    assert not missing, f"named in signatures, described on no API page: {missing}"
+
+
 def test_every_api_object_shows_one_signature(site: Site) -> None:
     """Overloads are described in the docstring; the page shows one signature, then the text."""
     counts = {obj: len(blocks) for obj, blocks in _api_objects(site)}
