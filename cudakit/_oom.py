@@ -32,9 +32,13 @@ def is_oom_error(exc: BaseException) -> bool:
 
     >>> import torch
     >>> from cudakit.warmup import is_oom_error
-    >>> is_oom_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    >>> is_oom_error(
+    ...     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    ... )
     True
-    >>> is_oom_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+    >>> is_oom_error(
+    ...     RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ...")
+    ... )
     True
     >>> is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     False

@@ -6,17 +6,17 @@ hierarchy:
 
     CudakitError
     ├── DeviceError(ValueError)              a device spec that cannot be honoured
-    ├── NonFiniteStepsError(RuntimeError)    too many skipped (inf/NaN) steps in a row
-    ├── BatchSizeSearchError(RuntimeError)   not even the lower batch-size bound fits
-    ├── MemoryReserveError(ValueError)       warmup(reserve=...) asked for more than is free
-    ├── DistributedSetupError(RuntimeError)  a launcher environment that is incomplete
-    ├── CheckpointError(ValueError)          a checkpoint that is corrupted or does not fit
+    ├── NonFiniteStepsError(RuntimeError)    too many inf/NaN steps skipped in a row
+    ├── BatchSizeSearchError(RuntimeError)   not even the smallest batch size fits
+    ├── MemoryReserveError(ValueError)       warmup(reserve=...) beyond what is free
+    ├── DistributedSetupError(RuntimeError)  an incomplete launcher environment
+    ├── CheckpointError(ValueError)          a corrupted or mismatched checkpoint
     ├── CheckpointSaveError(OSError)         a checkpoint that could not be written
     └── LaunchError(RuntimeError)            a rank started by launch() failed
 
-    ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) where it does nothing (CPU, MPS)
-    CompiledWarmupWarning(UserWarning)       warmup() of a compiled model without amp=
-    TensorsLeftBehindWarning(UserWarning)    on_device() met an unknown object holding tensors
+    ReserveIgnoredWarning(UserWarning)       warmup(reserve=...) ignored (CPU, MPS)
+    CompiledWarmupWarning(UserWarning)       warmup() of a compiled model, no amp=
+    TensorsLeftBehindWarning(UserWarning)    on_device() left tensors in an object
 
 Plain argument mistakes (a wrong type, an out-of-range number) raise the plain
 ``TypeError``/``ValueError``; calls made in the wrong order raise ``RuntimeError``.

@@ -58,7 +58,9 @@ class NonFiniteSource:
 
     >>> import torch
     >>> from cudakit.amp import NonFiniteSource
-    >>> src = NonFiniteSource("forward", "encoder.1", "Linear", (16, 32), torch.float32)
+    >>> src = NonFiniteSource(
+    ...     "forward", "encoder.1", "Linear", (16, 32), torch.float32
+    ... )
     >>> print(src)
     forward of 'encoder.1' (Linear): a float32 tensor of shape (16, 32)
 

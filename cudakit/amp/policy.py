@@ -134,7 +134,8 @@ def decide_precision(
 
     ``requested`` is None for ``"auto"``. Pure: no device is queried here.
 
-    >>> decide_precision(None, "cpu", enabled=True, user_scaler=False, caps=Capabilities())
+    >>> decide_precision(None, "cpu", enabled=True, user_scaler=False,
+    ...                  caps=Capabilities())
     Precision(dtype=torch.float32, autocast=False, scaler=False, reason='...')
     >>> decide_precision(None, "cuda", enabled=True, user_scaler=False,
     ...                  caps=Capabilities(cuda_bf16=True)).dtype

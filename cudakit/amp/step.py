@@ -56,7 +56,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
 
     >>> import cudakit.amp as amp
     >>> model = torch.nn.Linear(4, 1)
-    >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), dtype="bf16")
+    >>> step = amp.autocast_step(
+    ...     torch.optim.SGD(model.parameters(), lr=0.1), dtype="bf16"
+    ... )
     >>> step.dtype, step.device_type, step.enabled
     (torch.bfloat16, 'cpu', True)
     >>> with step:
@@ -184,7 +186,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         """Micro-steps per optimizer step; settable between windows (e.g. per epoch).
 
         >>> import cudakit.amp as amp
-        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(torch.nn.Linear(2, 1).parameters())
+        ... )
         >>> step.accumulate = 4      # before a window opens: the next window has 4
         >>> step.accumulate
         4
@@ -256,8 +260,10 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         Use it for forward passes outside the step (evaluation, warm-up).
 
         >>> import cudakit.amp as amp
-        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
-        ...                          dtype=torch.bfloat16)
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
+        ...     dtype=torch.bfloat16,
+        ... )
         >>> with step.autocast():
         ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
         torch.bfloat16
@@ -349,7 +355,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
 
         >>> import cudakit.amp as amp
         >>> model = torch.nn.Linear(3, 1)
-        >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2
+        ... )
         >>> for _ in range(2):
         ...     with step:
         ...         loss = model(torch.ones(4, 3)).float().mean()
@@ -487,7 +495,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
 
         >>> import cudakit.amp as amp
         >>> model = torch.nn.Linear(3, 1)
-        >>> step = amp.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4
+        ... )
         >>> step.backward(model(torch.ones(2, 3)).float().mean()).stepped
         False
         >>> step.flush().stepped
@@ -529,7 +539,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         resumed from this state, the model's and the optimizers' continues bit for bit.
 
         >>> import cudakit.amp as amp
-        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(torch.nn.Linear(2, 1).parameters())
+        ... )
         >>> state = step.state_dict()
         >>> state["position"], state["steps"], state["scaler"]
         (0, 0, None)
@@ -561,7 +573,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
 
         >>> import cudakit.amp as amp
-        >>> step = amp.autocast_step(torch.optim.SGD(torch.nn.Linear(2, 1).parameters()))
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(torch.nn.Linear(2, 1).parameters())
+        ... )
         >>> step.load_state_dict(step.state_dict())
 
         Raises:

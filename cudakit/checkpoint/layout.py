@@ -3,11 +3,11 @@
 A checkpoint directory holds one sub-directory per checkpoint::
 
     runs/exp/
-        ckpt-0000000400/          complete: its manifest was written last, then renamed
+        ckpt-0000000400/          complete: manifest written last, then renamed
             .metadata             torch.distributed.checkpoint's index of the shards
             __0_0.distcp ...      the model and optimizer shards (one file per rank)
-            rank-00000.pt         each rank's host state (RNG, data position, step, extras)
-            cudakit.json          the manifest: position, world size, every file's size
+            rank-00000.pt         host state: RNG, data position, step, extras
+            cudakit.json          the manifest: position, world size, file sizes
         ckpt-0000000600.partial/  being written (or left by a crash): never loaded
 
 A checkpoint is written under its ``.partial`` name and becomes visible only when

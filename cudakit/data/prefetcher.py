@@ -225,7 +225,8 @@ class Prefetcher(Generic[T]):
 
     >>> import torch
     >>> from cudakit.data import prefetch
-    >>> batches = prefetch(x for x in torch.arange(3.0).split(1))  # no len(): a Prefetcher
+    >>> # no len(): a Prefetcher
+    >>> batches = prefetch(x for x in torch.arange(3.0).split(1))
     >>> type(batches).__name__, [b.item() for b in batches]
     ('Prefetcher', [0.0, 1.0, 2.0])
 
@@ -277,7 +278,9 @@ class Prefetcher(Generic[T]):
         >>> from cudakit.data import prefetch
         >>> ds = TensorDataset(torch.arange(8))
         >>> sampler = DistributedSampler(ds, num_replicas=2, rank=0)
-        >>> batches = prefetch(DataLoader(ds, sampler=sampler, batch_size=4), device="cpu")
+        >>> batches = prefetch(
+        ...     DataLoader(ds, sampler=sampler, batch_size=4), device="cpu"
+        ... )
         >>> batches.set_epoch(3)
         >>> sampler.epoch
         3
@@ -394,7 +397,9 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
 
     >>> import torch
     >>> from cudakit.data import prefetch
-    >>> batches = prefetch([(torch.ones(2), torch.zeros(2)) for _ in range(3)], device="cpu")
+    >>> batches = prefetch(
+    ...     [(torch.ones(2), torch.zeros(2)) for _ in range(3)], device="cpu"
+    ... )
     >>> len(batches)
     3
     >>> [x.device.type for x, y in batches]

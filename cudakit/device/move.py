@@ -188,7 +188,9 @@ def on_device(*objs: Any, device: DeviceLike = None, non_blocking: bool | None =
     (device(type='meta'), device(type='meta'), True)
     >>> on_device(batch, device="cpu") is batch  # nothing to move: the same object
     True
-    >>> model, target = on_device(torch.nn.Linear(3, 1), torch.ones(2), device="meta")
+    >>> model, target = on_device(
+    ...     torch.nn.Linear(3, 1), torch.ones(2), device="meta"
+    ... )
     >>> model.weight.device, target.device
     (device(type='meta'), device(type='meta'))
 

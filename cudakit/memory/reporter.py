@@ -96,7 +96,9 @@ class MemoryReporter(ContextDecorator, ReportFigures):
     >>> for _ in range(4):
     ...     with step_memory:
     ...         pass
-    >>> step_memory.calls, len(lines), lines[0].startswith("memory_report 'step' cpu x2 calls")
+    >>> step_memory.calls, len(lines), lines[0].startswith(
+    ...     "memory_report 'step' cpu x2 calls"
+    ... )
     (4, 2, True)
 
     .. versionadded:: 0.1

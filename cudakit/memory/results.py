@@ -37,7 +37,9 @@ class DeviceMemory:
     process's resident set size (RSS) and the reserved fields are ``None``.
 
     >>> from cudakit.memory import DeviceMemory
-    >>> d = DeviceMemory("cpu", allocated_before=10, allocated_after=4, peak_allocated=30)
+    >>> d = DeviceMemory(
+    ...     "cpu", allocated_before=10, allocated_after=4, peak_allocated=30
+    ... )
     >>> d.allocated_delta, d.peak_increase, d.reserved_delta
     (-6, 20, None)
 

@@ -32,7 +32,9 @@ class DistributedLoader(DataLoader[T_co]):
     """A ``DataLoader`` over this rank's shard that calls ``sampler.set_epoch`` by itself.
 
     >>> import torch, cudakit.parallel as cp
-    >>> loader = cp.distributed_loader(torch.utils.data.TensorDataset(torch.arange(4.0)))
+    >>> loader = cp.distributed_loader(
+    ...     torch.utils.data.TensorDataset(torch.arange(4.0))
+    ... )
     >>> isinstance(loader, torch.utils.data.DataLoader)
     True
 

@@ -98,8 +98,8 @@ class main_process_first(ContextDecorator):
     """Run the block on the main process first, then on every other rank.
 
     >>> import cudakit.parallel as cp
-    >>> with cp.main_process_first():   # one process: just runs the block
-    ...     data = [1, 2, 3]             # e.g. download, then everyone reads the cache
+    >>> with cp.main_process_first():  # one process: just runs the block
+    ...     data = [1, 2, 3]  # e.g. download, then everyone reads the cache
 
     The other ranks wait in a barrier until the main process has finished the
     block (also when it raised: they are released rather than left hanging until

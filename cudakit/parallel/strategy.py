@@ -153,7 +153,8 @@ def choose_strategy(
     >>> choose_strategy("ddp", env={}, device_count=1, device_type="cuda")
     Traceback (most recent call last):
     ...
-    cudakit.exceptions.DistributedSetupError: strategy='ddp' needs one process per GPU ...
+    cudakit.exceptions.DistributedSetupError: strategy='ddp' needs one process
+    per GPU ...
 
     The rules, in order:
 
@@ -421,7 +422,9 @@ def plan_parallel(
     >>> facts = ParallelFacts(env=None, group_world_size=None, cuda_available=False,
     ...     device_count=0, current_cuda_index=0, requested_device=None,
     ...     best_device=torch.device("cpu"))
-    >>> plan = plan_parallel("auto", facts, options={"find_unused_parameters": True})
+    >>> plan = plan_parallel(
+    ...     "auto", facts, options={"find_unused_parameters": True}
+    ... )
     >>> plan.strategy, plan.device, plan.ignored
     ('none', device(type='cpu'), {'find_unused_parameters': True})
     >>> plan_parallel("DDP", facts)

@@ -176,7 +176,9 @@ class LoadResult(NamedTuple):
     ``_orig_mod.`` prefixes are taken off; both lists are empty when every key matched.
 
     >>> import torch, cudakit.parallel as cp
-    >>> missing, unexpected = cp.load_state_dict(torch.nn.Linear(2, 2), {}, strict=False)
+    >>> missing, unexpected = cp.load_state_dict(
+    ...     torch.nn.Linear(2, 2), {}, strict=False
+    ... )
     >>> missing, unexpected
     (['weight', 'bias'], [])
 
@@ -197,7 +199,7 @@ def load_state_dict(
     >>> import torch, cudakit.parallel as cp
     >>> wrapped = torch.nn.DataParallel(torch.nn.Linear(2, 2))
     >>> bare = torch.nn.Linear(2, 2)
-    >>> cp.load_state_dict(bare, wrapped.state_dict())     # keys 'module.weight', ...
+    >>> cp.load_state_dict(bare, wrapped.state_dict())  # keys 'module.weight', ...
     LoadResult(missing_keys=[], unexpected_keys=[])
     >>> torch.equal(bare.weight, wrapped.module.weight)
     True
@@ -441,8 +443,8 @@ def parallelize(
     """Move ``model`` to this process's device and wrap it for data parallelism; log the choice.
 
     >>> import torch, cudakit.parallel as cp
-    >>> net = cp.parallelize(torch.nn.Linear(4, 2), device="cpu")   # one CPU process
-    >>> type(net).__name__                                          # nothing to wrap
+    >>> net = cp.parallelize(torch.nn.Linear(4, 2), device="cpu")  # one CPU process
+    >>> type(net).__name__  # nothing to wrap
     'Linear'
 
     The strategy comes from :func:`choose_strategy`: under ``torchrun`` DDP

@@ -154,7 +154,8 @@ def count_flops(
     >>> x, y = torch.randn(8, 64), torch.randn(8, 32)
     >>> w = model.weight.clone()
     >>> count = count_flops(lambda x, y: F.mse_loss(model(x), y), x, y, model=model)
-    >>> count.forward == 2 * 8 * 64 * 32, count.total == 2 * count.forward  # no grad for x
+    >>> # no grad for x
+    >>> count.forward == 2 * 8 * 64 * 32, count.total == 2 * count.forward
     (True, True)
     >>> torch.equal(model.weight, w), model.weight.grad is None
     (True, True)

@@ -366,7 +366,8 @@ def speed_report(
     ...     opt.zero_grad()
     >>> for _ in range(2):
     ...     train_step(x, y)  # doctest: +ELLIPSIS
-    speed_report 'train_step' cpu step 2: ...s/step, ... samples/s, ...FLOP/s [last 2 steps]; ...
+    speed_report 'train_step' cpu step 2: ...s/step, ... samples/s,
+    ...FLOP/s [last 2 steps]; ...
     >>> meter = train_step.speed_report
     >>> meter.steps, meter.total.samples, meter.total.flops == 2 * flops.total
     (2, 64.0, True)

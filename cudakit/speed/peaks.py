@@ -166,8 +166,8 @@ Each entry holds the dense TFLOP/s per dtype key, the words a device name must (
 must not) contain, and the datasheet the figures come from, with its address.
 
 >>> [p.model for p in PEAKS]  # doctest: +NORMALIZE_WHITESPACE
-['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'L4', 'L40S',
- 'RTX 4090', 'B200']
+['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'L4',
+ 'L40S', 'RTX 4090', 'B200']
 >>> PEAKS[1].tflops["bf16"], PEAKS[1].source
 (989.5, 'NVIDIA H100 Tensor Core GPU datasheet')
 
@@ -243,7 +243,8 @@ def lookup_peak(name: str, dtype: object) -> Peak:
     >>> lookup_peak("NVIDIA A100-SXM4-80GB", torch.bfloat16).tflops
     312.0
     >>> print(lookup_peak("NVIDIA GeForce RTX 4090 D", "bf16").reason)
-    no entry of the peak table matches the device 'NVIDIA GeForce RTX 4090 D'; pass ...
+    no entry of the peak table matches the device
+    'NVIDIA GeForce RTX 4090 D'; pass ...
 
     Args:
         name: the device's name as the driver reports it.

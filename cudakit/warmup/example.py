@@ -44,7 +44,9 @@ def example_batch(loader: Iterable[T], /) -> T:
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from cudakit.warmup import example_batch
-    >>> loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, shuffle=True)
+    >>> loader = DataLoader(
+    ...     TensorDataset(torch.arange(8.0)), batch_size=4, shuffle=True
+    ... )
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
     >>> before = torch.get_rng_state()

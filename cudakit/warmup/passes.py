@@ -344,7 +344,9 @@ def warmup(
     >>> from cudakit.warmup import warmup
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     >>> before = {k: v.clone() for k, v in model.state_dict().items()}
-    >>> report = warmup(model, torch.randn(16, 4), loss_fn=lambda m, x: m(x).square().mean())
+    >>> report = warmup(
+    ...     model, torch.randn(16, 4), loss_fn=lambda m, x: m(x).square().mean()
+    ... )
     >>> report.steps, report.backward, len(report.pass_times)
     (2, True, 2)
     >>> all(torch.equal(before[k], v) for k, v in model.state_dict().items())

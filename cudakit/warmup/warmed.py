@@ -85,7 +85,8 @@ def warmed(
     ...     opt.zero_grad()
     ...     m(x).square().mean().backward()
     ...     opt.step()
-    >>> step(model, torch.ones(4, 2))           # 2 warm-up calls, rolled back, then the real one
+    >>> # 2 warm-up calls, rolled back, then the real one
+    >>> step(model, torch.ones(4, 2))
     >>> len(calls)
     3
     >>> twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
