@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -10,6 +11,9 @@ from ..speed.figures import format_rate
 from .data import NUM_CLASSES
 
 __all__ = ["DemoSummary", "EpochStats"]
+
+#: The summary's width: a terminal's 80 columns (and the docs' code blocks).
+WIDTH = 80
 
 
 @dataclass
@@ -112,7 +116,13 @@ class DemoSummary:
         if self.mfu_reason is not None:
             head.append(("MFU", f"n/a: {self.mfu_reason}"))
         width = max(len(k) for k, _ in head)
-        lines = [f"{k:<{width}}  {v}" for k, v in head]
+        lines = []
+        for k, v in head:  # a long value wraps under itself (a path stays whole)
+            wrapped = textwrap.wrap(
+                v, WIDTH - width - 2, break_long_words=False, break_on_hyphens=False
+            )
+            lines.append(f"{k:<{width}}  {wrapped[0] if wrapped else ''}")
+            lines.extend(" " * (width + 2) + more for more in wrapped[1:])
         cols = (
             "epoch",
             "train loss",
@@ -138,11 +148,12 @@ class DemoSummary:
             )
             for e in self.epochs
         ]
-        widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
-        lines.append("")
-        lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-        lines.append("  ".join("-" * w for w in widths))
-        lines.extend("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows)
+        for part in _parts([max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]):
+            # A table wider than the terminal goes in parts, each with the epoch first.
+            lines.append("")
+            lines.append("  ".join(cols[i].rjust(w) for i, w in part))
+            lines.append("  ".join("-" * w for _, w in part))
+            lines.extend("  ".join(r[i].rjust(w) for i, w in part) for r in rows)
         lines.append("")
         if not self.epochs:
             lines.append(
@@ -156,6 +167,31 @@ class DemoSummary:
             f"final held-out accuracy {self.final_accuracy:.1%} (chance: {1 / NUM_CLASSES:.0%})"
         )
         return "\n".join(lines)
+
+
+def _parts(widths: list[int]) -> list[list[tuple[int, int]]]:
+    """The table's columns as (index, width) parts of at most WIDTH, column 0 in each.
+
+    Packed greedily; two parts are balanced instead (the split with the narrower
+    wider part), so the last part is not a lone column.
+    """
+
+    def span(part: list[tuple[int, int]]) -> int:
+        return sum(w for _, w in part) + 2 * (len(part) - 1)
+
+    first = (0, widths[0])
+    columns = list(enumerate(widths))[1:]
+    parts: list[list[tuple[int, int]]] = [[first]]
+    for column in columns:
+        if len(parts[-1]) > 1 and span([*parts[-1], column]) > WIDTH:
+            parts.append([first])
+        parts[-1].append(column)
+    if len(parts) == 2:
+        splits = [([first, *columns[:k]], [first, *columns[k:]]) for k in range(1, len(columns))]
+        fitting = [s for s in splits if max(map(span, s)) <= WIDTH]
+        if fitting:
+            parts = list(min(fitting, key=lambda s: max(map(span, s))))
+    return parts
 
 
 def _plural(n: int, word: str) -> str:

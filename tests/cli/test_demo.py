@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cudakit.demo import DemoSummary, EpochStats, _args, command, main, make_dataset, make_model
 from cudakit.demo._evaluation import evaluate
@@ -511,3 +513,74 @@ def test_plain_progress_prints_one_line_per_epoch(
     silent = Progress(10, "epoch 1/2", enabled=False)  # ranks other than 0
     silent.close("x")
     assert capsys.readouterr().err == ""
+
+
+@given(
+    samples=st.floats(0, 1e7),
+    tflops=st.one_of(st.none(), st.floats(0, 5e3)),
+    mfu=st.one_of(st.none(), st.floats(0, 1)),
+    memory=st.integers(0, 2**42),
+    skipped=st.integers(0, 10**6),
+    epochs=st.integers(1, 3),
+    reason=st.one_of(
+        st.none(),
+        st.lists(st.text("abcdefghij=.", min_size=1, max_size=12), max_size=30).map(" ".join),
+    ),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_summary_fits_a_terminal_80_columns_wide(
+    samples: float,
+    tflops: float | None,
+    mfu: float | None,
+    memory: int,
+    skipped: int,
+    epochs: int,
+    reason: str | None,
+) -> None:
+    """Every line fits 80 columns: a wide table goes in parts, the epoch repeated; a long
+    value wraps under itself. Nothing is lost on the way."""
+    rows = [
+        EpochStats(
+            epoch=i + 1,
+            train_loss=1.5,
+            val_loss=1.4,
+            val_accuracy=0.5,
+            samples_per_s=samples,
+            seconds=2.0,
+            optimizer_steps=4,
+            skipped_steps=skipped,
+            peak_memory=memory,
+            memory_kind="rss",
+            tflops=tflops,
+            mfu=mfu,
+        )
+        for i in range(epochs)
+    ]
+    text = str(_summary(epochs=rows, mfu_reason=reason))
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for header in ("train loss", "samples/s", "FLOP/s", "MFU", "peak mem", "skipped"):
+        assert header in text
+    assert text.count(f"{skipped:>7}") >= epochs or str(skipped) in text
+    if reason:
+        assert " ".join(reason.split()) in " ".join(text.split())
+
+
+def test_a_wide_summary_table_repeats_the_epoch_in_each_part() -> None:
+    row = EpochStats(
+        epoch=1,
+        train_loss=1.5,
+        val_loss=1.4,
+        val_accuracy=0.5,
+        samples_per_s=1234.5,
+        seconds=2.0,
+        optimizer_steps=4,
+        skipped_steps=0,
+        peak_memory=3 * 2**30,
+        memory_kind="rss",
+        tflops=0.02,
+    )
+    lines = str(_summary(epochs=[row], mfu_reason="x")).splitlines()
+    headers = [ln for ln in lines if ln.startswith("epoch")]
+    assert len(headers) == 2
+    assert "train loss" in headers[0]
+    assert "peak mem" in headers[1]
