@@ -1,12 +1,16 @@
-"""What the distributed tests share: a free port and torchrun's environment variables."""
+"""What the distributed tests share: a free port, torchrun's variables, spawned ranks."""
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cudakit.parallel import group as cp_group
@@ -26,6 +30,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_ranks(
+    worker: Callable[..., None], out: Path, world: int, timeout: float = 180
+) -> list[Any]:
+    """Spawn ``worker(rank, port, str(out))`` on ``world`` gloo ranks; load each ``{rank}.pt``.
+
+    Fails the test (killing the ranks) when they have not finished within ``timeout``.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        worker, args=(free_port(), str(out)), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {world}-process gloo run did not finish within {timeout:g} s")
+    assert not any(p.is_alive() for p in ctx.processes)
+    return [torch.load(out / f"{r}.pt", weights_only=True) for r in range(world)]
 
 
 def torchrun_env(world: int, rank: int = 0, port: int = 29500) -> dict[str, str]:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from launcher_env import free_port
+from launcher_env import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -161,21 +159,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ddp_partial")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process gloo run did not finish within 180 s")
-    for p in ctx.processes:
-        assert not p.is_alive()
-    return [torch.load(Path(out) / f"{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("ddp_partial"), WORLD)
 
 
 @pytest.mark.parametrize(("name", "hook"), [("python", "counting_hook"), ("builtin", "ALLREDUCE")])
