@@ -247,6 +247,13 @@ class SpikeWatch:
         self.stats: dict[str, RunningStat] = {}
         self._order: list[RunningStat] = []
         self._levels: tuple[float, ...] = ()
+        # The thresholds again, as 0-dim float32 CPU tensors that the device test takes
+        # as a scalar operand (read when the kernel is launched: cheaper than a Python
+        # number, which torch wraps into a tensor on every call), kept equal to
+        # _levels by writing their memory (no op).
+        self._level_tensors = [torch.zeros((), dtype=torch.float32) for _ in self.on]
+        self._level_cells = [ctypes.c_float.from_address(t.data_ptr()) for t in self._level_tensors]
+        self._ones: dict[int | str, torch.Tensor] = {}
         self.restore({})
 
     # ------------------------------------------------------------------ decisions
@@ -260,17 +267,22 @@ class SpikeWatch:
         """Whether any statistic exceeds its threshold (the same test the device runs)."""
         return any(x > level for x, level in zip(values, thresholds, strict=True))
 
+    def learn_one(self, x: float) -> None:
+        """:meth:`learn` for a rule that watches one statistic."""
+        stat = self._order[0]
+        stat.learn(x, self.rule)
+        self._levels = (stat.level,)
+        self._level_cells[0].value = stat.level
+
     def learn(self, values: Sequence[float]) -> None:
         """An accepted window: every statistic learns its value."""
         rule = self.rule
         if len(values) == 1:  # the common case, without a loop
-            stat = self._order[0]
-            stat.learn(values[0], rule)
-            self._levels = (stat.level,)
+            self.learn_one(values[0])
             return
         for stat, x in zip(self._order, values, strict=True):
             stat.learn(x, rule)
-        self._levels = tuple(stat.level for stat in self._order)
+        self._set_levels()
 
     def restore(self, stats: Mapping[str, RunningStat]) -> None:
         """Take checkpointed statistics (fresh ones for a statistic they lack)."""
@@ -278,7 +290,47 @@ class SpikeWatch:
         self._order = [self.stats[name] for name in self.on]
         for stat in self._order:
             stat.update(self.rule)
+        self._set_levels()
+
+    def _set_levels(self) -> None:
         self._levels = tuple(stat.level for stat in self._order)
+        for cell, level in zip(self._level_cells, self._levels, strict=True):
+            cell.value = level  # a float32 already: stored exactly
+
+    def judge(
+        self, verdict: torch.Tensor, values: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[float, ...]]:
+        """The spike test on the device, with no host read.
+
+        ``verdict`` is the window's non-finite verdict (a 1-element float32 tensor, 0 or
+        1), ``values`` the watched statistics (1-element float32 tensors) in :attr:`on`
+        order. Returns the skip flag (1 for a non-finite window or a spike, else 0: a
+        fresh tensor, as the fused optimizers take ``found_inf``), the tensor to post
+        (the verdict, then the statistics) and the thresholds the device compared with.
+
+        Two small ops per statistic (a comparison with the threshold, a select into
+        the flag) and one to pack what is posted: the step without a rule makes one
+        copy of the verdict in its place.
+        """
+        if verdict.is_cuda or verdict.is_cpu:
+            # A CPU scalar tensor is a launch argument on the CPU and on CUDA (no copy).
+            key: int | str = verdict.get_device()  # -1 for the CPU, else the CUDA index
+            levels: Sequence[torch.Tensor | float] = self._level_tensors
+        else:  # another accelerator: the thresholds as Python numbers
+            key, levels = str(verdict.device), self._levels
+        one = self._ones.get(key)
+        if one is None:
+            one = self._ones[key] = torch.ones(1, dtype=torch.float32, device=verdict.device)
+        if verdict.dim() != 1:
+            verdict = verdict.reshape(1)
+        skip = verdict
+        packed = [verdict]
+        for x, level in zip(values, levels, strict=True):
+            if x.is_cpu != verdict.is_cpu or x.get_device() != verdict.get_device():
+                x = x.to(verdict.device)
+            skip = torch.where(torch.gt(x, level), one, skip)
+            packed.append(x.view(1))
+        return skip, torch.cat(packed), self._levels
 
     # ------------------------------------------------------------------ statistics
 

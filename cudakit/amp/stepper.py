@@ -227,17 +227,28 @@ class OptimizerStep:
         streak = False
         pending, self._pending = self._pending, []
         spikes = self.watch.spikes
-        for (flag, *values), item in zip(self._mailbox.drain_values(), pending, strict=True):
-            found = flag > 0
-            judged = spikes if spikes is not None and len(values) == len(spikes.on) else None
-            spike = not found and judged is not None and judged.is_spike(values, item.thresholds)
+        # Posted with the verdict: the statistics the rule of the time watched (none
+        # without one, or when the rule changed since: those windows are not judged).
+        watched = len(spikes.on) + 1 if spikes is not None else 0
+        for values, item in zip(self._mailbox.drain_values(), pending, strict=True):
+            found = values[0] > 0
+            spike = False
+            if not found and len(values) == watched:
+                if watched == 2:  # one statistic: the common case, without a loop
+                    spike = values[1] > item.thresholds[0]
+                else:
+                    spike = SpikeWatch.is_spike(values[1:], item.thresholds)
             if found or spike:
                 item.undo.apply()  # the schedulers stepped ahead of a step that did not happen
                 streak = self.counters.record_skip(spike) or streak
             else:
                 self.counters.record_step()
-                if judged is not None:
-                    judged.learn(values)
+                if len(values) == watched:
+                    spikes = cast(SpikeWatch, spikes)
+                    if watched == 2:
+                        spikes.learn_one(values[1])
+                    else:
+                        spikes.learn(values[1:])
             self.watch.resolve(item, found)
         if streak:
             raise self.counters.streak_error(self._dtype)

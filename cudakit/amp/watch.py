@@ -340,12 +340,7 @@ class Watch:
         """On the device: (skip flag 0/1, [verdict, statistics...] to post, thresholds)."""
         spikes = self.spikes
         assert spikes is not None
-        thresholds = spikes.thresholds()
-        skip = verdict
-        for x, level in zip(values, thresholds, strict=True):
-            skip = torch.maximum(skip, torch.gt(x, level))
-        posted = torch.cat([verdict.reshape(1), *(x.reshape(1) for x in values)])
-        return skip, posted, thresholds
+        return spikes.judge(verdict, values)
 
 
 def _count(state: Mapping[str, Any], key: str) -> int:
