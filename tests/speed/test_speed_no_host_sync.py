@@ -82,8 +82,10 @@ class FakeEvent:
         self.t = 0
         FakeEvent.log.append("new")
 
-    def record(self) -> None:
+    def record(self, stream: FakeStream | None = None) -> None:
+        assert isinstance(stream, FakeStream)  # the clock always names the stream
         self.t = next(FakeEvent.ticks)
+        FakeStream.recorded.append(stream.key)
 
     def query(self) -> bool:
         FakeEvent.log.append("query")
@@ -97,10 +99,28 @@ class FakeEvent:
         return float(end.t - self.t)  # one millisecond per tick
 
 
+class FakeStream:
+    """torch.cuda.Stream on the CPU: counts how many are built, and where events go."""
+
+    current: ClassVar[tuple[int, int, int]] = (0, 0, 1)  # (stream id, device, type)
+    built: ClassVar[list[tuple[int, int, int]]] = []
+    recorded: ClassVar[list[tuple[int, int, int]]] = []
+
+    def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+        self.key = (stream_id, device_index, device_type)
+        FakeStream.built.append(self.key)
+
+
 @pytest.fixture
 def fake_events(monkeypatch: pytest.MonkeyPatch) -> type[FakeEvent]:
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentStream", lambda i: FakeStream.current, raising=False
+    )
     monkeypatch.setattr(recorder_mod, "clock_for", lambda device: EventClock())
+    FakeStream.current, FakeStream.built, FakeStream.recorded = (0, 0, 1), [], []
     FakeEvent.log = []
     FakeEvent.ticks = itertools.count()
     FakeEvent.ready = True
@@ -122,6 +142,44 @@ def test_events_are_read_lazily_and_reused(fake_events: type[FakeEvent]) -> None
     with meter:
         pass
     assert "new" not in fake_events.log  # the read events are reused
+
+
+def test_events_go_on_the_current_stream_built_once(fake_events: type[FakeEvent]) -> None:
+    """The clock builds a Stream once per current stream, not once per event."""
+    meter = speed_report(samples=2, every=None, file=None)
+    for _ in range(5):
+        with meter:
+            pass
+    assert FakeStream.built == [(0, 0, 1)]
+    assert FakeStream.recorded == [(0, 0, 1)] * 10
+    FakeStream.current = (7, 0, 1)  # a `with torch.cuda.stream(s):` block
+    with meter:
+        pass
+    FakeStream.current = (0, 0, 1)
+    with meter:
+        pass
+    assert FakeStream.built == [(0, 0, 1), (7, 0, 1), (0, 0, 1)]
+    assert FakeStream.recorded[10:] == [(7, 0, 1)] * 2 + [(0, 0, 1)] * 2
+    assert meter.total.seconds == pytest.approx(7 * 1e-3)
+
+
+def test_the_clock_falls_back_to_current_stream(
+    fake_events: type[FakeEvent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch without the stream lookups: torch.cuda.current_stream() per event."""
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentStream")
+    asked: list[int] = []
+
+    def current_stream() -> FakeStream:
+        asked.append(1)
+        return FakeStream(3, 0, 1)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    meter = speed_report(samples=2, every=None, file=None)
+    with meter:
+        pass
+    assert len(asked) == 2
+    assert FakeStream.recorded == [(3, 0, 1)] * 2
 
 
 def test_events_read_at_the_log_interval_only(fake_events: type[FakeEvent]) -> None:
