@@ -210,17 +210,18 @@ class SpeedReport(ContextDecorator):
 
         else:  # the common case, kept lean: the step's windows are the optimizer steps
             add, log, every = tally.add, recorder.log, settings.every
+            window = step._window  # its position, read without the property (each call)
 
             @functools.wraps(func)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                before = step.position
+                before = window.position
                 mark = start()
                 out = func(*args, **kwargs)
                 mark = stop(mark)
                 s, t, f = fixed or count(args[0] if args else first_argument(args, kwargs))
                 if before == 0 and tally.open_calls:
                     tally.end_window()  # the window was stepped between calls (flush())
-                if add(mark, s, t, f, step.position == 0) and every and tally.steps % every == 0:
+                if add(mark, s, t, f, window.position == 0) and every and tally.steps % every == 0:
                     log()
                 return out
 

@@ -1,12 +1,16 @@
 """The meter's bookkeeping: calls grouped into optimizer steps, totals and a rolling window.
 
-A call adds its figures to the open step (a small list: calls, seconds, samples,
-tokens, FLOPs). What is known on the host (a wall-clock time, a count given as a
-number) is added at once; what lives on the device (a CUDA event pair, a count given
-as a tensor) is kept aside, unread, until :meth:`Tally.resolve`, which the meter calls
-at its log interval or when a figure is read: then every kept value is read in one go
-and added to its step (and to the totals, once the step is closed). When a step
-closes it joins the rolling window (the last ``window`` steps) and the totals.
+A call is queued: one tuple appended, and the call and step counters moved on (the
+hot path, run once per call in the middle of a training loop, where every extra line
+runs with cold caches). Queued calls are added to their steps in a batch, every
+:data:`BATCH` calls or when anything reads the figures: each adds its figures to its
+step (a small list: calls, seconds, samples, tokens, FLOPs). What is known on the
+host (a wall-clock time, a count given as a number) is added then; what lives on the
+device (a CUDA event pair, a count given as a tensor) is kept aside, unread, until
+:meth:`Tally.resolve`, which the meter calls at its log interval or when a figure is
+read: then every kept value is read in one go and added to its step (and to the
+totals, once the step is closed). When a step closes it joins the rolling window
+(the last ``window`` steps) and the totals.
 
 Kept values are bounded: once more than a few windows' worth wait, those of steps
 that have left the rolling window are folded into the totals (event times once the
@@ -29,7 +33,10 @@ import torch
 from .clock import Clock
 from .counts import Count
 
-__all__ = ["Sums", "Tally"]
+__all__ = ["BATCH", "Sums", "Tally"]
+
+#: Queued calls are added to their steps in batches of this many (or when read).
+BATCH = 64
 
 _FIELDS = ("seconds", "samples", "tokens", "flops")  # a step's fields 1 to 4
 # A step: [calls, seconds, samples, tokens, flops, closed, serial number].
@@ -92,12 +99,16 @@ class Tally:
     def __init__(self, clock: Clock, window: int) -> None:
         self.clock = clock
         self.window = window
-        #: Calls and closed steps counted on the host (no read needed).
+        #: Calls and closed steps counted on the host (no read needed), queued ones too.
         self.calls = 0
         self.steps = 0
         #: Calls of the step that is open now.
         self.open_calls = 0
+        # Calls not added to their steps yet, in order: (mark, samples, tokens, flops,
+        # ends), or None where end_window() closed the open step.
+        self._queue: list[tuple[Any, Count, Count, Count, bool] | None] = []
         self._open = _new_step()
+        self._closed = 0  # steps closed by the calls added so far
         self._recent: deque[list[Any]] = deque(maxlen=window)
         self._total = _new_step()
         # (step, field, event pair or tensor): values not read yet, oldest first.
@@ -109,43 +120,62 @@ class Tally:
 
     def add(self, mark: Any, samples: Count, tokens: Count, flops: Count, ends: bool) -> bool:
         """Count one call; True when it closed a step (the hot path: no read, no op)."""
-        step = self._open
-        step[0] += 1
-        if type(mark) is float:
-            step[1] += mark
-        else:
-            self._kept.append((step, 1, mark))
-        if type(samples) is int or type(samples) is float:
-            step[2] += samples
-        else:
-            self._kept.append((step, 2, samples))
-        if type(tokens) is int or type(tokens) is float:
-            step[3] += tokens
-        else:
-            self._kept.append((step, 3, tokens))
-        if type(flops) is int or type(flops) is float:
-            step[4] += flops
-        else:
-            self._kept.append((step, 4, flops))
+        queue = self._queue
+        queue.append((mark, samples, tokens, flops, ends))
         self.calls += 1
-        if not ends:
+        if ends:
+            self.steps += 1
+            self.open_calls = 0
+        else:
             self.open_calls += 1
-            return False
-        self._close()
-        if len(self._kept) > self._fold_at:
-            self._fold()
-        return True
+        if len(queue) >= BATCH:
+            self._drain()
+        return ends
 
     def end_window(self) -> None:
         """Close the open step (it was stepped outside the meter, e.g. by ``flush()``)."""
         if self.open_calls:
-            self._close()
+            self._queue.append(None)
+            self.steps += 1
+            self.open_calls = 0
+
+    def _drain(self) -> None:
+        """Add the queued calls to their steps, in order."""
+        queue, self._queue = self._queue, []
+        kept = self._kept
+        for record in queue:
+            if record is None:
+                self._close()
+                continue
+            mark, samples, tokens, flops, ends = record
+            step = self._open
+            step[0] += 1
+            if type(mark) is float:
+                step[1] += mark
+            else:
+                kept.append((step, 1, mark))
+            if type(samples) is int or type(samples) is float:
+                step[2] += samples
+            else:
+                kept.append((step, 2, samples))
+            if type(tokens) is int or type(tokens) is float:
+                step[3] += tokens
+            else:
+                kept.append((step, 3, tokens))
+            if type(flops) is int or type(flops) is float:
+                step[4] += flops
+            else:
+                kept.append((step, 4, flops))
+            if ends:
+                self._close()
+        if len(kept) > self._fold_at:
+            self._fold()
 
     def _close(self) -> None:
         step, total = self._open, self._total
-        self.steps += 1
+        self._closed += 1
         step[_CLOSED] = True
-        step[_SERIAL] = self.steps
+        step[_SERIAL] = self._closed
         self._recent.append(step)
         total[0] += step[0]
         total[1] += step[1]
@@ -153,12 +183,11 @@ class Tally:
         total[3] += step[3]
         total[4] += step[4]
         self._open = _new_step()
-        self.open_calls = 0
 
     def _fold(self) -> None:
         """Fold kept values of steps that left the rolling window, without a read."""
         kept, ready = self._kept, self.clock.ready
-        gone = self.steps - self.window  # steps up to this serial number have left
+        gone = self._closed - self.window  # steps up to this serial number have left
         cut = 0
         for step, field, value in kept:
             if step[_SERIAL] == 0 or step[_SERIAL] > gone:
@@ -184,6 +213,7 @@ class Tally:
         Raises:
             ValueError: a tensor count was negative or NaN; nothing changes then.
         """
+        self._drain()
         kept, deferred = self._kept, self._deferred
         named = [(field, v) for _, field, v in kept if field != 1]
         named += [(i + 1, t) for i, ts in enumerate(deferred) for t in ts]
@@ -208,9 +238,11 @@ class Tally:
 
     def recent(self) -> Sums:
         """The rolling window (read: call :meth:`resolve` first)."""
+        self._drain()
         return Sums.of(self._recent)
 
     def total(self) -> Sums:
         """Every closed step (read: call :meth:`resolve` first)."""
+        self._drain()
         t = self._total
         return Sums(self.steps, t[0], t[1], t[2], t[3], t[4])

@@ -221,3 +221,33 @@ def test_numpy_numbers_count_like_python_numbers() -> None:
         with meter.measure(n):
             pass
     assert (meter.total.samples, meter.total.tokens) == (8.0, 3.0)
+
+
+class Batch(torch.Tensor):
+    """A tensor subclass: ``len`` goes through its own ``__len__``."""
+
+    def __len__(self) -> int:
+        return 5
+
+
+@given(
+    shape=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    kind=st.sampled_from(["tensor", "list", "subclass"]),
+)
+@settings(max_examples=40, deadline=None)
+def test_samples_len_counts_what_len_says(shape: list[int], kind: str) -> None:
+    """``samples=len`` reads a plain tensor's first size directly: the same number."""
+    t = torch.zeros(shape)
+    batch = {"tensor": t, "list": t.tolist(), "subclass": t.as_subclass(Batch)}[kind]
+    meter = speed_report(samples=len, file=None)
+    for _ in range(3):
+        with meter.measure(batch):
+            pass
+    assert meter.total.samples == 3 * len(batch)
+
+
+def test_samples_len_of_a_0d_tensor_is_refused_as_len_refuses_it() -> None:
+    meter = speed_report(samples=len, file=None)
+    zero_d = meter.measure(torch.tensor(3.0))
+    with pytest.raises(TypeError, match="len\\(\\) of a 0-d tensor"), zero_d:
+        pass

@@ -14,6 +14,7 @@ import cudakit.speed.recorder as recorder_mod
 from cudakit.amp import autocast_step
 from cudakit.speed import speed_report
 from cudakit.speed.clock import EventClock
+from cudakit.speed.tally import BATCH
 
 
 class HostReads(TorchFunctionMode):
@@ -206,12 +207,15 @@ def test_unread_records_stay_bounded(
         for _ in range(10):
             with meter.measure(ones):
                 pass
+        assert len(tally._queue) == 10  # queued calls join their steps in batches
+        tally._drain()
         assert len(tally._kept) == 20  # an event pair and a tensor count per call
         fake_events.ready = True
         for _ in range(290):
             with meter.measure(ones):
                 pass
             assert len(tally._kept) <= tally._fold_at + 2
+            assert len(tally._queue) < BATCH
     assert reads.calls == []  # folded counts were summed on the device, not read
     assert "synchronize" not in fake_events.log  # folded once their events had passed
     assert "query" in fake_events.log
