@@ -138,9 +138,10 @@ class SpeedReport(ContextDecorator):
                     "block was given none: write `with meter.measure(batch):`, or pass "
                     "the counts, e.g. `with meter.measure(samples=64):`."
                 )
-        step = self._recorder.step
-        self._before = step.position if step is not None else 0
-        self._open = self._recorder.tally.clock.start()
+        recorder = self._recorder
+        step = recorder.step
+        self._before = step._window.position if step is not None else 0  # (no property)
+        self._open = recorder.tally.clock.start()
         return self
 
     def __exit__(

@@ -53,7 +53,7 @@ class Recorder:
         if step is not None:
             if before == 0 and tally.open_calls:
                 tally.end_window()  # the window was stepped between calls (flush())
-            ends = step.position == 0
+            ends = step._window.position == 0  # (the property, without its call)
         elif isinstance(out, StepResult):
             # A window's last call carries a verdict (a bool, or a lazy Verdict: never read).
             ends = out.stepped is not False or out.skipped is not False
