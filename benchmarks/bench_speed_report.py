@@ -23,14 +23,19 @@ order, for ``--rounds`` rounds; the table shows the median time per step and the
 median over rounds of its ratio to the baseline of the same width. ``--clock cpu``
 times with the process's CPU time (shared CPU machines). The last lines count the
 host reads (``item``, ``bool``, ``tolist``) of twenty metered steps of the sync-free
-guarded step (fused AdamW), as the tests do, and the meter's own cost per call,
-measured around a function that does nothing (on a busy machine the side-by-side ratio
-moves by a percent or two from run to run; this cost does not), as a share of the step.
+guarded step (fused AdamW), as the tests do, and the meter's own cost per call, as a
+share of the step, measured twice: around a function that does nothing ("alone"), and
+in place, inside the metered 64-wide step, as a timer outside the metered call less
+one inside it (less the same for a plain function in the meter's place). On a busy
+machine the side-by-side ratio moves by a percent or two from run to run; these two
+costs do not. The in-place cost is the larger (about twice, on a 2-core VM): between
+steps the meter runs with the caches the step left.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import platform
 import statistics
@@ -125,6 +130,70 @@ def isolated_cost(
                 fn(x)
             best[i] = min(best[i], (clock() - t0 - bare) / n)
     return best[0], best[1]
+
+
+def in_place_cost(device: torch.device, dtype: torch.dtype, calls: int) -> tuple[float, float]:
+    """Seconds the meter adds to each call inside the loop, and the step's own seconds.
+
+    The 64-wide step, metered as in the side-by-side run, with a timer inside the
+    metered call (around the step alone) and one outside it (around the whole metered
+    call): the median over ``calls`` of their difference, less the same median for a
+    plain function in the meter's place (the timers' own cost). Both timers time the
+    same call, so
+    a slow spell of the machine, which moves the side-by-side ratio by a percent or two,
+    cancels out; what remains is the meter's work as it runs between steps, with the
+    caches the step left (on a 2-core VM about twice its cost around a no-op). On a GPU
+    it is the meter's host work (its event records), which is the step's cost when the
+    step is launch-bound.
+    """
+    model = mlp(64, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(32, 64, generator=gen).to(device)
+    y = torch.randint(0, 10, (32,), generator=gen).to(device)
+
+    @autocast_step(opt, dtype=dtype)
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    inner: list[int] = []
+    now = time.perf_counter_ns
+
+    @functools.wraps(step)
+    def timed(x: torch.Tensor, y: torch.Tensor) -> Any:
+        t0 = now()
+        out = step(x, y)
+        inner.append(now() - t0)
+        return out
+
+    def passthrough(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return timed(x, y)  # the same call, without the meter: the timers' own cost
+
+    flops = count_flops(step, x, y, model=model)
+    metered = speed_report(samples=len, flops=flops, every=100, file=None)(timed)
+    gaps: dict[Any, list[int]] = {metered: [], passthrough: []}
+    steps: list[int] = []
+    for fn in gaps:
+        for _ in range(50):
+            fn(x, y)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(max(1, calls // 50)):  # blocks of 50 calls, in turns
+            for fn, gap in gaps.items():
+                inner.clear()
+                for _ in range(50):
+                    t0 = now()
+                    fn(x, y)
+                    gap.append(now() - t0)
+                gap[-50:] = [o - i for o, i in zip(gap[-50:], inner, strict=True)]
+                steps += inner
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        gc.enable()
+    cost = statistics.median(gaps[metered]) - statistics.median(gaps[passthrough])
+    return cost / 1e9, statistics.median(steps) / 1e9
 
 
 def host_reads(device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
@@ -250,12 +319,26 @@ def run(
         share = round(100 * cost / step_time, 2)
         rows.append({"group": f"the meter alone: {form}", "series": label, "value": share})
         meter_us[form] = round(cost * 1e6, 2)
+    in_place, own = in_place_cost(device, dtype, 200 if args.quick else 3000)
+    print(
+        f"# the meter in place (@speed_report, a timer outside the metered call less one "
+        f"inside it): {in_place * 1e6:.2f} µs per call, {in_place / own:.2%} of the step's "
+        f"{own * 1e6:.0f} µs there"
+    )
+    rows.append(
+        {
+            "group": "the meter in place: @speed_report",
+            "series": label,
+            "value": round(100 * in_place / own, 2),
+        }
+    )
     reads, n = host_reads(device, dtype)
     print(f"# host reads in {n} metered optimizer steps (sync-free guarded step): {reads}")
     step = {
         "series": label,
         "step_us": round(step_time * 1e6, 1),
         "meter_us": meter_us,
+        "in_place_us": {"@speed_report": round(in_place * 1e6, 2)},
         "host_reads": reads,
         "metered_steps": n,
     }

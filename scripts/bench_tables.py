@@ -193,6 +193,9 @@ def speed_report_table(record: Record) -> list[str]:
     for form in steps[series[0]]["meter_us"]:
         label = f"the meter alone: {form}, µs per call"
         body.append([label, *(f"{steps[s]['meter_us'][form]:.2f}" for s in series)])
+    for form in steps[series[0]].get("in_place_us", {}):
+        label = f"the meter in place: {form}, µs per call"
+        body.append([label, *(f"{steps[s]['in_place_us'][form]:.2f}" for s in series)])
     body.append(
         [
             f"host reads in {steps[series[0]]['metered_steps']} metered steps",

@@ -226,7 +226,7 @@ def _records() -> dict[str, Any]:
     ]
     steps = [
         {"series": s, "step_us": 700.0, "meter_us": {"@speed_report": 2.9}, "host_reads": 0,
-         "metered_steps": 20}
+         "in_place_us": {"@speed_report": 4.1}, "metered_steps": 20}
         for s in ("bfloat16", "float32")
     ]  # fmt: skip
     medians = {"save": 1.0, "load": 2.0}
