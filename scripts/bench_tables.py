@@ -133,7 +133,11 @@ def ratio_table(record: Record) -> list[str]:
 
 
 def loss_spikes_table(record: Record) -> list[str]:
-    """One line per variant: the step without the rule, with it, and the ratio."""
+    """One line per variant: the step without the rule, with it, and the ratio; and the
+    rule's cost in place (its added host time per window, and that as a share of the
+    step without it) where the data has it."""
+    rows = record["rows"]
+    placed = all("in_place_us" in r for r in rows)
     body = [
         [
             r["path"],
@@ -142,11 +146,18 @@ def loss_spikes_table(record: Record) -> list[str]:
             f"{r['without_us']:,.1f} µs",
             f"{r['time_us']:,.1f} µs",
             f"{r['ratio']:.3f}",
+            *(
+                [f"{r['in_place_us']:.1f} µs ({100 * r['in_place_us'] / r['without_us']:.1f} %)"]
+                if placed
+                else []
+            ),
         ]
-        for r in record["rows"]
+        for r in rows
     ]
     header = ["path", "clipping", "skip_spikes", "without", "with", "ratio"]
-    return _table(header, "lllrrr", body)
+    if placed:
+        header.append("in place")
+    return _table(header, "lllrrr" + "r" * placed, body)
 
 
 def memory_report_table(record: Record) -> list[str]:
