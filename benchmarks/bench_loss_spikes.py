@@ -7,7 +7,7 @@ timed without spike skipping and with it (the loss, the gradient norm, both), wi
 clipping off and on. On the CPU the sync-free path reads its verdict from memory at
 once (``host``); ``--paths host,device`` adds the GPU's path forced on the CPU
 (``device``: the verdict, and the spike test, stay on the device and are read one
-window later), where the spike test's three extra kernels are eager CPU ops.
+window later), where the spike test's extra kernels are eager CPU ops.
 
 Every variant is built ``--sets`` times in this one process, and each instance is timed
 in short blocks of ``--block`` steps with its spike rule and without it (the rule set

@@ -6,8 +6,9 @@ non-finite window. What runs where:
 
 * the statistic is a device tensor built from the window (the loss across ranks rides
   on the guard's one all-reduce, see :meth:`~cudakit.amp.guard.NonFiniteGuard.combine`);
-* the verdict is one comparison against a threshold the host already knows (a Python
-  number passed to the kernel: no copy, no read), joined to the non-finite verdict;
+* the verdict is one comparison against a threshold the host already knows (a 0-dim
+  CPU tensor the host keeps equal to it, which the kernel takes as a scalar when it is
+  launched: no copy, no read), joined to the non-finite verdict by a select;
 * the running statistics are Python floats on the host (float64), and learn from a
   window once its verdict is read: at once on the CPU, one window later on a GPU (where
   the statistic travels to the host with the verdict). The threshold is rounded to
