@@ -157,7 +157,10 @@ PEAKS: Final[tuple[DevicePeak, ...]] = (
         {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
         "NVIDIA HGX platform specifications (HGX B200, per GPU)",
         "https://www.nvidia.com/en-us/data-center/hgx/",
-        note=_HALF + " TF32 2.2 PF*, BF16/FP16 4.5 PF*, FP8 9 PF* (HGX B200, 1,000 W).",
+        note=_HALF + " TF32 2.2 PF*, BF16/FP16 4.5 PF*, FP8 9 PF* (HGX B200, 1,000 W). TF32 follows"
+        " the per-GPU 2.2 PF, as does the HGX B200 table (1,100 dense) of"
+        " glennklockwood.com/garden/processors/B200; the 8-GPU total of 18 PF would"
+        " give 1,125, 2 % more.",
     ),
 )
 """The table :func:`lookup_peak` reads: one :class:`DevicePeak` per GPU model.
