@@ -132,19 +132,21 @@ def isolated_cost(
     return best[0], best[1]
 
 
-def in_place_cost(device: torch.device, dtype: torch.dtype, calls: int) -> tuple[float, float]:
+def in_place_cost(device: torch.device, dtype: torch.dtype, blocks: int) -> tuple[float, float]:
     """Seconds the meter adds to each call inside the loop, and the step's own seconds.
 
     The 64-wide step, metered as in the side-by-side run, with a timer inside the
     metered call (around the step alone) and one outside it (around the whole metered
-    call): the median over ``calls`` of their difference, less the same median for a
-    plain function in the meter's place (the timers' own cost). Both timers time the
-    same call, so
-    a slow spell of the machine, which moves the side-by-side ratio by a percent or two,
-    cancels out; what remains is the meter's work as it runs between steps, with the
-    caches the step left (on a 2-core VM about twice its cost around a no-op). On a GPU
-    it is the meter's host work (its event records), which is the step's cost when the
-    step is launch-bound.
+    call). A block is 1,600 calls, a whole number of the meter's batches of queued
+    calls (64) and of its log interval (100), so its mean gap between the two timers
+    holds the meter's batch work and its line in their share; the figure is the median
+    over ``blocks`` blocks of that mean, less the same for a plain function in the
+    meter's place (the timers' own cost), in blocks taken in turns. Both timers time
+    the same call, so a slow spell of the machine, which moves the side-by-side ratio
+    by a percent or two, cancels out; what remains is the meter's work as it runs
+    between steps, with the caches the step left (on a 2-core VM about twice its cost
+    around a no-op). On a GPU it is the meter's host work (its event records), which
+    is the step's cost when the step is launch-bound.
     """
     model = mlp(64, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -171,28 +173,30 @@ def in_place_cost(device: torch.device, dtype: torch.dtype, calls: int) -> tuple
 
     flops = count_flops(step, x, y, model=model)
     metered = speed_report(samples=len, flops=flops, every=100, file=None)(timed)
-    gaps: dict[Any, list[int]] = {metered: [], passthrough: []}
-    steps: list[int] = []
-    for fn in gaps:
-        for _ in range(50):
+    means: dict[Any, list[float]] = {metered: [], passthrough: []}
+    steps: list[float] = []
+    calls = 1600
+    for fn in means:
+        for _ in range(calls):  # a whole block first: the meter's position in its cycles
             fn(x, y)
     gc.collect()
     gc.disable()
     try:
-        for _ in range(max(1, calls // 50)):  # blocks of 50 calls, in turns
-            for fn, gap in gaps.items():
+        for _ in range(blocks):
+            for fn, block_means in means.items():
                 inner.clear()
-                for _ in range(50):
+                t_total = 0
+                for _ in range(calls):
                     t0 = now()
                     fn(x, y)
-                    gap.append(now() - t0)
-                gap[-50:] = [o - i for o, i in zip(gap[-50:], inner, strict=True)]
-                steps += inner
+                    t_total += now() - t0
+                block_means.append((t_total - sum(inner)) / calls)
+                steps.append(statistics.median(inner))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
         gc.enable()
-    cost = statistics.median(gaps[metered]) - statistics.median(gaps[passthrough])
+    cost = statistics.median(means[metered]) - statistics.median(means[passthrough])
     return cost / 1e9, statistics.median(steps) / 1e9
 
 
@@ -322,7 +326,7 @@ def run(
         share = round(100 * cost / step_time, 2)
         rows.append({"group": f"the meter alone: {form}", "series": label, "value": share})
         meter_us[form] = round(cost * 1e6, 2)
-    in_place, own = in_place_cost(device, dtype, 200 if args.quick else 3000)
+    in_place, own = in_place_cost(device, dtype, 1 if args.quick else 5)
     print(
         f"# the meter in place (@speed_report, a timer outside the metered call less one "
         f"inside it): {in_place * 1e6:.2f} µs per call, {in_place / own:.2%} of the step's "

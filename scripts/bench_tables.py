@@ -206,7 +206,8 @@ def speed_report_table(record: Record) -> list[str]:
         body.append([label, *(f"{steps[s]['meter_us'][form]:.2f}" for s in series)])
     for form in steps[series[0]].get("in_place_us", {}):
         label = f"the meter in place: {form}, µs per call"
-        body.append([label, *(f"{steps[s]['in_place_us'][form]:.2f}" for s in series)])
+        cells = (steps[s].get("in_place_us", {}).get(form) for s in series)
+        body.append([label, *("" if v is None else f"{v:.2f}" for v in cells)])
     body.append(
         [
             f"host reads in {steps[series[0]]['metered_steps']} metered steps",

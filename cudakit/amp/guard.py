@@ -178,6 +178,21 @@ class VerdictMailbox:
     def __len__(self) -> int:
         return len(self._posted)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The ctypes cells read the host buffers' memory; a copy (or a pickle) gets
+        # them by value, no longer aimed at its own buffers: it makes its own cells,
+        # and new buffers when it next posts.
+        posted = [(host, event) for host, event, _ in self._posted]
+        return {"posted": posted}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._free = {}
+        self._posted = []
+        for host, event in state["posted"]:
+            n = host.numel()
+            kind = ctypes.c_float if n == 1 else ctypes.c_float * n
+            self._posted.append((host, event, kind.from_address(host.data_ptr())))
+
     def post(self, values: torch.Tensor) -> None:
         """Enqueue the device-to-host copy of a float32 verdict (its first value) and extras."""
         n = values.numel()

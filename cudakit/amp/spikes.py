@@ -252,10 +252,30 @@ class SpikeWatch:
         # as a scalar operand (read when the kernel is launched: cheaper than a Python
         # number, which torch wraps into a tensor on every call), kept equal to
         # _levels by writing their memory (no op).
+        self._level_tensors: list[torch.Tensor] = []
+        self._level_cells: list[ctypes.c_float] = []
+        self._ones: dict[int | str, torch.Tensor] = {}
+        self._bind_levels()
+        self.restore({})
+
+    def _bind_levels(self) -> None:
+        """Fresh threshold tensors, and the cells that write them (after a copy too)."""
         self._level_tensors = [torch.zeros((), dtype=torch.float32) for _ in self.on]
         self._level_cells = [ctypes.c_float.from_address(t.data_ptr()) for t in self._level_tensors]
-        self._ones: dict[int | str, torch.Tensor] = {}
-        self.restore({})
+        self._ones = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A ctypes cell is copied (and pickled) by value, no longer aimed at its
+        # tensor: a copy makes its own tensors and cells (and never shares them).
+        state = dict(self.__dict__)
+        for name in ("_level_tensors", "_level_cells", "_ones"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bind_levels()
+        self._set_levels()
 
     # ------------------------------------------------------------------ decisions
 
@@ -270,6 +290,9 @@ class SpikeWatch:
 
     def learn_one(self, x: float) -> None:
         """:meth:`learn` for a rule that watches one statistic."""
+        if len(self._order) != 1:
+            self.learn([x])  # (refused: one value for several statistics)
+            return
         stat = self._order[0]
         stat.learn(x, self.rule)
         self._levels = (stat.level,)
@@ -327,6 +350,8 @@ class SpikeWatch:
         skip = verdict
         packed = [verdict]
         for x, level in zip(values, levels, strict=True):
+            if x.dtype is not torch.float32:  # compared in float32, as the host does
+                x = x.float()
             if x.is_cpu != verdict.is_cpu or x.get_device() != verdict.get_device():
                 x = x.to(verdict.device)
             skip = torch.where(torch.gt(x, level), one, skip)

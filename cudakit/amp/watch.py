@@ -54,6 +54,8 @@ class Stepper(Protocol):
     @property
     def world(self) -> int: ...
 
+    def params(self) -> list[torch.Tensor]: ...
+
     def grads(self) -> list[torch.Tensor]: ...
 
     def total_weight(self, window: Window) -> torch.Tensor: ...
@@ -300,7 +302,7 @@ class Watch:
         """The watched statistics of the window as float32 tensors, in rule order."""
         out: list[torch.Tensor] = []
         if self._loss:
-            x = ride if ride is not None else torch.zeros(())
+            x = ride if ride is not None else torch.zeros((), device=stepper.params()[0].device)
             if window.weighted:
                 x = x / stepper.total_weight(window)
             elif stepper.world > 1:

@@ -65,8 +65,7 @@ class EventClock:
 
     def __init__(self) -> None:
         self._free: list[Any] = []
-        self._key: Any = None
-        self._stream: Any = None
+        self._known: tuple[Any, Any] = (None, None)  # (current stream's identity, Stream)
 
     def _current_stream(self) -> Any:
         get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -74,12 +73,11 @@ class EventClock:
         if get_stream is None or get_device is None:  # not a torch this clock knows
             return torch.cuda.current_stream()
         key = get_stream(get_device())  # (stream id, device index, device type)
-        if key != self._key:
-            self._stream = torch.cuda.Stream(
-                stream_id=key[0], device_index=key[1], device_type=key[2]
-            )
-            self._key = key
-        return self._stream
+        known = self._known
+        if key != known[0]:
+            stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+            self._known = known = (key, stream)  # one assignment: never a key with another's stream
+        return known[1]
 
     def _event(self) -> Any:
         free = self._free

@@ -136,3 +136,44 @@ def test_cuda_spike_rule_never_synchronizes_and_skips_the_spike() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert [bool(r.spike) for r in results] == [i == 11 for i in range(len(results))]
     assert (step.spike_steps, step.skipped_steps) == (1, 1)
+
+
+def _spike_run(step: Any, model: torch.nn.Module) -> tuple[list[bool], list[torch.Tensor]]:
+    """A run with a spike at window 8; the flags and the weights after it."""
+    fn = step(lambda x, y, k: F.mse_loss(model(x), y) * k)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g), k)
+        for k in [1.0] * 8 + [50.0] + [1.0] * 3
+    ]
+    flags = [bool(fn(*b).spike) for b in data]
+    return flags, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_step_keeps_its_device_threshold(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The threshold tensor the device compares with follows the copy's statistics."""
+    import copy
+    import pickle
+
+    monkeypatch.setattr(amp_stepper, "host_read_waits", lambda device_type: True)
+    runs = []
+    for copied in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        step = autocast_step(opt, dtype=torch.float32, skip_spikes=SpikeRule(z=3.0, warmup=3))
+        if copied:
+            twin = (model, step)
+            model, step = (
+                copy.deepcopy(twin) if how == "deepcopy" else pickle.loads(pickle.dumps(twin))
+            )
+        runs.append(_spike_run(step, model))
+        assert step.spike_steps == 1
+        watch = step._stepper.watch.spikes
+        assert [t.item() for t in watch._level_tensors] == list(watch.thresholds())
+    assert runs[0][0] == runs[1][0] == [i == 8 for i in range(12)]
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(a, b)

@@ -435,3 +435,25 @@ def test_host_and_device_paths_train_alike(
             assert all(not v.any() for v in state.values())
     assert host[1].keys() <= device[1].keys()
     assert host[2:] == device[2:]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_mailbox_reads_its_own_buffers(how: str) -> None:
+    """The cells that read posted verdicts point at the copy's buffers, not the original's."""
+    import copy
+    import pickle
+
+    from cudakit.amp.guard import VerdictMailbox
+
+    box = VerdictMailbox()
+    box.post(torch.tensor([0.0, 2.5]))
+    assert box.drain_values() == [(0.0, 2.5)]  # its buffer is free for the next post
+    box.post(torch.tensor([1.0, 4.0]))
+    twin = copy.deepcopy(box) if how == "deepcopy" else pickle.loads(pickle.dumps(box))
+    assert twin.drain_values() == [(1.0, 4.0)]
+    for value in (0.5, 7.0):
+        twin.post(torch.tensor([0.0, value]))
+        assert twin.drain_values() == [(0.0, value)]
+        twin.post(torch.tensor([3.0]))
+        assert twin.drain() == [True]
+    assert box.drain_values() == [(1.0, 4.0)]  # the original is untouched

@@ -72,3 +72,98 @@ def test_batched_adds_give_the_figures_of_immediate_ones(plan: list[Any], window
     last = closed[-window:] if closed else []
     assert (recent.steps, recent.calls) == (len(last), sum(s[0] for s in last))
     assert recent.samples == sum(s[2] for s in last)
+
+
+class Mark:
+    """An event pair's stand-in: seconds known once the device has passed it."""
+
+    def __init__(self, seconds: float, ready: bool) -> None:
+        self.value = seconds
+        self.passed = ready
+
+
+class FakeClock:
+    """Marks that may not be ready: folding waits for them, a read takes them."""
+
+    @staticmethod
+    def ready(mark: Mark) -> bool:
+        return mark.passed
+
+    @staticmethod
+    def seconds(mark: Mark) -> float:
+        return mark.value
+
+
+@given(
+    plan=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("call"),
+                st.sampled_from([0.25, 0.5, 1.0]),
+                st.integers(0, 9),
+                st.booleans(),
+                st.booleans(),  # the mark is ready (the device passed it)
+                st.booleans(),  # the count is a tensor (read later)
+            ),
+            st.just(("flush",)),
+            st.just(("read",)),
+        ),
+        max_size=3 * BATCH,
+    ),
+    window=st.integers(1, 3),
+)
+@settings(max_examples=100, deadline=None)
+def test_kept_marks_and_tensor_counts_fold_and_read_alike(plan: list[Any], window: int) -> None:
+    """Device marks and tensor counts: kept, folded once steps leave the window, read."""
+    import torch
+
+    tally = Tally(FakeClock(), window)  # type: ignore[arg-type]
+    calls = [a[:4] for a in plan if a[0] == "call"]
+    marks: list[Mark] = []
+    for action in plan:
+        if action[0] == "call":
+            _, seconds, samples, ends, ready, tensor = action
+            count: Any = torch.tensor(samples) if tensor else samples
+            marks.append(Mark(seconds, ready))
+            if len(marks) > 5:
+                marks[-6].passed = True  # the device is at most five calls behind
+            tally.add(marks[-1], count, 0, 0, ends)
+        elif action[0] == "flush":
+            tally.end_window()
+        else:
+            tally.resolve()
+        assert len(tally._kept) <= tally._fold_at + 2 * BATCH + 10
+    simple = [a if a[0] != "call" else a[:4] for a in plan]
+    closed, n_calls, open_calls = _reference(simple, window)
+    assert len(calls) == n_calls
+    tally.resolve()
+    total, recent = tally.total(), tally.recent()
+    assert (total.steps, total.calls) == (len(closed), sum(s[0] for s in closed))
+    assert total.seconds == sum(s[1] for s in closed)
+    assert total.samples == sum(s[2] for s in closed)
+    last = closed[-window:] if closed else []
+    assert (recent.steps, recent.seconds, recent.samples) == (
+        len(last),
+        sum(s[1] for s in last),
+        sum(s[2] for s in last),
+    )
+    assert tally.open_calls == open_calls
+
+
+def test_a_long_unread_run_folds_through_the_queue() -> None:
+    """No read for 300 calls: queued calls join their steps, and old ones fold."""
+    import torch
+
+    tally = Tally(FakeClock(), 2)  # type: ignore[arg-type]
+    marks: list[Mark] = []
+    for i in range(300):
+        marks.append(Mark(0.5, ready=False))
+        if i >= 5:
+            marks[i - 5].passed = True  # the device runs five calls behind
+        tally.add(marks[-1], torch.tensor(3), 1, 0, ends=i % 3 == 2)
+        assert len(tally._kept) <= tally._fold_at + 2 * BATCH + 10
+    assert any(tally._deferred)  # tensor counts of folded steps, summed unread
+    tally.resolve()
+    total, recent = tally.total(), tally.recent()
+    assert (total.steps, total.calls, total.seconds, total.samples) == (100, 300, 150.0, 900.0)
+    assert (recent.steps, recent.calls, recent.samples, recent.tokens) == (2, 6, 18.0, 6.0)
