@@ -11,6 +11,7 @@ across ranks only at the log interval.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import IO, Any, Protocol, TypeVar, overload
@@ -23,6 +24,7 @@ from .._contextlib import ContextDecorator, reject_deferred_body
 from .._output import STDERR, LogTarget, Stderr
 from ..device import DeviceLike
 from ._args import Settings, settle, step_of
+from .clock import WallClock
 from .counts import Count, CountSpec, FlopSpec, check_count
 from .figures import SpeedFigures, SpeedSummary
 from .flops import first_argument
@@ -194,8 +196,8 @@ class SpeedReport(ContextDecorator):
             recorder.step = step  # its dtype picks the peak
         tally = recorder.tally
         start, stop = tally.clock.start, tally.clock.stop
-        count = settings.counter.count
-        fixed = None if settings.counter.needs_batch else count(None)
+        count = settings.counter.of_batch()
+        fixed = None if settings.counter.needs_batch else settings.counter.count(None)
 
         if step is None:
             record = recorder.record
@@ -212,13 +214,20 @@ class SpeedReport(ContextDecorator):
         else:  # the common case, kept lean: the step's windows are the optimizer steps
             add, log, every = tally.add, recorder.log, settings.every
             window = step._window  # its position, read without the property (each call)
+            # The wall clock's stop is a subtraction: made here, not through a call.
+            wall = time.perf_counter if type(tally.clock) is WallClock else None
 
             @functools.wraps(func)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 before = window.position
-                mark = start()
-                out = func(*args, **kwargs)
-                mark = stop(mark)
+                if wall is not None:
+                    t0 = wall()
+                    out = func(*args, **kwargs)
+                    mark: Any = wall() - t0
+                else:
+                    mark = start()
+                    out = func(*args, **kwargs)
+                    mark = stop(mark)
                 s, t, f = fixed or count(args[0] if args else first_argument(args, kwargs))
                 if before == 0 and tally.open_calls:
                     tally.end_window()  # the window was stepped between calls (flush())

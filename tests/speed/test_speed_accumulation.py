@@ -244,6 +244,18 @@ def test_samples_len_counts_what_len_says(shape: list[int], kind: str) -> None:
         with meter.measure(batch):
             pass
     assert meter.total.samples == 3 * len(batch)
+    model, opt = _model()  # the decorator over a step: its own counting function
+    step = autocast_step(opt, dtype=torch.float32)
+
+    @speed_report(samples=len, tokens=7, file=None)
+    @step
+    def train(batch: Any) -> torch.Tensor:
+        return model.weight.sum()
+
+    for _ in range(3):
+        train(batch)
+    total = train.speed_report.total
+    assert (total.samples, total.tokens) == (3 * len(batch), 21.0)
 
 
 def test_samples_len_of_a_0d_tensor_is_refused_as_len_refuses_it() -> None:
