@@ -145,49 +145,51 @@ class Tally:
             self.open_calls = 0
 
     def _drain(self) -> None:
-        """Add the queued calls to their steps, in order."""
+        """Add the queued calls to their steps, in order; close the steps they end.
+
+        One loop with its state in locals (it runs once per call, in batches): a call
+        whose figures are all numbers adds them at once; a device mark or a tensor
+        count is kept aside for :meth:`resolve`. A closed step joins the rolling window
+        and the totals.
+        """
         queue, self._queue = self._queue, []
-        kept = self._kept
+        kept, total, join = self._kept, self._total, self._recent.append
+        step, closed = self._open, self._closed
         for record in queue:
-            if record is None:
-                self._close()
-                continue
-            mark, samples, tokens, flops, ends = record
-            step = self._open
-            step[0] += 1
-            if type(mark) is float:
-                step[1] += mark
-            else:
-                kept.append((step, 1, mark))
-            if type(samples) is int or type(samples) is float:
-                step[2] += samples
-            else:
-                kept.append((step, 2, samples))
-            if type(tokens) is int or type(tokens) is float:
-                step[3] += tokens
-            else:
-                kept.append((step, 3, tokens))
-            if type(flops) is int or type(flops) is float:
-                step[4] += flops
-            else:
-                kept.append((step, 4, flops))
-            if ends:
-                self._close()
+            if record is not None:  # (None: end_window() closed the open step here)
+                mark, samples, tokens, flops, ends = record
+                step[0] += 1
+                if type(mark) is float:
+                    step[1] += mark
+                else:
+                    kept.append((step, 1, mark))
+                if type(samples) is int or type(samples) is float:
+                    step[2] += samples
+                else:
+                    kept.append((step, 2, samples))
+                if type(tokens) is int or type(tokens) is float:
+                    step[3] += tokens
+                else:
+                    kept.append((step, 3, tokens))
+                if type(flops) is int or type(flops) is float:
+                    step[4] += flops
+                else:
+                    kept.append((step, 4, flops))
+                if not ends:
+                    continue
+            closed += 1
+            step[_CLOSED] = True
+            step[_SERIAL] = closed
+            join(step)
+            total[0] += step[0]
+            total[1] += step[1]
+            total[2] += step[2]
+            total[3] += step[3]
+            total[4] += step[4]
+            step = [0, 0.0, 0.0, 0.0, 0.0, False, 0]
+        self._open, self._closed = step, closed
         if len(kept) > self._fold_at:
             self._fold()
-
-    def _close(self) -> None:
-        step, total = self._open, self._total
-        self._closed += 1
-        step[_CLOSED] = True
-        step[_SERIAL] = self._closed
-        self._recent.append(step)
-        total[0] += step[0]
-        total[1] += step[1]
-        total[2] += step[2]
-        total[3] += step[3]
-        total[4] += step[4]
-        self._open = _new_step()
 
     def _fold(self) -> None:
         """Fold kept values of steps that left the rolling window, without a read."""
