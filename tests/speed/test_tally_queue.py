@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 from cudakit.speed.clock import WallClock
 from cudakit.speed.tally import BATCH, Tally
 
-# An action: ("call", seconds, samples, ends), ("flush",) or ("read",).
+# An action: ("call", seconds, samples, ends, ready, tensor), ("flush",) or ("read",);
+# ready: the call's device mark has passed; tensor: its count is a tensor (read later).
 actions = st.lists(
     st.one_of(
         st.tuples(
             st.just("call"),
-            st.sampled_from([0.5, 1.0, 2.0]),
+            st.sampled_from([0.25, 0.5, 1.0, 2.0]),
             st.integers(0, 9),
+            st.booleans(),
+            st.booleans(),
             st.booleans(),
         ),
         st.just(("flush",)),
@@ -34,7 +37,7 @@ def _reference(plan: list[Any], window: int) -> tuple[list[list[float]], int, in
     calls = 0
     for action in plan:
         if action[0] == "call":
-            _, seconds, samples, ends = action
+            _, seconds, samples, ends, *_ = action
             open_step = [open_step[0] + 1, open_step[1] + seconds, open_step[2] + samples]
             calls += 1
             if ends:
@@ -52,7 +55,7 @@ def test_batched_adds_give_the_figures_of_immediate_ones(plan: list[Any], window
     tally = Tally(WallClock(), window)
     for i, action in enumerate(plan):
         if action[0] == "call":
-            _, seconds, samples, ends = action
+            _, seconds, samples, ends, *_ = action
             assert tally.add(seconds, samples, 0, 0, ends) is ends
         elif action[0] == "flush":
             tally.end_window()
@@ -95,21 +98,7 @@ class FakeClock:
 
 
 @given(
-    plan=st.lists(
-        st.one_of(
-            st.tuples(
-                st.just("call"),
-                st.sampled_from([0.25, 0.5, 1.0]),
-                st.integers(0, 9),
-                st.booleans(),
-                st.booleans(),  # the mark is ready (the device passed it)
-                st.booleans(),  # the count is a tensor (read later)
-            ),
-            st.just(("flush",)),
-            st.just(("read",)),
-        ),
-        max_size=3 * BATCH,
-    ),
+    plan=actions,
     window=st.integers(1, 3),
 )
 @settings(max_examples=100, deadline=None)
@@ -133,8 +122,7 @@ def test_kept_marks_and_tensor_counts_fold_and_read_alike(plan: list[Any], windo
         else:
             tally.resolve()
         assert len(tally._kept) <= tally._fold_at + 2 * BATCH + 10
-    simple = [a if a[0] != "call" else a[:4] for a in plan]
-    closed, n_calls, open_calls = _reference(simple, window)
+    closed, n_calls, open_calls = _reference(plan, window)
     assert len(calls) == n_calls
     tally.resolve()
     total, recent = tally.total(), tally.recent()
