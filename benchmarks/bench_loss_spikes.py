@@ -64,6 +64,7 @@ class Spec(NamedTuple):
     clip: bool
     device: str
     dtype: str
+    compiled: bool = False  # autocast_step(compile=True)
 
 
 def build(spec: Spec) -> tuple[Step, Any]:
@@ -87,7 +88,11 @@ def build(spec: Spec) -> tuple[Step, Any]:
         amp_stepper.host_read_waits = lambda device_type: True  # type: ignore[assignment]
     try:
         step = autocast_step(
-            opt, dtype=dtype, max_grad_norm=1.0 if spec.clip else None, skip_spikes=rule
+            opt,
+            dtype=dtype,
+            max_grad_norm=1.0 if spec.clip else None,
+            skip_spikes=rule,
+            compile={"fullgraph": True} if spec.compiled else False,
         )
     finally:
         amp_stepper.host_read_waits = waits  # type: ignore[assignment]
@@ -194,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         "--paths; --clip for clipping), e.g. under callgrind",
     )
     parser.add_argument("--clip", action="store_true", help="with --one: max_grad_norm=1.0")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the device path with clipping under compile=True, where the spike test "
+        "is judged inside the compiled region",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the data file")
     args = parser.parse_args(argv)
     load = _report.load_average()
@@ -224,6 +235,12 @@ def main(argv: list[str] | None = None) -> None:
         for spikes in SPIKES
         if spikes != "off"
     ]
+    if args.compile:  # the region compile= compiles: the device path, with clipping
+        specs += [
+            Spec("device", spikes, True, args.device, dtype, compiled=True)
+            for spikes in SPIKES
+            if spikes != "off"
+        ]
     built = {spec: [build(spec) for _ in range(args.sets)] for spec in specs}
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(32, 64, generator=gen).to(device)
@@ -287,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         ratios = [a / b for a, b in zip(on, off, strict=True)]
         share = placed[spec] / statistics.median(off)
         print(
-            f"| {spec.path} | {'on' if spec.clip else 'off'} | {spec.spikes} "
+            f"| {spec.path}{', compile=True' if spec.compiled else ''} "
+            f"| {'on' if spec.clip else 'off'} | {spec.spikes} "
             f"| {statistics.median(off) * 1e6:.1f} µs | {statistics.median(on) * 1e6:.1f} µs "
             f"| {statistics.median(ratios):.3f} | {placed[spec] * 1e6:.1f} µs ({share:.1%}) |"
         )
@@ -296,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
                 "clipping": "on" if spec.clip else "off",
                 "skip_spikes": spec.spikes,
                 "implementation": f"cudakit, {spec.path} path",
-                "path": spec.path,
+                "path": spec.path + (", compile=True" if spec.compiled else ""),
                 "without_us": round(statistics.median(off) * 1e6, 2),
                 "time_us": round(statistics.median(on) * 1e6, 2),
                 "ratio": round(statistics.median(ratios), 4),

@@ -11,7 +11,14 @@ import torch
 import torch.optim.optimizer as _optimizer_module
 from torch.amp.grad_scaler import OptState as _OptState
 
-__all__ = ["check_and_clip", "optimizer_step", "scaler_step", "step_on_device", "zero_grad"]
+__all__ = [
+    "check_and_clip",
+    "check_clip_and_judge",
+    "optimizer_step",
+    "scaler_step",
+    "step_on_device",
+    "zero_grad",
+]
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 # True while a torch profiler records (then zero_grad keeps its record_function scope).
@@ -167,3 +174,35 @@ def check_and_clip(
     if params is None or max_norm is None:
         return None
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def check_clip_and_judge(
+    checks: list[torch.Tensor],
+    flag: torch.Tensor,
+    one: torch.Tensor,
+    params: list[torch.Tensor],
+    max_norm: float,
+    loss: torch.Tensor | None,
+    watch_norm: bool,
+    levels: tuple[float, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`check_and_clip`, then the spike test: the region ``compile=`` compiles when
+    a spike rule watches the window (one process, no scaler).
+
+    The statistics are the window's ``loss`` (float32) and/or the clipping norm
+    (``watch_norm``), in the rule's order; ``levels`` are their thresholds. Returns the
+    clipping norm, the skip flag (1 for a non-finite window or a spike, else 0) and
+    the tensor to post: the non-finite flag, then the statistics. Compiled, the test
+    joins the kernels of the check and the clipping: no launch of its own.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, one)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    values = []
+    if loss is not None:
+        values.append(loss.float().reshape(1))
+    if watch_norm:
+        values.append(norm.float().reshape(1))
+    skip = flag
+    for value, level in zip(values, levels, strict=True):
+        skip = torch.where(value > level, one, skip)
+    return norm, skip, torch.cat([flag, *values])

@@ -22,7 +22,13 @@ from .._accel import host_read_waits
 from .buffers import BufferSnapshot
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
-from .ops import check_and_clip, optimizer_step, scaler_step, step_on_device
+from .ops import (
+    check_and_clip,
+    check_clip_and_judge,
+    optimizer_step,
+    scaler_step,
+    step_on_device,
+)
 from .options import compile_fn
 from .result import SpikeVerdict, StepResult, Verdict
 from .spikes import SpikeWatch
@@ -92,6 +98,17 @@ class OptimizerStep:
         self._compiled_check: Callable[..., torch.Tensor | None] | None = (
             compile_fn(check_and_clip, compile_options, fullgraph=True)
             if compile_options is not None and self.lazy and max_grad_norm is not None
+            else None
+        )
+        # With a spike rule the same region judges the window too (one process, no
+        # scaler): its thresholds go in as floats, which dynamo must not specialize on
+        # (a graph per threshold); where it would (older torch), the test stays eager.
+        self._compiled_judge: Callable[..., Any] | None = (
+            compile_fn(check_clip_and_judge, compile_options or {}, fullgraph=True)
+            if self._compiled_check is not None
+            and self.watch.spikes is not None
+            and not self.scaling
+            and getattr(torch._dynamo.config, "specialize_float", True) is False
             else None
         )
 
@@ -471,6 +488,15 @@ class OptimizerStep:
         scaler_found = self._scaler_flags(scaler, checks, factor) if scaler is not None else None
         if scaler is None:
             checks.extend(self.grads())
+        if (
+            scaler is None
+            and self._compiled_judge is not None
+            and watch.spikes is not None
+            and self.world == 1
+        ):
+            judged = self._judged_in_region(window, checks, ride)
+            if judged is not None:
+                return judged
         try:
             found: torch.Tensor | None
             compiled = self._compiled_region(checks)
@@ -492,6 +518,35 @@ class OptimizerStep:
             return skip, grad_norm, posted, thresholds
         finally:
             guard.reset()  # the flags are zero again for the next window
+
+    def _judged_in_region(
+        self, window: Window, checks: list[torch.Tensor], ride: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[float, ...]] | None:
+        """:meth:`_verdict_on_device` with the spike test inside the compiled region.
+
+        None where the region does not apply (nothing to check, sharded gradients).
+        """
+        params = self.params()
+        if not checks or not _plain(checks) or not _plain(params):
+            return None
+        spikes = cast(SpikeWatch, self.watch.spikes)
+        loss = self.watch.loss_statistic(window, ride, self) if "loss" in spikes.on else None
+        flag, one = self._guard.primary(checks[0].device)
+        judge = cast(Callable[..., Any], self._compiled_judge)
+        try:
+            norm, skip, posted = judge(
+                checks,
+                flag,
+                one,
+                params,
+                self.max_grad_norm,
+                loss,
+                "grad_norm" in spikes.on,
+                spikes.thresholds(),
+            )
+        finally:
+            self._guard.reset()  # the flags are zero again for the next window
+        return skip, norm, posted, spikes.thresholds()
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

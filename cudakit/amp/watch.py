@@ -292,6 +292,17 @@ class Watch:
             return losses[0]  # the common case, without a call
         return SpikeWatch.local_loss(losses, bool(window.weighted))
 
+    def loss_statistic(
+        self, window: Window, ride: torch.Tensor | None, stepper: Stepper
+    ) -> torch.Tensor:
+        """The window's loss as the rule watches it: over its micro-batches and ranks."""
+        x = ride if ride is not None else torch.zeros((), device=stepper.params()[0].device)
+        if window.weighted:
+            return x / stepper.total_weight(window)
+        if stepper.world > 1:
+            return x / stepper.world
+        return x
+
     def values(
         self,
         window: Window,
@@ -302,12 +313,7 @@ class Watch:
         """The watched statistics of the window as float32 tensors, in rule order."""
         out: list[torch.Tensor] = []
         if self._loss:
-            x = ride if ride is not None else torch.zeros((), device=stepper.params()[0].device)
-            if window.weighted:
-                x = x / stepper.total_weight(window)
-            elif stepper.world > 1:
-                x = x / stepper.world
-            out.append(x)
+            out.append(self.loss_statistic(window, ride, stepper))
         if self._norm:
             if grad_norm is None:
                 grad_norm = SpikeWatch.grad_norm(stepper.grads())
