@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "clipping": "on" if spec.clip else "off",
                 "skip_spikes": spec.spikes,
-                "implementation": f"cudakit, {spec.path} path",
+                "implementation": f"cudakit, {spec.path} path"
+                + (", compile=True" if spec.compiled else ""),
                 "path": spec.path + (", compile=True" if spec.compiled else ""),
                 "without_us": round(statistics.median(off) * 1e6, 2),
                 "time_us": round(statistics.median(on) * 1e6, 2),

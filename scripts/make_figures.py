@@ -236,13 +236,17 @@ def ratio_figure(data: Path, out: Path) -> Path:
     ratios = [r["ratio"] for r in rows]
     lo, hi = min(*ratios, 1.0), max(*ratios, 1.0)
     log = hi / lo > 3
+    labelled: set[str] = set()  # each implementation named once, where first drawn
     for g, group in enumerate(groups):
         for k, impl in enumerate([group[0]] if single else impls):
-            (r,) = [
+            found = [
                 r
                 for r in rows
                 if tuple(r[x] for x in keys) == group and r["implementation"] == impl
             ]
+            if not found:  # an implementation measured for some cases only
+                continue
+            (r,) = found
             y = g + (k - (n - 1) / 2) * height
             ratio = r["ratio"]
             ax.barh(
@@ -251,8 +255,9 @@ def ratio_figure(data: Path, out: Path) -> Path:
                 left=1,
                 height=height * 0.9,
                 color=colors[impl],
-                label=impl if g == 0 and n > 1 else None,
+                label=impl if impl not in labelled and n > 1 else None,
             )
+            labelled.add(impl)
             ax.text(
                 ratio,
                 y,

@@ -85,7 +85,9 @@ def autocast_step(
         compile: True (``torch.compile``'s defaults) or a dict of its options: the
             decorated function is compiled under autocast (its backward through
             AOTAutograd), and on a GPU's sync-free path with clipping also the check
-            and the clipping. The counters and the learning rate cause no recompiles.
+            and the clipping (and, with ``skip_spikes`` in one process without a
+            scaler, the spike test). The counters, the learning rate and the spike
+            thresholds cause no recompiles.
             Applies to the decorated form; in the explicit form (``with step:`` and
             ``step.backward(loss)``) your code runs as written (compile the model
             yourself there), and the first ``backward()`` warns once.
