@@ -195,8 +195,7 @@ def check_clip_and_judge(
     the tensor to post: the non-finite flag, then the statistics. Compiled, the test
     joins the kernels of the check and the clipping: no launch of its own.
     """
-    torch._amp_foreach_non_finite_check_and_unscale_(checks, flag, one)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = cast(torch.Tensor, check_and_clip(checks, flag, one, params, max_norm))
     values = []
     if loss is not None:
         values.append(loss.float().reshape(1))
