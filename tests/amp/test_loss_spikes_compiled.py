@@ -106,3 +106,42 @@ def test_the_fused_region_needs_floats_dynamo_does_not_specialize(
         )
     assert step._stepper._compiled_judge is None
     assert step._stepper._compiled_check is not None
+
+
+@pytest.mark.cuda
+def test_cuda_compiled_region_judges_without_a_sync() -> None:
+    """On a GPU: the region with the float thresholds compiles, skips the spike, never syncs."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = autocast_step(
+        opt,
+        dtype=torch.float32,
+        max_grad_norm=1.0,
+        skip_spikes=SpikeRule(on=("loss", "grad_norm"), z=3.0, warmup=3),
+        compile=True,
+    )
+    assert step._stepper._compiled_judge is not None
+    fn = step(lambda x, y, k: F.mse_loss(model(x), y) * k)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(8, 8, generator=g).cuda(),
+            torch.randn(8, 1, generator=g).cuda(),
+            torch.tensor(30.0 if i == 18 else 1.0).cuda(),
+        )
+        for i in range(24)
+    ]
+    results = [fn(*batch) for batch in data[:10]]  # compiled by now (twice at most)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Synchronization debug mode", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        results += [fn(*batch) for batch in data[10:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [bool(r.spike) for r in results] == [i == 18 for i in range(24)]
+    assert (step.spike_steps, step.skipped_steps) == (1, 1)
