@@ -102,13 +102,16 @@ class OptimizerStep:
         )
         # With a spike rule the same region judges the window too (one process, no
         # scaler): its thresholds go in as floats, which dynamo must not specialize on
-        # (a graph per threshold); where it would (older torch), the test stays eager.
+        # (a graph per threshold); where it would (older torch), or where the region
+        # would be captured in a CUDA graph (whose inputs are tensors), the test stays
+        # eager.
         self._compiled_judge: Callable[..., Any] | None = (
             compile_fn(check_clip_and_judge, compile_options or {}, fullgraph=True)
             if self._compiled_check is not None
             and self.watch.spikes is not None
             and not self.scaling
             and getattr(torch._dynamo.config, "specialize_float", True) is False
+            and not _cuda_graphs(compile_options or {})
             else None
         )
 
@@ -547,6 +550,14 @@ class OptimizerStep:
         finally:
             self._guard.reset()  # the flags are zero again for the next window
         return skip, norm, posted, spikes.thresholds()
+
+
+def _cuda_graphs(options: dict[str, Any]) -> bool:
+    """Whether ``torch.compile`` options capture the compiled code in CUDA graphs."""
+    inductor = options.get("options") or {}
+    return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+        inductor.get("triton.cudagraphs")
+    )
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

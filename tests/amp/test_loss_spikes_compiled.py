@@ -145,3 +145,26 @@ def test_cuda_compiled_region_judges_without_a_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert [bool(r.spike) for r in results] == [i == 18 for i in range(24)]
     assert (step.spike_steps, step.skipped_steps) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "reduce-overhead"},
+        {"mode": "max-autotune"},
+        {"options": {"triton.cudagraphs": True}},
+    ],
+    ids=["reduce-overhead", "max-autotune", "triton-graphs"],
+)
+def test_the_test_stays_eager_where_the_region_is_captured_in_graphs(
+    options: dict[str, Any], skip_on_device: None
+) -> None:
+    """CUDA graphs take tensors as inputs: a float threshold there stays out of the region."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = autocast_step(
+        opt, dtype=torch.float32, max_grad_norm=1.0, skip_spikes=True, compile=options
+    )
+    assert step._stepper._compiled_judge is None
+    assert step._stepper._compiled_check is not None
