@@ -28,6 +28,7 @@ from .policy import (
 
 __all__ = [
     "StepOptions",
+    "captures_cuda_graphs",
     "check_compile",
     "check_fp16_weights",
     "check_model_owns",
@@ -317,6 +318,14 @@ def compile_fn(
     fn: Callable[..., Any], options: Mapping[str, Any], **forced: Any
 ) -> Callable[..., Any]:
     return torch.compile(fn, **{**options, **forced})
+
+
+def captures_cuda_graphs(options: Mapping[str, Any]) -> bool:
+    """Whether ``torch.compile`` options capture the compiled code in CUDA graphs."""
+    inductor = options.get("options") or {}
+    return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+        inductor.get("triton.cudagraphs")
+    )
 
 
 def compile_forward(

@@ -29,7 +29,7 @@ from .ops import (
     scaler_step,
     step_on_device,
 )
-from .options import compile_fn
+from .options import captures_cuda_graphs, compile_fn
 from .result import SpikeVerdict, StepResult, Verdict
 from .spikes import SpikeWatch
 from .watch import Pending, PendingSource, Watch, WatchOptions, scaler_step_on_device
@@ -111,7 +111,7 @@ class OptimizerStep:
             and self.watch.spikes is not None
             and not self.scaling
             and getattr(torch._dynamo.config, "specialize_float", True) is False
-            and not _cuda_graphs(compile_options or {})
+            and not captures_cuda_graphs(compile_options or {})
             else None
         )
 
@@ -550,14 +550,6 @@ class OptimizerStep:
         finally:
             self._guard.reset()  # the flags are zero again for the next window
         return skip, norm, posted, spikes.thresholds()
-
-
-def _cuda_graphs(options: dict[str, Any]) -> bool:
-    """Whether ``torch.compile`` options capture the compiled code in CUDA graphs."""
-    inductor = options.get("options") or {}
-    return options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
-        inductor.get("triton.cudagraphs")
-    )
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
