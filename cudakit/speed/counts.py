@@ -17,6 +17,7 @@ from typing import Any, Final
 import torch
 
 from .._check import describe, fail_type, fail_value
+from .._notes import add_note
 from .flops import FlopCount
 
 __all__ = ["CallCounter", "Count", "CountSpec", "FlopSpec", "check_count", "check_spec"]
@@ -216,6 +217,19 @@ class CallCounter:
             if callable(spec) and not isinstance(spec, FlopCount) and given is None:
                 out.append(f"{name}={getattr(spec, '__name__', 'a function')}")
         return out
+
+    def explain(
+        self, exc: BaseException, batch: Any, where: str, given: tuple[Count | None, ...] = ()
+    ) -> None:
+        """Note on ``exc``, raised while counting ``batch`` (``where`` it came from)."""
+        specs = ", ".join(self.missing(*(given or (None, None))))
+        add_note(
+            exc,
+            f"cudakit.speed_report({specs}) could not count {where}, {describe(batch)}. "
+            "Each function is given the batch and returns a number >= 0 or a one-element "
+            "tensor; or give a block its counts: `with meter.measure(samples=..., "
+            "tokens=...):`.",
+        )
 
     def flops_of(self, calls: int, samples: float, tokens: float, raw: float) -> float:
         """The FLOPs of ``calls`` calls that counted ``samples``, ``tokens`` and ``raw`` in all."""

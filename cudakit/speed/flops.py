@@ -11,6 +11,7 @@ number generator are as they were afterwards.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from .._check import check_callable, check_optional, check_type, describe
 from ..amp import AutocastStep, StepResult
 from ..warmup import preserve_state
 
-__all__ = ["FlopCount", "count_flops", "first_argument"]
+__all__ = ["FlopCount", "batch_of", "batch_position", "count_flops"]
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,21 @@ def _formulas() -> dict[Any, Any]:
     return out
 
 
-def first_argument(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    """The batch of a call: its first positional argument, else its first keyword value."""
-    if args:
-        return args[0]
+def batch_position(func: Callable[..., Any]) -> int:
+    """Where ``func``'s batch is: 1 for a method (first parameter ``self`` or ``cls``), else 0."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins): a plain function
+        return 0
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = parameters[0] if parameters else None
+    return int(first is not None and first.kind in positional and first.name in ("self", "cls"))
+
+
+def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], skip: int = 0) -> Any:
+    """The batch of a call: its positional argument after ``skip``, else its first keyword."""
+    if len(args) > skip:
+        return args[skip]
     return next(iter(kwargs.values()), None)
 
 
@@ -242,4 +254,4 @@ def count_flops(
                 _loss(out).backward()
             total = int(counter.get_total_flops())
         del out
-    return FlopCount(total, forward, first_argument(args, kwargs))
+    return FlopCount(total, forward, batch_of(args, kwargs, batch_position(fn)))

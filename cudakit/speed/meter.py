@@ -27,7 +27,7 @@ from ._args import Settings, settle, step_of
 from .clock import WallClock
 from .counts import Count, CountSpec, FlopSpec, check_count
 from .figures import SpeedFigures, SpeedSummary
-from .flops import first_argument
+from .flops import batch_of, batch_position
 from .peaks import Peak
 from .recorder import Recorder
 
@@ -83,6 +83,7 @@ class SpeedReport(ContextDecorator):
         self._counts = counts
         self._open: Any = None
         self._before = 0
+        self._counted: tuple[Count, Count, Count] = (0, 0, 0)
 
     @property
     def label(self) -> str | None:
@@ -141,6 +142,12 @@ class SpeedReport(ContextDecorator):
                     "the counts, e.g. `with meter.measure(samples=64):`."
                 )
         recorder = self._recorder
+        counter = self._settings.counter
+        try:  # before the block runs: a count that fails leaves the block unrun
+            self._counted = counter.count(self._batch, *self._counts)
+        except Exception as exc:
+            counter.explain(exc, self._batch, "the block's batch", self._counts)
+            raise
         step = recorder.step
         self._before = step._window.position if step is not None else 0  # (no property)
         self._open = recorder.tally.clock.start()
@@ -163,12 +170,14 @@ class SpeedReport(ContextDecorator):
             return  # a failed call is not a step: nothing is counted
         recorder = self._recorder
         mark = recorder.tally.clock.stop(start)
-        samples, tokens = self._counts
-        counts = recorder.settings.counter.count(self._batch, samples, tokens)
-        recorder.record(mark, counts, None, self._before, recorder.step)
+        recorder.record(mark, self._counted, None, self._before, recorder.step)
 
     def __call__(self, func: Callable[P, R]) -> SpeedReported[P, R]:
-        """Decorate ``func``: every call is measured, its first argument is the batch."""
+        """Decorate ``func``: every call is measured; its first argument is the batch.
+
+        A method's batch is the argument after ``self`` (or ``cls``): the first
+        parameter's name says which.
+        """
         if not callable(func):
             raise TypeError(
                 f"speed_report used as a decorator expects a function, got {describe(func)}; "
@@ -196,18 +205,31 @@ class SpeedReport(ContextDecorator):
             recorder.step = step  # its dtype picks the peak
         tally = recorder.tally
         start, stop = tally.clock.start, tally.clock.stop
-        count = settings.counter.of_batch()
-        fixed = None if settings.counter.needs_batch else settings.counter.count(None)
+        counter = settings.counter
+        count = counter.of_batch()
+        fixed = None if counter.needs_batch else counter.count(None)
+        skip = batch_position(func)
+
+        def failed(exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            where = "the batch of " + (recorder.label or "the function")
+            where += " (its argument after self)" if skip else " (its first argument)"
+            counter.explain(exc, batch_of(args, kwargs, skip), where)
 
         if step is None:
             record = recorder.record
 
             @functools.wraps(func)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                try:  # counted first: a count that fails leaves the step unrun
+                    counts = fixed or count(
+                        args[skip] if len(args) > skip else batch_of(args, kwargs, skip)
+                    )
+                except Exception as exc:
+                    failed(exc, args, kwargs)
+                    raise
                 mark = start()
                 out = func(*args, **kwargs)
                 mark = stop(mark)
-                counts = fixed or count(args[0] if args else first_argument(args, kwargs))
                 record(mark, counts, out, 0, None)
                 return out
 
@@ -219,6 +241,13 @@ class SpeedReport(ContextDecorator):
 
             @functools.wraps(func)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                try:  # counted first: a count that fails leaves the step unrun
+                    s, t, f = fixed or count(
+                        args[skip] if len(args) > skip else batch_of(args, kwargs, skip)
+                    )
+                except Exception as exc:
+                    failed(exc, args, kwargs)
+                    raise
                 before = window.position
                 if wall is not None:
                     t0 = wall()
@@ -228,7 +257,6 @@ class SpeedReport(ContextDecorator):
                     mark = start()
                     out = func(*args, **kwargs)
                     mark = stop(mark)
-                s, t, f = fixed or count(args[0] if args else first_argument(args, kwargs))
                 if before == 0 and tally.open_calls:
                     tally.end_window()  # the window was stepped between calls (flush())
                 if add(mark, s, t, f, window.position == 0) and every and tally.steps % every == 0:
