@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import torch
@@ -92,6 +92,37 @@ def _number(arg: str, value: object, where: str) -> float:
     return number
 
 
+def length(batch: Any) -> int:
+    """``samples=len`` of a batch that is not a tensor: ``len(batch)``, where it counts samples.
+
+    ``len`` of a dict counts its keys, and ``len`` of an ``(inputs, targets)`` pair
+    counts 2: neither is a number of samples, so both are refused with the fix.
+    """
+    n = len(batch)
+    rows = None
+    if isinstance(batch, Mapping):
+        tensors = [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim()]
+        if tensors:
+            key = tensors[0][0]
+            keys = "key" if n == 1 else "keys"
+            rows = f"counts the {n} {keys} of a {type(batch).__name__}, not its samples"
+            fix = f"samples=lambda batch: len(batch[{key!r}])"
+    elif isinstance(batch, (tuple, list)) and n >= 2:
+        sizes = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in batch}
+        if len(sizes) == 1 and None not in sizes and sizes != {n}:
+            rows = (
+                f"counts the {n} items of a {type(batch).__name__} of tensors with "
+                f"{sizes.pop()} rows each, not its samples"
+            )
+            fix = "samples=lambda batch: len(batch[0])"
+    if rows is None:
+        return n
+    raise ValueError(
+        f"speed_report(samples=len) {rows}. Count the rows of one of its tensors: {fix} "
+        "(samples=lambda batch: len(batch) counts the items without this check)."
+    )
+
+
 def _function(spec: object) -> Callable[[Any], Any] | None:
     return spec if callable(spec) and not isinstance(spec, FlopCount) else None
 
@@ -146,7 +177,8 @@ class CallCounter:
         for arg, spec in (("tokens", self.tokens), ("samples", self.samples)):
             if spec is None:
                 continue
-            value = spec(flops.example) if callable(spec) else spec
+            example = flops.example
+            value = (length(example) if spec is len else spec(example)) if callable(spec) else spec
             units = _number(arg, value, "the FlopCount's example batch")
             if units == 0:
                 raise ValueError(
@@ -172,7 +204,7 @@ class CallCounter:
                 # samples=len of a tensor: its first size, without Tensor.__len__'s
                 # Python checks (a few microseconds a call in a training loop).
                 shape = batch.shape if fn is len and type(batch) is torch.Tensor else None
-                samples = shape[0] if shape else fn(batch)
+                samples = shape[0] if shape else length(batch) if fn is len else fn(batch)
                 if type(samples) is not int or samples < 0:
                     samples = check_count("samples", samples)
         if tokens is None:
@@ -199,7 +231,7 @@ class CallCounter:
 
         def counts(batch: Any) -> tuple[Count, Count, Count]:
             shape = batch.shape if type(batch) is torch.Tensor else None
-            samples: Count = shape[0] if shape else len(batch)
+            samples: Count = shape[0] if shape else length(batch)
             if type(samples) is not int or samples < 0:
                 samples = check_count("samples", samples)
             return samples, tokens, 0

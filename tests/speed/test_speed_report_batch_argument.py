@@ -152,3 +152,57 @@ def test_count_flops_of_a_method_takes_the_batch_after_self() -> None:
     assert bound.example is x
     assert unbound.example is x
     assert unbound.total == bound.total
+
+
+def test_samples_len_of_a_dict_batch_is_refused_with_the_fix() -> None:
+    meter = speed_report(samples=len, file=None)
+    batch = {"input_ids": torch.zeros(8, 16), "attention_mask": torch.ones(8, 16)}
+    with pytest.raises(ValueError, match="2 keys") as info, meter.measure(batch):
+        raise AssertionError("the block must not run")  # pragma: no cover
+    message = str(info.value)
+    assert "speed_report(samples=len) counts the 2 keys of a dict, not its samples" in message
+    assert "samples=lambda batch: len(batch['input_ids'])" in message
+    assert meter.calls == 0
+
+
+def test_samples_len_of_an_inputs_targets_pair_is_refused_with_the_fix() -> None:
+    @speed_report(samples=len, file=None)
+    def step(batch: Any) -> None:
+        raise AssertionError("the step must not run")  # pragma: no cover
+
+    with pytest.raises(ValueError, match=r"counts the 2 items of a tuple of tensors with 8 rows"):
+        step((torch.zeros(8, 3), torch.zeros(8)))
+    with pytest.raises(ValueError, match=r"samples=lambda batch: len\(batch\[0\]\)"):
+        step([torch.zeros(4, 3), torch.zeros(4)])
+
+
+@pytest.mark.parametrize(
+    ("batch", "samples"),
+    [
+        ([1, 2, 3], 3),  # a list of samples
+        (["a", "b"], 2),
+        ((torch.zeros(8, 3), torch.zeros(5)), 2),  # tensors of different lengths: items
+        ([torch.zeros(3, 4, 4), torch.zeros(3, 5, 5), torch.zeros(3, 6, 6)], 3),  # rows == len
+        ({"ids": [1, 2]}, 1),  # no tensor in the dict
+        (torch.zeros(6, 2), 6),
+    ],
+)
+def test_samples_len_counts_the_items_where_they_are_samples(batch: Any, samples: int) -> None:
+    meter = speed_report(samples=len, file=None)
+    with meter.measure(batch):
+        pass
+    assert meter.total.samples == samples
+
+
+def test_samples_len_of_a_dict_example_batch_is_refused_at_the_door() -> None:
+    from cudakit.speed import FlopCount
+
+    example = {"input_ids": torch.zeros(4, 8)}
+    with pytest.raises(ValueError, match="counts the 1 key of a dict"):
+        speed_report(samples=len, flops=FlopCount(100, 40, example), file=None)
+    meter = speed_report(
+        samples=lambda b: len(b["input_ids"]), flops=FlopCount(100, 40, example), file=None
+    )
+    with meter.measure({"input_ids": torch.zeros(2, 8)}):
+        pass
+    assert (meter.total.samples, meter.total.flops) == (2.0, 50.0)
