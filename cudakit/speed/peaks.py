@@ -7,14 +7,14 @@ Taking the sparse figure is the classic way to report an MFU half of the truth
 (Lightning #21677, OLMo-core #614, fms-fsdp #89).
 
 A device name is matched on whole words (``"NVIDIA L40S"`` is not an ``"L4"``,
-``"NVIDIA GH200"`` not an ``"H200"``, ``"RTX 4090 D"`` not an ``"RTX 4090"``). A name
+``"NVIDIA GH200"`` not an ``"H200"``, ``"A10G"`` not an ``"A10"``). A name
 that matches nothing, or more than one entry, gives no peak and a reason: the table
 never lends one GPU's peak to another (torchtitan once showed 152 % MFU that way).
 
 >>> p = lookup_peak("NVIDIA H100 80GB HBM3", "bf16")
 >>> p.tflops, p.model
 (989.5, 'H100 SXM')
->>> lookup_peak("NVIDIA L40", "bf16").tflops is None
+>>> lookup_peak("NVIDIA A10G", "bf16").tflops is None
 True
 """
 
@@ -67,6 +67,8 @@ _H100 = "NVIDIA H100 Tensor Core GPU datasheet"
 _H100_URL = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 _H200 = "NVIDIA H200 Tensor Core GPU datasheet"
 _H200_URL = "https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446"
+_V100 = "NVIDIA V100 Tensor Core GPU specifications"
+_V100_URL = "https://www.nvidia.com/en-us/data-center/v100/"
 _HALF = "Tensor Core figures: the datasheet's sparse figure (marked *) halved."
 
 # Add a model by appending an entry with its datasheet; never guess.
@@ -124,6 +126,49 @@ PEAKS: Final[tuple[DevicePeak, ...]] = (
         _H200_URL,
         note=_HALF + " TF32 835*, BF16/FP16 1,671*, FP8 3,341*.",
     ),
+    # Volta and Turing have no sparsity: their Tensor Core figures are dense as printed.
+    # PyTorch's fp16 matmuls accumulate in fp32 there, the rate these pages give.
+    DevicePeak(
+        "V100 SXM2",
+        ("V100", "SXM2"),
+        {"fp32": 15.7, "fp16": 125.0},
+        _V100,
+        _V100_URL,
+        note="Single precision 15.7, Tensor Performance 125 (dense); no TF32 or BF16.",
+    ),
+    DevicePeak(
+        "V100 PCIe",
+        ("V100", "PCIE"),
+        {"fp32": 14.0, "fp16": 112.0},
+        _V100,
+        _V100_URL,
+        note="Single precision 14, Tensor Performance 112 (dense); no TF32 or BF16.",
+    ),
+    DevicePeak(
+        "V100S PCIe",
+        ("V100S", "PCIE"),
+        {"fp32": 16.4, "fp16": 130.0},
+        _V100,
+        _V100_URL,
+        note="Single precision 16.4, Tensor Performance 130 (dense); no TF32 or BF16.",
+    ),
+    DevicePeak(
+        "T4",
+        ("T4",),
+        {"fp32": 8.1, "fp16": 65.0},
+        "NVIDIA T4 Tensor Core GPU specifications",
+        "https://www.nvidia.com/en-us/data-center/tesla-t4/",
+        note="Single precision 8.1, mixed precision (FP16/FP32) 65 (dense); no TF32 or BF16.",
+    ),
+    DevicePeak(
+        "A10",
+        ("A10",),
+        {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+        "NVIDIA A10 Tensor Core GPU specifications",
+        "https://www.nvidia.com/en-us/data-center/products/a10-gpu/",
+        note="The page prints dense | sparse: TF32 62.5 | 125*, BF16/FP16 125 | 250*. "
+        "The A10G (a cloud variant) has no NVIDIA page and no entry.",
+    ),
     DevicePeak(
         "L4",
         ("L4",),
@@ -139,6 +184,15 @@ PEAKS: Final[tuple[DevicePeak, ...]] = (
         "NVIDIA L40S GPU datasheet",
         "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413",
         note="The datasheet prints dense | sparse: TF32 183, BF16/FP16 362.05, FP8 733.",
+    ),
+    DevicePeak(
+        "L40",
+        ("L40",),
+        {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05, "fp8": 362.0},
+        "NVIDIA L40 GPU specifications",
+        "https://www.nvidia.com/en-us/data-center/l40/",
+        note="The page prints dense | sparse: TF32 90.5 | 181*, BF16/FP16 181.05 | 362.1*, "
+        "FP8 362 | 724*.",
     ),
     # GeForce cards run fp16/bf16/fp8 at half rate with an fp32 accumulator, which is
     # what PyTorch's matmuls use; the table holds those rates.
@@ -169,8 +223,8 @@ Each entry holds the dense TFLOP/s per dtype key, the words a device name must (
 must not) contain, and the datasheet the figures come from, with its address.
 
 >>> [p.model for p in PEAKS]  # doctest: +NORMALIZE_WHITESPACE
-['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'L4',
- 'L40S', 'RTX 4090', 'B200']
+['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'V100 SXM2',
+ 'V100 PCIe', 'V100S PCIe', 'T4', 'A10', 'L4', 'L40S', 'L40', 'RTX 4090', 'B200']
 >>> PEAKS[1].tflops["bf16"], PEAKS[1].source
 (989.5, 'NVIDIA H100 Tensor Core GPU datasheet')
 

@@ -79,13 +79,17 @@ class Recorder:
             dtype = step.dtype if step is not None else torch.float32
         key = dtype_key(dtype) or str(dtype)
         device = self.device()
-        if dtype is torch.float32 and device.type == "cuda" and _probes.tf32_matmuls():
+        tf32 = dtype is torch.float32 and device.type == "cuda" and _probes.tf32_matmuls()
+        if tf32:
             key = "tf32"  # torch.set_float32_matmul_precision("high") runs TF32 matmuls
         if s.peak_tflops is not None:
             return Peak(s.peak_tflops, "given", key, "peak_tflops=")
         name = _probes.device_name(device)
         if name is not None:
-            return lookup_peak(name, key)
+            peak = lookup_peak(name, key)
+            if tf32 and peak.tflops is None and peak.model is not None:
+                peak = lookup_peak(name, "fp32")  # a GPU without TF32 (V100, T4): fp32 rate
+            return peak
         if device.type == "cuda":
             why = "CUDA has not started in this process, so the GPU is not known yet"
         else:

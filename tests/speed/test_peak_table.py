@@ -28,20 +28,25 @@ NAMES = {
     "NVIDIA H200 NVL": ("H200 NVL", 835.5),
     "NVIDIA L4": ("L4", 121.0),
     "NVIDIA L40S": ("L40S", 362.05),
+    "NVIDIA L40": ("L40", 181.05),
+    "NVIDIA A10": ("A10", 125.0),
     "NVIDIA GeForce RTX 4090": ("RTX 4090", 165.2),
     "NVIDIA B200": ("B200", 2250.0),
 }
 
 # Other GPUs whose names contain a listed one's: never lent its peak.
 UNKNOWN = [
-    "NVIDIA L40",
+    "NVIDIA A40",
+    "Tesla V100-SXM3-32GB",  # not the SXM2 board the page rates
+    "Tesla V100-FHHL-16GB",
+    "NVIDIA T400 4GB",
+    "Quadro RTX T4000",
     "NVIDIA GH200 480GB",
     "NVIDIA GB200",
     "NVIDIA GeForce RTX 4090 D",
     "NVIDIA GeForce RTX 4090 Laptop GPU",
     "NVIDIA H100",  # SXM, PCIe or NVL: the name does not say
     "NVIDIA A10G",
-    "Tesla V100-SXM2-16GB",
     "NVIDIA GeForce RTX 3090",
     "",
 ]
@@ -53,6 +58,32 @@ def test_listed_devices_match_their_dense_bf16_peak(name: str, expected: tuple[s
     assert (peak.model, peak.tflops, peak.reason) == (*expected, None)
     assert str(peak.source).startswith("NVIDIA ")
     assert peak.describe() == f"{expected[1]:g} TFLOP/s ({expected[0]}, bf16)"
+
+
+# Volta and Turing: fp16 Tensor Cores (dense as printed), no bf16 or tf32.
+FP16_ONLY = {
+    "Tesla V100-SXM2-16GB": ("V100 SXM2", 125.0, 15.7),
+    "Tesla V100-SXM2-32GB": ("V100 SXM2", 125.0, 15.7),
+    "Tesla V100-PCIE-16GB": ("V100 PCIe", 112.0, 14.0),
+    "Tesla V100S-PCIE-32GB": ("V100S PCIe", 130.0, 16.4),
+    "Tesla T4": ("T4", 65.0, 8.1),
+}
+
+
+@pytest.mark.parametrize(("name", "expected"), sorted(FP16_ONLY.items()))
+def test_volta_and_turing_have_fp16_and_fp32_peaks_only(
+    name: str, expected: tuple[str, float, float]
+) -> None:
+    model, fp16, fp32 = expected
+    assert (lookup_peak(name, torch.float16).model, lookup_peak(name, "fp16").tflops) == (
+        model,
+        fp16,
+    )
+    assert lookup_peak(name, torch.float32).tflops == fp32
+    for dtype in ("bf16", "tf32", "fp8"):
+        peak = lookup_peak(name, dtype)
+        assert (peak.tflops, peak.model) == (None, model)
+        assert f"the {model} has no {dtype} Tensor Core rate" in str(peak.reason)
 
 
 @pytest.mark.parametrize("name", UNKNOWN)
@@ -78,13 +109,16 @@ def test_table_holds_dense_figures_with_their_datasheets() -> None:
         assert entry.note
         t = entry.tflops
         assert set(t) <= {"fp32", "tf32", "bf16", "fp16", "fp8"}
+        assert t["fp32"] < t["fp16"]
+        if "bf16" not in t:  # Volta, Turing: fp16 Tensor Cores only
+            assert set(t) == {"fp32", "fp16"}
+            continue
         assert t["bf16"] == t["fp16"]
         # Each Tensor Core format runs at twice the rate of the wider one (to the
         # datasheets' rounding): a sparse figure taken by mistake would be 2x off.
         assert t["tf32"] == pytest.approx(t["bf16"] / 2, rel=0.05)
         if "fp8" in t:
             assert t["fp8"] == pytest.approx(2 * t["bf16"], rel=0.05)
-        assert t["fp32"] < t["bf16"]
     # The sparse figures NVIDIA prints first are twice these (Lightning #21677).
     h100 = next(e for e in PEAKS if e.model == "H100 SXM")
     assert h100.tflops["bf16"] == 1979 / 2
@@ -161,14 +195,14 @@ def test_mfu_against_a_faked_h100(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_unknown_device_gives_no_mfu_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(probes, "device_name", lambda device: "NVIDIA L40")
+    monkeypatch.setattr(probes, "device_name", lambda device: "NVIDIA A10G")
     lines: list[str] = []
     meter = speed_report(flops=1e9, dtype="bf16", every=2, log=lines.append)
     _run(meter, 2)
     assert meter.mfu is None
     assert meter.tflops is not None
     assert meter.mfu_reason == (
-        "no entry of the peak table matches the device 'NVIDIA L40'; pass peak_tflops=... "
+        "no entry of the peak table matches the device 'NVIDIA A10G'; pass peak_tflops=... "
         "(its dense peak for bf16)"
     )
     assert f"MFU n/a: {meter.mfu_reason}" in lines[0]
@@ -209,6 +243,22 @@ def test_float32_steps_use_tf32_when_matmuls_do(
     # An explicit "fp32" is taken at its word.
     explicit = Recorder(dataclasses.replace(cuda, dtype="fp32")).peak(None)
     assert (explicit.dtype, explicit.tflops) == ("fp32", 67.0)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_float32_steps_on_a_gpu_without_tf32_use_its_fp32_rate(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype | None
+) -> None:
+    monkeypatch.setattr(probes, "device_name", lambda device: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(probes, "tf32_matmuls", lambda: True)  # "high": no TF32 on Volta
+    settings = speed_report(file=None)._settings
+    cuda = dataclasses.replace(settings, device=torch.device("cuda", 0), follow=False)
+    peak = Recorder(dataclasses.replace(cuda, dtype=dtype)).peak(None)
+    assert (peak.model, peak.dtype, peak.tflops) == ("V100 SXM2", "fp32", 15.7)
+    # Asked for by name, TF32 has no figure there, and the reason says so.
+    asked = Recorder(dataclasses.replace(cuda, dtype="tf32")).peak(None)
+    assert asked.tflops is None
+    assert "the V100 SXM2 has no tf32 Tensor Core rate" in str(asked.reason)
 
 
 def test_cuda_not_started_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
