@@ -136,15 +136,31 @@ def _stateful(items: object) -> tuple[Any, ...]:
         )
     out = tuple(items)
     for obj in out:
+        if isinstance(obj, (torch.Tensor, torch.Generator)):
+            continue
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))
         ):
             raise TypeError(
                 "count_flops(extra=...) expects objects with state_dict() and "
-                f"load_state_dict(), got {describe(obj)}. Leave it out, or put back "
-                "yourself what fn changes in it."
+                f"load_state_dict(), tensors or torch.Generator objects, got {describe(obj)}. "
+                "Leave it out, or put back yourself what fn changes in it."
             )
+    return out
+
+
+def _grad_leaves(obj: object, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in a batch (dicts, lists, tuples) whose ``.grad`` a backward sets."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and obj.is_leaf and not isinstance(obj, nn.Parameter):
+            out.append(obj)
+    elif depth < 8 and isinstance(obj, Mapping):
+        for value in obj.values():
+            _grad_leaves(value, out, depth + 1)
+    elif depth < 8 and isinstance(obj, (list, tuple)):
+        for value in obj:
+            _grad_leaves(value, out, depth + 1)
     return out
 
 
@@ -178,7 +194,9 @@ def count_flops(
     counted whole, its step, optimizers and schedulers put back too. The count runs
     once, under ``FlopCounterMode``; afterwards :class:`~cudakit.warmup.preserve_state`
     has put back the model's weights, gradients and buffers (BatchNorm statistics),
-    ``optimizer``'s state, ``extra``'s ``state_dict()`` and every RNG. An optimizer
+    ``optimizer``'s state, ``extra``'s ``state_dict()``, the global RNGs (torch, CUDA,
+    ``random``, NumPy), and the ``.grad`` of a batch that requires grad. A
+    ``torch.Generator`` of your own that ``fn`` draws from goes in ``extra``. An optimizer
     step adds no FLOPs to the count (it counts matmuls, convolutions and attention;
     causal attention counts as full attention, as in torch's own formulas).
 
@@ -187,7 +205,8 @@ def count_flops(
         *args: its arguments; the first is the example batch (``FlopCount.example``).
         model: the module ``fn`` runs (default: the ``autocast_step``'s ``model=``).
         optimizer: an optimizer ``fn`` steps, put back too.
-        extra: further objects ``fn`` changes (a scheduler), by ``state_dict()``.
+        extra: further objects ``fn`` changes: a scheduler (by ``state_dict()``), a
+            tensor, a ``torch.Generator``.
         **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -241,6 +260,8 @@ def count_flops(
     if step is not None:
         keep = (*keep, step, *step.schedulers)
         optimizers = tuple(o for o in step.optimizers if o is not optimizer)
+    # A batch that requires grad gets its .grad from the counted backward: put back too.
+    keep = (*keep, *_grad_leaves((args, kwargs), []))
     with contextlib.ExitStack() as stack:
         stack.enter_context(preserve_state(model, optimizer, extra=keep))
         for opt in optimizers:  # the step's other optimizers: their parameters and state

@@ -50,7 +50,8 @@ def check_optimizer(optimizer: object, func: str) -> torch.optim.Optimizer | Non
 
 
 def check_extra(extra: object, func: str) -> tuple[Any, ...]:
-    """``extra`` as a tuple of objects with ``state_dict()`` and ``load_state_dict()``."""
+    """``extra`` as a tuple of objects with ``state_dict()`` and ``load_state_dict()``,
+    tensors (values, ``requires_grad`` and ``.grad``) and ``torch.Generator`` objects."""
     where = f"{func}()"
     if not isinstance(extra, Iterable) or isinstance(extra, (str, bytes)):
         raise TypeError(
@@ -65,13 +66,15 @@ def check_extra(extra: object, func: str) -> tuple[Any, ...]:
                 f"{where} got the class {name} in extra, not an object made from it: pass the "
                 f"{name} you train with, e.g. extra=(obj,) where obj = {name}(...)."
             )
+        if isinstance(obj, (torch.Tensor, torch.Generator)):
+            continue
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))
         ):
             raise TypeError(
                 f"{where} can only preserve extra objects that have state_dict() and "
-                f"load_state_dict(); {type(obj).__name__} has not. Preserve it yourself or "
-                "leave it out."
+                f"load_state_dict(), tensors and torch.Generator objects; "
+                f"{type(obj).__name__} is none of these. Preserve it yourself or leave it out."
             )
     return items

@@ -376,7 +376,8 @@ def warmup(
             function it decorated, ``torch.bfloat16`` or ``torch.float16`` for
             ``torch.autocast``, or ``None``/``torch.float32`` (full precision).
         extra: Further objects with ``state_dict()``/``load_state_dict()`` that
-            ``loss_fn`` changes (a scheduler, a GradScaler), preserved too.
+            ``loss_fn`` changes (a scheduler, a GradScaler), tensors and
+            ``torch.Generator`` objects, preserved too.
         reserve: After the passes, make the CUDA caching allocator hold this much:
             bytes (``int`` or ``"12GiB"``) or a fraction of total device memory
             (``0.8`` or ``"80%"``). A no-op with :class:`ReserveIgnoredWarning` on

@@ -87,6 +87,9 @@ class _Snapshot:
         extra: tuple[Any, ...],
     ) -> None:
         modules = list(model.modules()) if model is not None else []
+        generators = tuple(o for o in extra if isinstance(o, torch.Generator))
+        loose = [o for o in extra if isinstance(o, torch.Tensor)]
+        extra = tuple(o for o in extra if not isinstance(o, (torch.Tensor, torch.Generator)))
         with torch.no_grad():
             # Attribute dicts (shallow: which object sits under which name, `training` too),
             # and the parameter, buffer and submodule slots of every submodule.
@@ -111,6 +114,8 @@ class _Snapshot:
                 for group in optimizer.param_groups:
                     for t in group["params"]:
                         add(t)
+            for t in loose:
+                add(t)
             self.tensors = [
                 (
                     t,
@@ -139,7 +144,7 @@ class _Snapshot:
                     for g in optimizer.param_groups
                 ]
             self.extra = [(obj, copy.deepcopy(obj.state_dict())) for obj in extra]
-        self.rng = RngState()
+        self.rng = RngState(generators)
 
     def restore(self) -> BaseException | None:
         """Put everything back; the first error an extra's restore raised, if any."""
@@ -192,8 +197,10 @@ class preserve_state(ContextDecorator):
     other attributes, the optimizer's state and ``param_groups`` (tensors restored in
     place), ``state_dict()`` of every object in ``extra`` (schedulers, GradScalers,
     :class:`~cudakit.amp.AutocastStep`), and the CPU, CUDA, ``random`` and NumPy RNG
-    states. Tensors are cloned on their own device and copied back with ``copy_``, so
-    the block needs spare memory the size of that state.
+    states. ``extra`` also takes tensors (a batch that requires grad: its values,
+    ``requires_grad`` and ``.grad``) and your own ``torch.Generator`` objects. Tensors
+    are cloned on their own device and copied back with ``copy_``, so the block needs
+    spare memory the size of that state.
 
     >>> import torch
     >>> from cudakit.warmup import preserve_state
@@ -209,11 +216,12 @@ class preserve_state(ContextDecorator):
     Args:
         model: The module to preserve, or ``None``.
         optimizer: Its optimizer, or ``None``; its parameters are preserved too.
-        extra: Further objects with ``state_dict()``/``load_state_dict()``.
+        extra: Further objects with ``state_dict()``/``load_state_dict()``, tensors
+            and ``torch.Generator`` objects.
 
     Raises:
         TypeError: ``model`` is not a module, ``optimizer`` not an optimizer, or an
-            ``extra`` object has no ``state_dict``/``load_state_dict`` (or is a class).
+            ``extra`` object is none of those (or is a class).
         ValueError: the model still has uninitialized lazy parameters.
         RuntimeError: ``__exit__`` without a matching ``__enter__``.
 

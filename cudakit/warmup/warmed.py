@@ -99,7 +99,8 @@ def warmed(
         fn: The step function; omit it to use ``@warmed(model=...)`` as a decorator.
         model: The module the step trains.
         optimizer: Its optimizer, if the step steps one.
-        extra: Further objects with ``state_dict()``/``load_state_dict()`` to roll back.
+        extra: Further objects with ``state_dict()``/``load_state_dict()``, tensors and
+            ``torch.Generator`` objects to roll back.
         steps: Number of warm-up calls before the first real one, at least 1.
 
     Returns:

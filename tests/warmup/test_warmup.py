@@ -323,7 +323,11 @@ def test_preserve_state_resets_numpy_rng() -> None:
         ({"model": {"w": 1}}, TypeError, r"torch\.nn\.Module, got dict.*not its state_dict"),
         ({"optimizer": "adam"}, TypeError, r"torch\.optim\.Optimizer or None, got str"),
         ({"extra": 3}, TypeError, r"extra to be a tuple.*got int.*extra=\(obj,\)"),
-        ({"extra": (object(),)}, TypeError, r"state_dict\(\) and load_state_dict\(\); object"),
+        (
+            {"extra": (object(),)},
+            TypeError,
+            r"load_state_dict\(\), tensors and torch.Generator objects; object is none",
+        ),
         ({"model": nn.LazyLinear(2)}, ValueError, r"uninitialized lazy parameters.*forward pass"),
     ],
 )
