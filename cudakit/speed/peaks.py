@@ -223,8 +223,9 @@ Each entry holds the dense TFLOP/s per dtype key, the words a device name must (
 must not) contain, and the datasheet the figures come from, with its address.
 
 >>> [p.model for p in PEAKS]  # doctest: +NORMALIZE_WHITESPACE
-['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL', 'V100 SXM2',
- 'V100 PCIe', 'V100S PCIe', 'T4', 'A10', 'L4', 'L40S', 'L40', 'RTX 4090', 'B200']
+['A100', 'H100 SXM', 'H100 PCIe', 'H100 NVL', 'H200 SXM', 'H200 NVL',
+ 'V100 SXM2', 'V100 PCIe', 'V100S PCIe', 'T4', 'A10', 'L4', 'L40S', 'L40',
+ 'RTX 4090', 'B200']
 >>> PEAKS[1].tflops["bf16"], PEAKS[1].source
 (989.5, 'NVIDIA H100 Tensor Core GPU datasheet')
 
