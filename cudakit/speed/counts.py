@@ -55,8 +55,11 @@ def check_count(arg: str, value: object) -> Count:
     kind = type(value)
     if kind is bool:
         pass  # refused below: True is not a count
-    elif kind is int or kind is float:
+    elif kind is int:
         if value >= 0:  # type: ignore[operator]
+            return value  # type: ignore[return-value]
+    elif kind is float:
+        if 0 <= value < math.inf:  # type: ignore[operator]
             return value  # type: ignore[return-value]
     elif isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
@@ -68,7 +71,7 @@ def check_count(arg: str, value: object) -> Count:
         )
     elif isinstance(value, numbers.Real):
         value = float(value)
-        if value >= 0:
+        if 0 <= value < math.inf:
             return value
     if kind is bool or not isinstance(value, numbers.Real):
         raise TypeError(
@@ -76,7 +79,8 @@ def check_count(arg: str, value: object) -> Count:
             f"each call, got {describe(value)}. {_FIX[arg]}"
         )
     raise ValueError(
-        f"speed_report({arg}=...) expects a number >= 0 for each call, got {value!r}. {_FIX[arg]}"
+        f"speed_report({arg}=...) expects a finite number >= 0 for each call, got {value!r}. "
+        f"{_FIX[arg]}"
     )
 
 

@@ -235,6 +235,7 @@ class SpeedReport(ContextDecorator):
 
         else:  # the common case, kept lean: the step's windows are the optimizer steps
             add, log, every = tally.add, recorder.log, settings.every
+            end_flushed = recorder.end_flushed
             window = step._window  # its position, read without the property (each call)
             # The wall clock's stop is a subtraction: made here, not through a call.
             wall = time.perf_counter if type(tally.clock) is WallClock else None
@@ -257,8 +258,8 @@ class SpeedReport(ContextDecorator):
                     mark = start()
                     out = func(*args, **kwargs)
                     mark = stop(mark)
-                if before == 0 and tally.open_calls:
-                    tally.end_window()  # the window was stepped between calls (flush())
+                if before == 0 and (tally.open_calls or recorder.due):
+                    end_flushed()  # the window was stepped between calls (flush())
                 if add(mark, s, t, f, window.position == 0) and every and tally.steps % every == 0:
                     log()
                 return out

@@ -27,6 +27,8 @@ from typing import Final
 
 import torch
 
+from .._check import check_type
+
 __all__ = ["DTYPE_KEYS", "PEAKS", "DevicePeak", "Peak", "dtype_key", "lookup_peak"]
 
 #: The dtype keys of the table: CUDA-core fp32, then the Tensor Core formats.
@@ -312,8 +314,19 @@ def lookup_peak(name: str, dtype: object) -> Peak:
     Returns:
         The ``Peak``, with the figure and its datasheet, or no figure and the reason.
 
+    Raises:
+        TypeError: ``name`` is not a str.
+
     .. versionadded:: 0.1
     """
+    check_type(
+        "lookup_peak",
+        "name",
+        name,
+        str,
+        expected="the device's name as a str",
+        fix="Pass torch.cuda.get_device_name(device), e.g. 'NVIDIA H100 80GB HBM3'.",
+    )
     key = dtype_key(dtype)
     if key is None:
         return Peak(

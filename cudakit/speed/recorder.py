@@ -44,6 +44,9 @@ class Recorder:
         self.last_line: str | None = None
         self.combined: SpeedSummary | None = None
         self.logged_at = 0  # the step of the last line
+        #: A line is due: a read closed a flushed window at a log step (written at the
+        #: next call, as reads make no collective call).
+        self.due = False
 
     def record(
         self, mark: Any, counts: tuple[Count, Count, Count], out: Any, before: int, step: Any
@@ -51,8 +54,8 @@ class Recorder:
         """Count one finished call, and write the line when a log step is reached."""
         tally = self.tally
         if step is not None:
-            if before == 0 and tally.open_calls:
-                tally.end_window()  # the window was stepped between calls (flush())
+            if before == 0 and (tally.open_calls or self.due):
+                self.end_flushed()  # the window was stepped between calls (flush())
             ends = step._window.position == 0  # (the property, without its call)
         elif isinstance(out, StepResult):
             # A window's last call carries a verdict (a bool, or a lazy Verdict: never read).
@@ -63,6 +66,12 @@ class Recorder:
             ends = True
         s, t, f = counts
         if tally.add(mark, s, t, f, ends) and self._every and tally.steps % self._every == 0:
+            self.log()
+
+    def end_flushed(self) -> None:
+        """Close the open step, stepped outside the meter (``flush()``); a line if it is due."""
+        self.close_flushed(ended=True)
+        if self.due:
             self.log()
 
     # ------------------------------------------------------------------ figures
@@ -140,11 +149,16 @@ class Recorder:
             ranks,
         )
 
-    def close_flushed(self) -> None:
-        """Close the open window if its step was stepped since (``flush()``); no read."""
+    def close_flushed(self, ended: bool = False) -> None:
+        """Close the open window if its step was stepped since (``flush()``); no read.
+
+        ``ended``: the caller saw it stepped (a call that starts a new window).
+        """
         step, tally = self.step, self.tally
-        if step is not None and step.position == 0 and tally.open_calls:
+        if tally.open_calls and (ended or (step is not None and step.position == 0)):
             tally.end_window()
+            if self._every and tally.steps % self._every == 0:
+                self.due = True
 
     def _settle(self) -> None:
         self.close_flushed()
@@ -169,6 +183,7 @@ class Recorder:
         """Write the line: every rank's figures combined when a group runs (a collective)."""
         tally = self.tally
         self.close_flushed()
+        self.due = False
         self.logged_at = tally.steps
         combined = self.settings.combine and group_ranks() > 1
         if combined:

@@ -23,6 +23,7 @@ call takes no lock (it is the hot path), so one meter is not shared between thre
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -226,10 +227,11 @@ class Tally:
         named += [(i + 1, t) for i, ts in enumerate(deferred) for t in ts]
         numbers = _read([t for _, t in named])
         for (field, _), number in zip(named, numbers, strict=True):
-            if not number >= 0:
+            if not 0 <= number < math.inf:
                 raise ValueError(
                     f"speed_report({_FIELDS[field - 1]}=...) gave {number!r} for a call; it "
-                    "expects a number >= 0 (tensor counts are checked when they are read)."
+                    "expects a finite number >= 0 (tensor counts are checked when they are "
+                    "read)."
                 )
         self._kept, self._deferred = [], [[], [], [], []]
         values = iter(numbers)

@@ -263,3 +263,31 @@ def test_samples_len_of_a_0d_tensor_is_refused_as_len_refuses_it() -> None:
     zero_d = meter.measure(torch.tensor(3.0))
     with pytest.raises(TypeError, match="len\\(\\) of a 0-d tensor"), zero_d:
         pass
+
+
+@pytest.mark.parametrize("read_between", [False, True])
+def test_a_window_closed_by_flush_writes_the_line_due_at_its_step(read_between: bool) -> None:
+    """A flushed window that reaches a log step gets its line: at the next call, also when
+    a figure was read in between (a read closes the window but writes nothing)."""
+    model = torch.nn.Linear(4, 1)
+    step = autocast_step(torch.optim.SGD(model.parameters(), lr=0.01), model=model, accumulate=2)
+    lines: list[str] = []
+
+    @speed_report(samples=len, every=3, log=lines.append)
+    @step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    for epoch in range(2):
+        for _ in range(5):  # two full windows and one of one call
+            train(torch.ones(3, 4))
+        step.flush()
+        if read_between:
+            assert train.speed_report.steps == 3 * (epoch + 1)
+            assert len(lines) == epoch  # the read writes nothing
+    train(torch.ones(3, 4))
+    assert [line.split(":")[0] for line in lines] == [
+        "speed_report 'train' cpu step 3",
+        "speed_report 'train' cpu step 6",
+    ]
+    assert "[last 6 steps]" in lines[1]

@@ -213,7 +213,7 @@ def test_block_errors() -> None:
         (
             -1,
             ValueError,
-            r"speed_report\(samples=...\) expects a number >= 0 for each call, "
+            r"speed_report\(samples=...\) expects a finite number >= 0 for each call, "
             r"got -1",
         ),
         (
