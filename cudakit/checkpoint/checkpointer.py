@@ -41,8 +41,11 @@ log = logging.getLogger("cudakit.checkpoint")
 def find_latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint in ``directory``, or None when there is none.
 
-    Incomplete checkpoints (a save that never finished) and corrupted ones (a file
-    missing or truncated) are skipped, with a warning that names each.
+    The newest is the one written last: after a run rolled back to an older checkpoint
+    (``load(path)``) and saved again, its own checkpoints are newer than the abandoned
+    ones of higher step numbers. Incomplete checkpoints (a save that never finished)
+    and corrupted ones (a file missing or truncated) are skipped, with a warning that
+    names each.
 
     >>> import tempfile
     >>> find_latest(tempfile.mkdtemp()) is None
@@ -188,6 +191,7 @@ class Checkpointer:
         self._requested = False
         self._resumed = False
         self._closed = False
+        self._in_batches = 0  # batches() generators running: they count the batches
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -274,10 +278,16 @@ class Checkpointer:
         """
         self._check_open("load")
         root = arguments.resolve_directory("Checkpointer.load", path)
-        host, manifest = reader.read(root, self._parts, self._rank, self._world, self._distributed)
-        self._epoch_rng = reader.apply_host(
-            host, manifest, extras=self.extra, loader=self.loader, rank=self._rank
+        host, manifest = reader.read(
+            root,
+            self._parts,
+            self._rank,
+            self._world,
+            self._distributed,
+            extras=self.extra,
+            loader=self.loader,
         )
+        self._epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._rank)
         pos = Position(**host["position"])
         self._position = pos
         loader = self.loader
@@ -348,26 +358,36 @@ class Checkpointer:
             if skip:
                 skip_batches(iterator, skip)
         length = _length(loader)
-        for batch in iterator:
-            pos = self._position
-            self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
-            yield batch
-            if length is None or self._position.batch < length:
-                # (The last batch's save point is the epoch's end, as (epoch + 1, 0), once
-                # the iterator is exhausted: a sampler may still draw from the RNG then.)
-                self._boundary()
+        self._in_batches += 1
+        try:
+            for batch in iterator:
+                pos = self._position
+                self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+                yield batch
+                if length is None or self._position.batch < length:
+                    # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
+                    # once the iterator is exhausted: a sampler may still draw from the RNG.)
+                    self._boundary()
+        finally:
+            self._in_batches -= 1
         pos = self._position
         self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
         self._boundary()
 
     def maybe_save(self) -> Path | None:
-        """Save if one is due (``every``, a request, a stop signal) at a window's end.
+        """Count one batch, and save if one is due (``every``, a request, a stop signal)
+        at a window's end.
 
-        Call it after the step, on every rank, when the loop does not use
-        :meth:`batches` (which calls it between batches). Returns the checkpoint's
-        path when it saved.
+        Call it after each call of the step (each micro-batch), on every rank, when the
+        loop brings its own data instead of :meth:`batches` (which counts the batches
+        and checks between them itself; inside it, this only checks). Returns the
+        checkpoint's path when it saved.
         """
         self._check_open("maybe_save")
+        if not self._in_batches:
+            self.resume()
+            pos = self._position
+            self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
         return self._boundary()
 
     def save(self) -> Path | None:

@@ -78,6 +78,10 @@ class Manifest:
     steps: int
     mid_epoch_data: bool
     files: dict[str, int]
+    #: The order checkpoints were written in (1, 2, ...; 0: a manifest from before
+    #: this field), so that a run rolled back to an older checkpoint continues from
+    #: its own newer ones, not from the abandoned steps of higher number.
+    serial: int = 0
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -93,7 +97,8 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this cudakit reads {FORMAT}")
         ints = ("total", "epoch", "batch", "windows", "world_size", "optimizers", "schedulers")
-        for key in (*ints, "steps"):
+        data.setdefault("serial", 0)
+        for key in (*ints, "steps", "serial"):
             value = data.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"field {key!r} is {value!r}, not an int >= 0")
@@ -118,6 +123,7 @@ class Manifest:
             steps=data["steps"],
             mid_epoch_data=bool(data.get("mid_epoch_data", False)),
             files=dict(files),
+            serial=data["serial"],
         )
 
 
@@ -138,14 +144,16 @@ def fsync_dir(path: Path) -> None:
 def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
     """Finish a checkpoint: list its files, write the manifest last, rename it visible.
 
-    Runs on rank 0 only, after every rank has written its part.
+    Runs on rank 0 only, after every rank has written its part. Its serial number is
+    one more than the newest complete checkpoint's in the directory.
     """
     files = {
         str(p.relative_to(partial)): p.stat().st_size
         for p in sorted(partial.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    manifest = Manifest(files=files, **fields)
+    serial = 1 + max((m.serial for _, m in list_checkpoints(final.parent).complete), default=0)
+    manifest = Manifest(files=files, **fields, serial=serial)
     tmp = partial / (MANIFEST + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
@@ -193,7 +201,7 @@ def read_manifest(path: Path) -> Manifest:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """The checkpoints of a directory: complete ones (oldest first) and the rest."""
+    """The checkpoints of a directory: complete ones (oldest written first) and the rest."""
 
     complete: tuple[tuple[Path, Manifest], ...]
     broken: tuple[tuple[Path, str], ...]
@@ -204,8 +212,12 @@ class Found:
 
 
 def list_checkpoints(root: Path) -> Found:
-    """Every ``ckpt-N`` directory of ``root``: the complete ones and why the others are not."""
-    complete: list[tuple[int, Path, Manifest]] = []
+    """Every ``ckpt-N`` directory of ``root``: the complete ones and why the others are not.
+
+    Complete ones are in the order they were written (their manifests' serial numbers,
+    then their step numbers): the last is the newest, also after a rollback.
+    """
+    complete: list[tuple[tuple[int, int], Path, Manifest]] = []
     broken: list[tuple[Path, str]] = []
     if not root.is_dir():
         return Found((), ())
@@ -218,7 +230,7 @@ def list_checkpoints(root: Path) -> Found:
         except ValueError as exc:
             broken.append((entry, str(exc)))
             continue
-        complete.append((int(match.group(1)), entry, manifest))
+        complete.append(((manifest.serial, int(match.group(1))), entry, manifest))
     complete.sort(key=lambda item: item[0])
     return Found(tuple((p, m) for _, p, m in complete), tuple(broken))
 
@@ -238,7 +250,7 @@ def remove_stale_partials(root: Path) -> list[Path]:
 def to_remove(complete: Sequence[Path], keep: int | None, protected: Iterable[Path]) -> list[Path]:
     """Which complete checkpoints ``keep=k`` removes: all but the newest ``k``.
 
-    ``complete`` is ordered oldest first. The newest is never removed, and neither is
+    ``complete`` is ordered oldest written first. The newest is never removed, nor is
     any ``protected`` one (the checkpoint this run resumed from, until a newer one is
     complete: the caller stops protecting it then).
 

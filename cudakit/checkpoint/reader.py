@@ -1,15 +1,19 @@
-"""Reading a checkpoint back: everything checked first, then applied.
+"""Reading a checkpoint back: everything checked first, then applied, or nothing.
 
 :func:`read` checks the manifest and every file's size, the number of models,
 optimizers, schedulers and steps, the world size where the data position depends on
 it, the rank's host file, and every tensor's name and shape against DCP's metadata;
-only then does it load the step and scheduler states and the tensors (putting the step
-and schedulers back if the tensors fail). :func:`apply_host` puts the extras, the
-loader's own state and the RNG back.
+only then does it load the step and scheduler states, the tensors, the extras and the
+loader's own state. What a load can still find wrong after the checks (a data file
+whose bytes changed but not its size, optimizer hyper-parameters that differ, an extra
+that refuses its state) puts everything back as it was (:class:`_Rollback`: the
+tensors from a copy in host memory) and raises :class:`CheckpointError`.
+:func:`apply_host` puts the RNG back.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from pathlib import Path
@@ -22,7 +26,7 @@ from ..parallel import unwrap
 from . import layout
 from .arguments import describe_parts
 from .data import generators_of, is_stateful, restore_rng
-from .state import Parts, fresh_optimizers, mismatch, reset_fresh, tensor_state
+from .state import Parts, failure_cause, fresh_optimizers, mismatch, reset_fresh, tensor_state
 
 __all__ = ["apply_host", "read"]
 
@@ -32,14 +36,22 @@ _FUNC = "Checkpointer.load()"
 
 
 def read(
-    root: Path, parts: Parts, rank: int, world: int, distributed: bool
+    root: Path,
+    parts: Parts,
+    rank: int,
+    world: int,
+    distributed: bool,
+    *,
+    extras: dict[str, Any],
+    loader: Any,
 ) -> tuple[dict[str, Any], layout.Manifest]:
     """Check checkpoint ``root`` against ``parts``, then load its tensors, step and
-    scheduler states into them; returns this rank's host state and the manifest.
+    scheduler states, extras and loader state; returns this rank's host state and the
+    manifest.
 
     Raises:
         CheckpointError: a corrupted or incomplete checkpoint, or one that does not fit,
-            naming what differs; nothing of ``parts`` changed.
+            naming what differs; nothing of ``parts``, ``extras`` or ``loader`` changed.
     """
     try:
         manifest = layout.read_manifest(root)
@@ -48,25 +60,141 @@ def read(
     _check_fits(root, manifest, parts, world)
     host = _read_host(root, manifest, rank)
     tensors, fresh_now = _check_tensors(root, parts)
-    steps, scheds = parts.steps, parts.schedulers
-    before = [s.state_dict() for s in steps], [s.state_dict() for s in scheds]
+    rollback = _Rollback(parts, tensors, extras, loader)
     try:
-        for obj, state in zip(steps, host["steps"], strict=True):
+        for obj, state in zip(parts.steps, host["steps"], strict=True):
             obj.load_state_dict(state)
-        for obj, state in zip(scheds, host["schedulers"], strict=True):
+        for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
             obj.load_state_dict(state)
         _load_tensors(root, tensors, parts, distributed)
-    except Exception as exc:
-        for obj, state in zip(steps, before[0], strict=True):
-            obj.load_state_dict(state)
-        for obj, state in zip(scheds, before[1], strict=True):
-            obj.load_state_dict(state)
+        _load_extras(host, extras, loader)
+    except BaseException as exc:
+        # (DCP's CheckpointException derives from BaseException, not Exception.)
+        rollback.restore()
         reset_fresh(parts, fresh_now)
+        if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit | CheckpointError):
+            raise
         raise CheckpointError(
-            f"{_FUNC}: loading {root} failed: {type(exc).__name__}: {exc}"
+            f"{_FUNC}: loading {root} failed: {failure_cause(exc)}. Nothing was changed: the "
+            "models, optimizers, step, schedulers and extras are as they were. A file "
+            "whose contents changed is a corrupted checkpoint (remove it to resume from "
+            "the one before); other differences mean it was saved from other objects."
         ) from exc
     reset_fresh(parts, host["fresh"])
     return host, manifest
+
+
+def _to_host(tree: Any) -> Any:
+    """A copy of a state dict with its tensors copied to host memory."""
+    if isinstance(tree, torch.Tensor):
+        return _local(tree).detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return type(tree)((k, _to_host(v)) for k, v in tree.items())
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return type(tree)(_to_host(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own data: a DTensor's local shard, else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
+def _leaves(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _leaves(v, out)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            _leaves(v, out)
+    return out
+
+
+class _Rollback:
+    """What a load may change, saved so that a load that fails part-way changes nothing.
+
+    The tensors DCP loads into (the parameters, buffers and optimizer state themselves)
+    are copied to host memory, so a resume needs no spare device memory; the
+    optimizers' state and parameter groups, the steps, schedulers, extras and the
+    loader's state are kept as they were.
+    """
+
+    def __init__(self, parts: Parts, tensors: dict[str, Any], extras: dict[str, Any], loader: Any):
+        with torch.no_grad():
+            self.data = [(_local(t), _to_host(t)) for t in _leaves(tensors, [])]
+        self.optimizers = [
+            (
+                opt,
+                opt.state,
+                opt.param_groups,
+                [_to_host({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+            )
+            for opt in parts.optimizers
+        ]
+        self.steps = [(s, s.state_dict()) for s in parts.steps]
+        self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in parts.schedulers]
+        self.extras = extras
+        self.extra_values = dict(extras)
+        self.extra_states = {
+            name: _to_host(obj.state_dict()) for name, obj in extras.items() if _stateful(obj)
+        }
+        self.loader = loader
+        self.loader_state = (
+            copy.deepcopy(loader.state_dict())
+            if loader is not None and is_stateful(loader)
+            else None
+        )
+
+    def restore(self) -> None:
+        for obj, state in self.steps:
+            obj.load_state_dict(state)
+        for obj, state in self.schedulers:
+            obj.load_state_dict(state)
+        with torch.no_grad():
+            for live, saved in self.data:
+                live.copy_(saved)
+        for opt, state, groups, saved_groups in self.optimizers:
+            for group, saved in zip(groups, saved_groups, strict=True):
+                params = group["params"]
+                group.clear()
+                group.update(saved)
+                group["params"] = params
+            opt.state = state
+            opt.param_groups = groups
+        self.extras.clear()
+        self.extras.update(self.extra_values)
+        for name, state in self.extra_states.items():
+            self.extra_values[name].load_state_dict(state)
+        if self.loader_state is not None:
+            self.loader.load_state_dict(self.loader_state)
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _load_extras(host: dict[str, Any], extras: dict[str, Any], loader: Any) -> None:
+    """Put the extras and the loader's own state back, naming an extra that refuses."""
+    for name, (kind, value) in host["extras"].items():
+        target = extras.get(name)
+        if kind == "state" and target is not None:
+            try:
+                target.load_state_dict(value)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{_FUNC}: the extra {name!r} ({type(target).__name__}) refused its saved "
+                    f"state: {type(exc).__name__}: {exc}. Nothing was changed. Pass the "
+                    "object it was saved from (extra={...}), or leave it out."
+                ) from exc
+        else:
+            extras[name] = value
+    if loader is not None and is_stateful(loader) and host.get("loader") is not None:
+        loader.load_state_dict(host["loader"])
 
 
 def _check_fits(root: Path, manifest: layout.Manifest, parts: Parts, world: int) -> None:
@@ -149,23 +277,10 @@ def _load_tensors(root: Path, tensors: dict[str, Any], parts: Parts, distributed
 
 
 def apply_host(
-    host: dict[str, Any],
-    manifest: layout.Manifest,
-    *,
-    extras: dict[str, Any],
-    loader: Any,
-    rank: int,
+    host: dict[str, Any], manifest: layout.Manifest, *, loader: Any, rank: int
 ) -> dict[str, Any] | None:
-    """Put the extras, the loader's own state and this rank's RNG back; returns the RNG
-    states of the epoch's start (to replay a mid-epoch loader), if the rank has them."""
-    for name, (kind, value) in host["extras"].items():
-        target = extras.get(name)
-        if kind == "state" and target is not None:
-            target.load_state_dict(value)
-        else:
-            extras[name] = value
-    if loader is not None and is_stateful(loader) and host.get("loader") is not None:
-        loader.load_state_dict(host["loader"])
+    """Put this rank's RNG back; returns the RNG states of the epoch's start (to replay a
+    mid-epoch loader), if the rank has them."""
     if not host["own"]:
         log.info(
             "cudakit: rank %d has no RNG state in a checkpoint of %d rank(s); its "

@@ -26,7 +26,7 @@ from torch import nn
 from .._check import describe
 from ..parallel import unwrap
 
-__all__ = ["Parts", "fresh_optimizers", "mismatch", "tensor_state"]
+__all__ = ["Parts", "failure_cause", "fresh_optimizers", "mismatch", "tensor_state"]
 
 
 @dataclasses.dataclass
@@ -206,3 +206,13 @@ def extras_state(extras: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
         else:
             out[name] = ("value", obj)
     return out
+
+
+def failure_cause(exc: BaseException) -> str:
+    """The first underlying error of a DCP failure (it wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner_exc = inner[0] if isinstance(inner, tuple) else inner
+        return f"{type(inner_exc).__name__}: {inner_exc} (rank {rank})"
+    return f"{type(exc).__name__}: {exc}"

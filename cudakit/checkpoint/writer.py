@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import pickle
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,7 @@ import torch
 
 from ..exceptions import CheckpointSaveError
 from . import layout
+from .state import failure_cause
 
 __all__ = ["Pending", "Writer"]
 
@@ -76,7 +78,11 @@ class Writer:
         self.finish()
         try:
             pending.partial.mkdir(parents=True, exist_ok=True)
-            torch.save(host, pending.partial / layout.rank_file(self.rank))
+            try:
+                torch.save(host, pending.partial / layout.rank_file(self.rank))
+            except (TypeError, AttributeError, pickle.PicklingError) as exc:
+                self._failed(pending, exc, _unpicklable(host))
+                raise  # (not reached: _failed raises)
             writer = FileSystemWriter(str(pending.partial), sync_files=True)
             if not self.background:
                 self._save(tensors, writer)
@@ -142,11 +148,11 @@ class Writer:
             shutil.rmtree(path, ignore_errors=True)
             log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
 
-    def _failed(self, pending: Pending, exc: BaseException) -> None:
+    def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
         if self.rank == 0:
             shutil.rmtree(pending.partial, ignore_errors=True)
-        if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
-            raise exc  # the partial is gone; the interruption carries on
+        if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit | CheckpointSaveError):
+            raise exc  # the partial is gone; the interruption (or a named failure) goes on
         # (DCP's CheckpointException derives from BaseException: it is a save failure.)
         latest = layout.list_checkpoints(self.root).latest
         kept = (
@@ -154,10 +160,10 @@ class Writer:
             if latest is not None
             else "No earlier checkpoint exists in this directory."
         )
+        fix = fix or "Free space on the disk (or choose another directory) and save again."
         raise CheckpointSaveError(
-            f"Checkpointer.save(): writing {pending.final} failed: {_cause(exc)}. "
-            f"Nothing of it became visible. {kept} Free space on the disk (or choose "
-            "another directory) and save again."
+            f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
+            f"Nothing of it became visible. {kept} {fix}"
         ) from exc
 
 
@@ -194,11 +200,18 @@ def _executor() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _cause(exc: BaseException) -> str:
-    """The first underlying error of a DCP failure (it wraps each rank's)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, inner = next(iter(failures.items()))
-        inner_exc = inner[0] if isinstance(inner, tuple) else inner
-        return f"{type(inner_exc).__name__}: {inner_exc} (rank {rank})"
-    return f"{type(exc).__name__}: {exc}"
+def _unpicklable(host: dict[str, Any]) -> str:
+    """What to do when a rank file's state cannot be pickled: name the extras at fault."""
+    bad = []
+    for name, (_, value) in host.get("extras", {}).items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            bad.append(f"{name!r} ({type(value).__name__}: {exc})")
+    if not bad:
+        return "The host state (RNG, step or scheduler state) cannot be pickled."
+    return (
+        f"The extra(s) {', '.join(bad)} cannot be pickled: pass values that can (numbers, "
+        "strings, lists, tensors) or objects with state_dict()/load_state_dict() whose "
+        "state can, in Checkpointer(extra={...})."
+    )
