@@ -140,20 +140,23 @@ def replay(
     autocast: Callable[[], Any] | None = None,
     seed: float = 1.0,
     pause: Callable[[], Any] | None = None,
+    root: nn.Module | None = None,
 ) -> NonFiniteSource | None:
     """Replay each call (a window's micro-batches) in order; the first source found.
 
     ``autocast``: a factory of the autocast context to run the forwards in; ``seed``: the
     factor the backward starts from (the loss scale over ``accumulate``); ``pause``: a
-    factory of DDP's ``no_sync`` context. Under several ranks every call is replayed
-    (a DDP forward may run collectives, so every rank runs the same number of them).
+    factory of DDP's ``no_sync`` context; ``root``: the model whose qualified names
+    name the modules (default: the outermost module each call runs). Under several
+    ranks every call is replayed (a DDP forward may run collectives, so every rank runs
+    the same number of them).
     """
     rng = RngState()
     first: NonFiniteSource | None = None
     every = group_world_size() > 1
     try:
         for index, (fn, args, kwargs) in enumerate(calls):
-            found = _Replay(fn, args, kwargs).run(autocast, seed, pause)
+            found = _Replay(fn, args, kwargs, root).run(autocast, seed, pause)
             if found is not None and first is None:
                 first = dataclasses.replace(found, micro_batch=index)
                 if not every:
@@ -163,12 +166,20 @@ def replay(
     return first
 
 
-def _bad(value: object, path: str, depth: int = 4) -> tuple[str, torch.Tensor] | None:
-    """The first tensor holding an inf/NaN in ``value`` (nested containers), with its path."""
+def _bad(
+    value: object, path: str, depth: int = 4, nan_only: bool = False
+) -> tuple[str, torch.Tensor] | None:
+    """The first tensor holding an inf/NaN in ``value`` (nested containers), with its path.
+
+    ``nan_only``: an inf is fine (a keyword input: attention masks hold -inf).
+    """
     if isinstance(value, torch.Tensor):
         checked = (value.is_floating_point() or value.is_complex()) and value.numel() > 0
-        if checked and not value.is_sparse and not bool(torch.isfinite(value).all()):
-            return path, value
+        if checked and not value.is_sparse:
+            with torch.no_grad():  # records nothing (activation checkpointing counts saves)
+                bad = bool(value.isnan().any()) if nan_only else not torch.isfinite(value).all()
+            if bad:
+                return path, value
         return None
     if depth == 0 or isinstance(value, (str, bytes)):
         return None
@@ -182,10 +193,52 @@ def _bad(value: object, path: str, depth: int = 4) -> tuple[str, torch.Tensor] |
     else:
         return None
     for sub, item in items:
-        hit = _bad(item, sub, depth - 1)
+        hit = _bad(item, sub, depth - 1, nan_only)
         if hit is not None:
             return hit
     return None
+
+
+def _copied(value: Any, depth: int = 4) -> Any:
+    """``value`` with the tensors in its dicts, lists and tuples cloned (the rest as is)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if depth == 0:
+        return value
+    if type(value) is dict:
+        return {k: _copied(v, depth - 1) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copied(v, depth - 1) for v in value)
+    return value
+
+
+def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
+    """The modules ``fn`` can reach by name: itself, its ``self``, its closure, its globals.
+
+    Known before the call, they get hooks of their own from the start (their keyword
+    arguments are seen); modules found otherwise are watched from their first call.
+    """
+    target: Any = fn
+    for _ in range(4):  # functools.wraps chains (a decorated step function)
+        inner = getattr(target, "__wrapped__", None)
+        if inner is None:
+            break
+        target = inner
+    if isinstance(target, functools.partial):
+        target = target.func
+    found: list[Any] = [target, getattr(target, "__self__", None)]
+    code = getattr(target, "__code__", None)
+    for cell in getattr(target, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            found.append(cell.cell_contents)
+    if code is not None:
+        spaces = getattr(target, "__globals__", {})
+        found += [spaces.get(name) for name in code.co_names]
+    out: list[nn.Module] = []
+    for obj in found:
+        if isinstance(obj, nn.Module) and all(obj is not m for m in out):
+            out.append(obj)
+    return out
 
 
 def _sequence_number() -> int:
@@ -235,6 +288,10 @@ class _ModuleState:
             for m in root.modules()
         ]
 
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the tree."""
+        return [p for m, *_ in self.saved for p in m._parameters.values() if p is not None]
+
     def restore(self) -> None:
         with torch.no_grad():
             for m, attrs, buffers, copies in self.saved:
@@ -265,18 +322,35 @@ class _TensorHooks(TorchFunctionMode):
 class _Replay:
     """One forward and backward of ``fn`` under hooks; the first source it meets."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        root: nn.Module | None = None,
+    ):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.source: NonFiniteSource | None = None
-        self.stack: list[tuple[nn.Module, int]] = []
+        # (module, first autograd sequence number, entered by the global pre-hook)
+        self.stack: list[tuple[nn.Module, int, bool]] = []
         self.spans: list[tuple[int, int, int, nn.Module]] = []  # (first, last, depth, module)
         self.names: dict[int, str] = {}
         self.saved: list[_ModuleState] = []
         self.seen_roots: set[int] = set()
+        self.hooked: set[int] = set()  # modules with hooks of their own (see _root)
+        self.handles: list[Any] = []
+        self.root = root  # the step's model: names from it, whichever part is called
 
     # ------------------------------------------------------------------ names
 
     def _root(self, module: nn.Module) -> None:
+        """A module tree whose modules get names, saved state, and hooks of their own.
+
+        A module's own hooks see its keyword arguments (a global pre-hook sees only the
+        positional ones), and its forward hook, added last, sees the output after the
+        user's forward hooks changed it. (The tree's root, found while it is called, is
+        watched by the global hooks for that call.)
+        """
         if id(module) in self.seen_roots or id(module) in self.names:
             return
         self.seen_roots.add(id(module))
@@ -285,6 +359,14 @@ class _Replay:
         self.names.setdefault(id(module), "")
         for name, sub in inner.named_modules(remove_duplicate=False):
             self.names.setdefault(id(sub), name)
+        for sub in module.modules():
+            if id(sub) in self.hooked:
+                continue
+            self.hooked.add(id(sub))
+            self.handles.append(
+                sub.register_forward_pre_hook(self._own_pre, with_kwargs=True, prepend=True)
+            )
+            self.handles.append(sub.register_forward_hook(self._own_post, with_kwargs=True))
 
     def _found(
         self,
@@ -304,17 +386,42 @@ class _Replay:
     # ------------------------------------------------------------------ forward
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The global pre-hook: modules outside the hooked trees, and a tree's root."""
+        if id(module) in self.hooked:
+            return  # its own pre-hook, which sees the keyword arguments, enters it
         if not self.stack:
-            self._root(module)
+            self._root(module)  # hooked from now on; this call is entered here
+        self._enter(module, args, {}, by_global=True)
+
+    def _own_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        top = self.stack[-1] if self.stack else None
+        if top is None or top[0] is not module or not top[2]:  # (not entered above)
+            self._enter(module, args, kwargs, by_global=False)
+
+    def _enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], by_global: bool
+    ) -> None:
         if self.source is None:
-            hit = _bad(args, "input")
-            if hit is not None:  # made bad between two modules: the enclosing one's code
+            # Made bad between two modules: the enclosing one's code. Keyword inputs may
+            # hold -inf (attention masks): only a NaN there counts.
+            hit = _bad(args, "input") or _bad(kwargs, "input", nan_only=True)
+            if hit is not None:
                 self._found("forward", self.stack[-1][0] if self.stack else None, hit[1])
-        self.stack.append((module, _sequence_number()))
+        self.stack.append((module, _sequence_number(), by_global))
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
+        """The global forward hook: modules outside the hooked trees."""
+        if id(module) not in self.hooked:
+            self._leave(module, output)
+
+    def _own_post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: object
+    ) -> None:
+        self._leave(module, output)
+
+    def _leave(self, module: nn.Module, output: object) -> None:
         if self.stack and self.stack[-1][0] is module:
-            _, first = self.stack.pop()
+            _, first, _ = self.stack.pop()
             self.spans.append((first, _sequence_number(), len(self.stack), module))
         if self.source is None:
             hit = _bad(output, "output")
@@ -389,7 +496,27 @@ class _Replay:
         handles = [node.register_hook(hook_for(node)) for node in nodes]
         try:
             start = loss if seed == 1.0 else loss * seed
-            torch.autograd.grad(start, leaves, allow_unused=True)
+            if not any(n.name() == "CheckpointFunctionBackward" for n in nodes):
+                torch.autograd.grad(start, leaves, allow_unused=True)
+            else:
+                # Reentrant activation checkpointing refuses autograd.grad: a plain
+                # backward, with every leaf's .grad put back afterwards.
+                # (Also the parameters inside the checkpointed blocks, out of the graph's
+                # sight until the backward recomputes them.)
+                owned = {id(t): t for t in leaves}
+                for state in self.saved:
+                    owned.update((id(t), t) for t in state.parameters())
+                grads = [
+                    (t, t.grad, None if t.grad is None else t.grad.clone()) for t in owned.values()
+                ]
+                try:
+                    start.backward()
+                finally:
+                    with torch.no_grad():
+                        for t, grad, copy in grads:
+                            if grad is not None and copy is not None:
+                                grad.copy_(copy)
+                            t.grad = grad
         finally:
             for handle in handles:
                 handle.remove()
@@ -403,6 +530,9 @@ class _Replay:
         if hit is not None:
             self._found("input", None, hit[1], name=hit[0])
             return self.source
+        # The replay runs on copies of the batch's tensors: a step that changes its batch
+        # in place (x.sub_(1)) does not change it a second time.
+        args, kwargs = _copied(self.args), _copied(self.kwargs)
         with contextlib.ExitStack() as stack:
             stance = getattr(torch.compiler, "set_stance", None)
             if stance is not None:
@@ -411,6 +541,8 @@ class _Replay:
                 stack.enter_context(pause())
             stack.enter_context(torch.enable_grad())
             stack.callback(self._restore)
+            for root in [self.root] if self.root is not None else _modules_of(self.fn):
+                self._root(root)
             pre = _module_hooks.register_module_forward_pre_hook(self._pre)
             post = _module_hooks.register_module_forward_hook(self._post)
             try:
@@ -418,7 +550,7 @@ class _Replay:
                     autocast() if autocast is not None else contextlib.nullcontext(),
                     _TensorHooks(self),
                 ):
-                    output = self.fn(*self.args, **self.kwargs)
+                    output = self.fn(*args, **kwargs)
             finally:
                 pre.remove()
                 post.remove()
@@ -431,5 +563,8 @@ class _Replay:
         return self.source
 
     def _restore(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
         for state in reversed(self.saved):
             state.restore()

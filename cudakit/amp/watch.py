@@ -20,6 +20,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .._check import check_bool, describe
+from .._dist import group_world_size
 from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
 from .ops import step_on_device
 from .spikes import (
@@ -173,6 +174,7 @@ class Watch:
         self._calls: list[Call] = []
         self._autocast: Callable[[], Any] | None = None
         self._pause: Callable[[], Any] | None = None
+        self._root: Any = None
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -187,19 +189,22 @@ class Watch:
 
         return recording
 
-    def bind(self, autocast: Callable[[], Any], pause: Callable[[], Any] | None) -> None:
-        """How a replay runs its forward: the step's autocast, and DDP's ``no_sync``."""
+    def bind(
+        self, autocast: Callable[[], Any], pause: Callable[[], Any] | None, root: Any = None
+    ) -> None:
+        """How a replay runs its forward: the step's autocast, DDP's ``no_sync``, and the
+        model (``model=``) whose qualified names name the modules."""
         self._autocast, self._pause = autocast, pause
+        self._root = root if isinstance(root, torch.nn.Module) else None
 
     def take(self, window: Window) -> tuple[list[Call], Any]:
-        """The window's micro-batches (the last ``position`` recorded calls) and the factor
-        its backward started from (the loss scale over ``accumulate``); the record empties.
+        """The window's micro-batches (the last ``position`` recorded calls) and what its
+        backward started from: ``(loss scale or None, accumulate)``; the record empties.
         """
         count = window.position
         calls, self._calls[:] = self._calls[-count:] if count else [], []
         accumulate = 1 if window.weighted else window.accumulate
-        seed = 1.0 / accumulate if window.scale is None else window.scale / accumulate
-        return calls, seed
+        return calls, (window.scale, accumulate)
 
     def forget(self) -> None:
         """Drop recorded calls (a checkpoint replaced the window)."""
@@ -226,9 +231,28 @@ class Watch:
                 stacklevel=4,
             )
             return None
-        start = float(seed)  # the loss scale: a read, made only for a replay
+        scale, accumulate = seed
+        scale = 1.0 if scale is None else float(scale)  # a read, made only for a replay
         try:
-            source = replay(calls, autocast=self._autocast, seed=start, pause=self._pause)
+            # Without the loss scale: an inf that only the scale makes is the scaler's
+            # routine overflow (it lowers the scale and goes on), not a producer to name.
+            source = replay(
+                calls,
+                autocast=self._autocast,
+                seed=1.0 / accumulate,
+                pause=self._pause,
+                root=self._root,
+            )
+            if source is None and scale != 1.0:
+                warnings.warn(
+                    f"autocast_step skipped a window whose inf/NaN only the loss scale made: "
+                    f"at scale {scale:g} its gradients overflow, at scale 1 a replay stays "
+                    "finite. This is the GradScaler's routine back-off (it lowered the "
+                    "scale); no module is at fault.",
+                    NonFiniteWarning,
+                    stacklevel=4,
+                )
+                return None
         except Exception as exc:  # the replay is a report: it never stops training
             warnings.warn(
                 f"autocast_step(locate_nonfinite=True) skipped a window for an inf/NaN; "
@@ -240,8 +264,14 @@ class Watch:
         if source is None:
             message = (
                 "autocast_step skipped a window for an inf/NaN, but a replay of its "
-                f"{len(calls)} micro-batch(es) stayed finite: the gradients overflowed only "
-                "when summed over the window, or the data changed since the step."
+                f"{len(calls)} micro-batch(es) stayed finite"
+                + (
+                    " on this rank: another rank's batch made it (every rank skips the "
+                    "window together)."
+                    if group_world_size() > 1
+                    else ": the gradients overflowed only when summed over the window, or "
+                    "the data changed since the step."
+                )
             )
         else:
             message = f"autocast_step skipped a window for an inf/NaN; the first came from {source}"
@@ -426,5 +456,5 @@ class Watching:
                 "cudakit.amp.find_nonfinite(fn, *batch) on an unsharded copy."
             )
         sync = self._sync
-        watch.bind(self.autocast, sync.paused if sync.active else None)
+        watch.bind(self.autocast, sync.paused if sync.active else None, sync.model)
         return watch.record(func, wrapper)
