@@ -435,10 +435,15 @@ def check_state(value: object) -> dict[str, RunningStat]:
                     f"{where}: state['spike_stats'][{name!r}][{key!r}] must be a finite "
                     f"number{' >= 0' if key == 'var' else ''}, got {number!r}. {again}"
                 )
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(
                 f"{where}: state['spike_stats'][{name!r}]['count'] must be an int >= 0, "
                 f"got {describe(count)}. {again}"
+            )
+        if count < 0:
+            raise ValueError(
+                f"{where}: state['spike_stats'][{name!r}]['count'] must be an int >= 0, "
+                f"got {count!r}. {again}"
             )
         out[name] = RunningStat(float(mean), float(var), int(count))
     return out
