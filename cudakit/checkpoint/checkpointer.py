@@ -31,7 +31,7 @@ from .data import (
 )
 from .preemption import DEFAULT_SIGNALS, SignalWatch, StopAgreement, requeue_slurm_job
 from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
-from .writer import Pending, Writer
+from .writer import Pending, Writer, drain_background
 
 __all__ = ["Checkpointer", "find_latest"]
 
@@ -243,6 +243,7 @@ class Checkpointer:
         if self._resumed:
             return self._position
         path: Path | None = None
+        drain_background()  # an abandoned save of this process must not write on
         if self._rank == 0:
             layout.remove_stale_partials(self.directory)
             path = find_latest(self.directory)

@@ -29,7 +29,7 @@ from ..exceptions import CheckpointSaveError
 from . import layout
 from .state import failure_cause
 
-__all__ = ["Pending", "Writer"]
+__all__ = ["Pending", "Writer", "drain_background"]
 
 log = logging.getLogger("cudakit.checkpoint")
 
@@ -76,7 +76,10 @@ class Writer:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         self.finish()
+        drain_background()  # a save an abandoned Checkpointer left running, writing here
         try:
+            if self.rank == 0 and pending.partial.exists():
+                shutil.rmtree(pending.partial)  # what such a save (or a crash) left
             pending.partial.mkdir(parents=True, exist_ok=True)
             try:
                 torch.save(host, pending.partial / layout.rank_file(self.rank))
@@ -191,6 +194,15 @@ def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> Any:
 
 
 _POOL: list[ThreadPoolExecutor] = []
+
+
+def drain_background() -> None:
+    """Wait for every single-process background save this process started, its errors
+    ignored: a Checkpointer that raised without ``close()`` may have left one running
+    (a crashed process takes its thread along; an exception caught in the same process
+    does not), and it must not write into a directory a new run uses."""
+    if _POOL:
+        _POOL[0].submit(lambda: None).result()
 
 
 def _executor() -> ThreadPoolExecutor:

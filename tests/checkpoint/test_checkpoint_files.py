@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,4 +163,28 @@ def test_a_background_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     with pytest.raises(Crash):
         run(tmp_path, accumulate=2, every=1, async_save=True, crash_at=13)
     resumed = run(tmp_path, accumulate=2, every=1, async_save=True, noise=7)
+    assert same_state(resumed, ref)
+
+
+def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Checkpointer that raised without close() leaves its background save running; a
+    new one in the same process waits for it before it cleans up and writes the same
+    step again (a crashed process would have taken the thread along)."""
+    import time
+
+    from cudakit.checkpoint import writer
+
+    slow = writer.Writer._save
+
+    def slowly(self: Any, tensors: Any, storage: Any) -> None:
+        time.sleep(0.3)  # still writing when the next run starts
+        slow(self, tensors, storage)
+
+    monkeypatch.setattr(writer.Writer, "_save", slowly)
+    ref = run(None, accumulate=1)
+    with pytest.raises(Crash):
+        run(tmp_path, accumulate=1, every=3, async_save=True, crash_at=8)
+    resumed = run(tmp_path, accumulate=1, every=3, async_save=True, noise=3)
     assert same_state(resumed, ref)
