@@ -78,8 +78,6 @@ class Writer:
         self.finish()
         drain_background()  # a save an abandoned Checkpointer left running, writing here
         try:
-            if self.rank == 0 and pending.partial.exists():
-                shutil.rmtree(pending.partial)  # what such a save (or a crash) left
             pending.partial.mkdir(parents=True, exist_ok=True)
             try:
                 torch.save(host, pending.partial / layout.rank_file(self.rank))
