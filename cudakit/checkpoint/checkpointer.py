@@ -253,6 +253,21 @@ class Checkpointer:
             return self._position
         return self.load(path)
 
+    def _refuse_unresumed(self) -> None:
+        """A loop with its own data that never resumed: fine in an empty directory only
+        (loading now would overwrite the step that just ran)."""
+        path = find_latest(self.directory) if self._rank == 0 else None
+        path = self._agree(path)
+        if path is not None:
+            raise RuntimeError(
+                f"Checkpointer.maybe_save() before resume(): {self.directory} holds {path}, "
+                "which this run has not loaded, and loading it now would overwrite the step "
+                "that just ran. Call ckpt.resume() once before the loop (it loads the newest "
+                "checkpoint and returns the position to continue from), or use a new "
+                "directory."
+            )
+        self._resumed = True  # nothing to resume: the run starts here
+
     def _agree(self, path: Path | None) -> Path | None:
         if not self._distributed:
             return path
@@ -386,7 +401,8 @@ class Checkpointer:
         """
         self._check_open("maybe_save")
         if not self._in_batches:
-            self.resume()
+            if not self._resumed:
+                self._refuse_unresumed()
             pos = self._position
             self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
         return self._boundary()

@@ -60,8 +60,9 @@ def read(
     _check_fits(root, manifest, parts, world)
     host = _read_host(root, manifest, rank)
     tensors, fresh_now = _check_tensors(root, parts)
-    rollback = _Rollback(parts, tensors, extras, loader)
+    rollback: _Rollback | None = None
     try:
+        rollback = _Rollback(parts, tensors, extras, loader)
         for obj, state in zip(parts.steps, host["steps"], strict=True):
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
@@ -70,8 +71,15 @@ def read(
         _load_extras(host, extras, loader)
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
-        rollback.restore()
+        failed = rollback.restore() if rollback is not None else None
         reset_fresh(parts, fresh_now)
+        if failed is not None:
+            raise CheckpointError(
+                f"{_FUNC}: loading {root} failed ({failure_cause(exc)}), and putting the run "
+                f"back failed too ({failure_cause(failed)}): the models, optimizers, step, "
+                "schedulers or extras may be partly loaded. Load another checkpoint, or "
+                "start the process again."
+            ) from exc
         if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit | CheckpointError):
             raise
         raise CheckpointError(
@@ -125,14 +133,33 @@ class _Rollback:
     def __init__(self, parts: Parts, tensors: dict[str, Any], extras: dict[str, Any], loader: Any):
         with torch.no_grad():
             self.data = [(_local(t), _to_host(t)) for t in _leaves(tensors, [])]
+            # Tensor hyper-parameters (a tensor lr) go back into the same tensors.
+            self.data += [
+                (_local(v), _to_host(v))
+                for opt in parts.optimizers
+                for g in opt.param_groups
+                for k, v in g.items()
+                if k != "params" and isinstance(v, torch.Tensor)
+            ]
+        # The optimizers' state and groups: the dicts themselves (a load writes into the
+        # per-parameter dicts: plain numbers such as an int step count), and their items.
         self.optimizers = [
             (
                 opt,
                 opt.state,
+                dict(opt.state),
+                [(s, copy.copy(dict(s))) for s in opt.state.values()],
                 opt.param_groups,
-                [_to_host({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+                [(g, dict(g)) for g in opt.param_groups],
             )
             for opt in parts.optimizers
+        ]
+        # Modules' extra state (get_extra_state/set_extra_state), which a load sets too.
+        self.extra_module_state = [
+            (m, copy.deepcopy(m.get_extra_state()))
+            for model in parts.models.values()
+            for m in model.modules()
+            if type(m).get_extra_state is not torch.nn.Module.get_extra_state
         ]
         self.steps = [(s, s.state_dict()) for s in parts.steps]
         self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in parts.schedulers]
@@ -148,28 +175,45 @@ class _Rollback:
             else None
         )
 
-    def restore(self) -> None:
+    def restore(self) -> BaseException | None:
+        """Put everything back; the first error a part's restore raised, if any (the
+        other parts are put back all the same)."""
+        failed: BaseException | None = None
+
+        def attempt(action: Any, *args: Any) -> None:
+            nonlocal failed
+            try:
+                action(*args)
+            except Exception as exc:
+                failed = failed or exc
+
         for obj, state in self.steps:
-            obj.load_state_dict(state)
+            attempt(obj.load_state_dict, state)
         for obj, state in self.schedulers:
-            obj.load_state_dict(state)
+            attempt(obj.load_state_dict, state)
         with torch.no_grad():
             for live, saved in self.data:
                 live.copy_(saved)
-        for opt, state, groups, saved_groups in self.optimizers:
-            for group, saved in zip(groups, saved_groups, strict=True):
-                params = group["params"]
+        for opt, state, items, entries, groups, saved_groups in self.optimizers:
+            for entry, saved in entries:
+                entry.clear()
+                entry.update(saved)
+            state.clear()
+            state.update(items)
+            for group, saved in saved_groups:
                 group.clear()
                 group.update(saved)
-                group["params"] = params
             opt.state = state
             opt.param_groups = groups
+        for module, extra in self.extra_module_state:
+            attempt(module.set_extra_state, extra)
         self.extras.clear()
         self.extras.update(self.extra_values)
         for name, state in self.extra_states.items():
-            self.extra_values[name].load_state_dict(state)
+            attempt(self.extra_values[name].load_state_dict, state)
         if self.loader_state is not None:
-            self.loader.load_state_dict(self.loader_state)
+            attempt(self.loader.load_state_dict, self.loader_state)
+        return failed
 
 
 def _stateful(obj: object) -> bool:

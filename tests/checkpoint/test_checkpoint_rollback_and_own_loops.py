@@ -219,3 +219,91 @@ def test_an_extra_that_cannot_be_pickled_is_named_not_blamed_on_the_disk(tmp_pat
     assert "Free space" not in str(info.value)
     assert _dirs(tmp_path) == []
     ckpt.close()
+
+
+def test_maybe_save_before_resume_is_refused_where_a_checkpoint_waits(tmp_path: Path) -> None:
+    *_, step = _parts()
+    with cudakit.Checkpointer(tmp_path, step=step) as ckpt:
+        step(torch.randn(2, 4))
+        ckpt.maybe_save()
+        ckpt.save()
+    model, opt, sched, step = _parts()
+    step(torch.randn(2, 4))
+    before = _snapshot(model, opt, sched)
+    ckpt = cudakit.Checkpointer(tmp_path, step=step)
+    with pytest.raises(RuntimeError, match=r"maybe_save\(\) before resume\(\).*ckpt-0000000001"):
+        ckpt.maybe_save()
+    assert _same(before, _snapshot(model, opt, sched))  # nothing loaded over the step
+    assert ckpt.resume().total == 1
+    ckpt.close()
+
+
+class _Counting(torch.optim.SGD):
+    """An optimizer that keeps a plain int in its per-parameter state."""
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return out
+
+
+class _Tagged(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 2)
+        self.tag = "mine"
+
+    def get_extra_state(self) -> Any:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.tag = state["tag"]
+
+
+def test_a_failed_load_puts_back_plain_optimizer_state_and_module_extra_state(
+    tmp_path: Path,
+) -> None:
+    def build(size: int) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        torch.manual_seed(0)
+        model = _Tagged()
+        opt = _Counting(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt, {"ema": _Ema(size)}
+
+    model, opt, extra = build(3)
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    model.tag = "saved"
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, extra=extra) as ckpt:
+        ckpt.save()
+    model, opt, extra = build(4)  # its extra refuses the saved one, after the tensors load
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    counts = [s["count"] for s in opt.state.values()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, extra=extra)
+    with pytest.raises(cudakit.CheckpointError, match="refused"):
+        ckpt.resume()
+    assert [s["count"] for s in opt.state.values()] == counts == [2, 2]
+    assert model.tag == "mine"
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    ckpt.close()
+
+
+def test_a_tensor_learning_rate_is_put_back_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, extra={"ema": _Ema(3)}) as c:
+        c.save()
+    lr = opt.param_groups[0]["lr"]
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, extra={"ema": _Ema(5)})
+    with pytest.raises(cudakit.CheckpointError):
+        ckpt.resume()
+    assert opt.param_groups[0]["lr"] is lr
+    assert torch.equal(lr, torch.tensor(0.01))
+    ckpt.close()
