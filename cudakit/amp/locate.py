@@ -509,7 +509,17 @@ class _Replay:
                 grads = [
                     (t, t.grad, None if t.grad is None else t.grad.clone()) for t in owned.values()
                 ]
+                # A plain backward fires post-accumulate-grad hooks (an optimizer stepped
+                # inside the backward): they are held back while it runs.
+                # (Emptied in place: autograd holds the dict itself.)
+                held = [
+                    (hooks, dict(hooks))
+                    for t in owned.values()
+                    if (hooks := t._post_accumulate_grad_hooks)
+                ]
                 try:
+                    for hooks, _ in held:
+                        hooks.clear()
                     start.backward()
                 finally:
                     with torch.no_grad():
@@ -517,6 +527,8 @@ class _Replay:
                             if grad is not None and copy is not None:
                                 grad.copy_(copy)
                             t.grad = grad
+                    for hooks, items in held:
+                        hooks.update(items)
         finally:
             for handle in handles:
                 handle.remove()

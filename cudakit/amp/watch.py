@@ -236,17 +236,12 @@ class Watch:
         try:
             # Without the loss scale: an inf that only the scale makes is the scaler's
             # routine overflow (it lowers the scale and goes on), not a producer to name.
-            source = replay(
-                calls,
-                autocast=self._autocast,
-                seed=1.0 / accumulate,
-                pause=self._pause,
-                root=self._root,
-            )
-            if source is None and scale != 1.0:
+            source = self._replay(calls, 1.0 / accumulate)
+            scaled = source is None and scale != 1.0
+            if scaled and self._replay(calls, scale / accumulate) is not None:
                 warnings.warn(
                     f"autocast_step skipped a window whose inf/NaN only the loss scale made: "
-                    f"at scale {scale:g} its gradients overflow, at scale 1 a replay stays "
+                    f"replayed at scale {scale:g} its gradients overflow, at scale 1 they stay "
                     "finite. This is the GradScaler's routine back-off (it lowered the "
                     "scale); no module is at fault.",
                     NonFiniteWarning,
@@ -277,6 +272,9 @@ class Watch:
             message = f"autocast_step skipped a window for an inf/NaN; the first came from {source}"
         warnings.warn(message, NonFiniteWarning, stacklevel=4)
         return source
+
+    def _replay(self, calls: Sequence[Call], seed: float) -> NonFiniteSource | None:
+        return replay(calls, autocast=self._autocast, seed=seed, pause=self._pause, root=self._root)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -161,3 +161,27 @@ def test_an_overflow_only_the_loss_scale_made_names_no_module() -> None:
     assert result.skipped
     assert result.nonfinite is None
     assert scaler.get_scale() < 2.0**100
+
+
+def test_reentrant_checkpointing_holds_back_an_optimizer_stepped_in_the_backward() -> None:
+    """The plain backward the reentrant fallback runs does not fire post-accumulate-grad
+    hooks (torch's optimizer-in-backward recipe): no weight moves."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True, bad=False)
+    optimizers = {p: torch.optim.SGD([p], lr=1.0) for p in model.parameters()}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(step_in_backward) for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 4, requires_grad=True)
+    try:
+        assert find_nonfinite(lambda a: model(a).sum(), x) is None
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
