@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -99,32 +100,35 @@ def _number(arg: str, value: object, where: str) -> float:
 def length(batch: Any) -> int:
     """``samples=len`` of a batch that is not a tensor: ``len(batch)``, where it counts samples.
 
-    ``len`` of a dict counts its keys, and ``len`` of an ``(inputs, targets)`` pair
-    counts 2: neither is a number of samples, so both are refused with the fix.
+    ``len`` of a dict of tensors counts its keys, never its samples: refused with the
+    fix. ``len`` of an ``(inputs, targets)`` pair counts 2, but a short list of tensors
+    may also be a list of samples: a warning with the fix.
     """
     n = len(batch)
-    rows = None
     if isinstance(batch, Mapping):
-        tensors = [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim()]
+        tensors = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim()]
         if tensors:
-            key = tensors[0][0]
             keys = "key" if n == 1 else "keys"
-            rows = f"counts the {n} {keys} of a {type(batch).__name__}, not its samples"
-            fix = f"samples=lambda batch: len(batch[{key!r}])"
-    elif isinstance(batch, (tuple, list)) and n >= 2:
+            raise ValueError(
+                f"speed_report(samples=len) counts the {n} {keys} of a "
+                f"{type(batch).__name__}, not its samples. Count the rows of one of its "
+                f"tensors: samples=lambda batch: len(batch[{tensors[0]!r}])."
+            )
+    elif isinstance(batch, (tuple, list)) and 2 <= n <= 4:
+        # An (inputs, targets) pair also looks like a list of a few samples (images a
+        # detection model takes as they are): a warning, not a refusal.
         sizes = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in batch}
         if len(sizes) == 1 and None not in sizes and sizes != {n}:
-            rows = (
-                f"counts the {n} items of a {type(batch).__name__} of tensors with "
-                f"{sizes.pop()} rows each, not its samples"
+            warnings.warn(
+                f"speed_report(samples=len) counts the {n} items of a "
+                f"{type(batch).__name__} of tensors with {sizes.pop()} rows each. If the "
+                "batch is (inputs, targets), count the rows: samples=lambda batch: "
+                "len(batch[0]); if its items are the samples, samples=lambda batch: "
+                "len(batch) says so without this warning.",
+                UserWarning,
+                stacklevel=5,
             )
-            fix = "samples=lambda batch: len(batch[0])"
-    if rows is None:
-        return n
-    raise ValueError(
-        f"speed_report(samples=len) {rows}. Count the rows of one of its tensors: {fix} "
-        "(samples=lambda batch: len(batch) counts the items without this check)."
-    )
+    return n
 
 
 def _function(spec: object) -> Callable[[Any], Any] | None:

@@ -165,15 +165,24 @@ def test_samples_len_of_a_dict_batch_is_refused_with_the_fix() -> None:
     assert meter.calls == 0
 
 
-def test_samples_len_of_an_inputs_targets_pair_is_refused_with_the_fix() -> None:
+def test_samples_len_of_an_inputs_targets_pair_warns_with_the_fix() -> None:
     @speed_report(samples=len, file=None)
     def step(batch: Any) -> None:
-        raise AssertionError("the step must not run")  # pragma: no cover
+        pass
 
-    with pytest.raises(ValueError, match=r"counts the 2 items of a tuple of tensors with 8 rows"):
+    with pytest.warns(UserWarning, match=r"counts the 2 items of a tuple of tensors with 8 rows"):
         step((torch.zeros(8, 3), torch.zeros(8)))
-    with pytest.raises(ValueError, match=r"samples=lambda batch: len\(batch\[0\]\)"):
+    with pytest.warns(UserWarning, match=r"samples=lambda batch: len\(batch\[0\]\)"):
         step([torch.zeros(4, 3), torch.zeros(4)])
+    assert step.speed_report.total.samples == 4.0  # what len counts, as asked
+
+
+def test_a_list_of_images_counts_its_images() -> None:
+    """A detection model's batch: a list of images (3, H, W), each a sample."""
+    meter = speed_report(samples=lambda batch: len(batch), file=None)
+    with meter.measure([torch.zeros(3, 5, 5), torch.zeros(3, 7, 6)]):
+        pass
+    assert meter.total.samples == 2.0
 
 
 @pytest.mark.parametrize(
