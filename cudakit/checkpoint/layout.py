@@ -152,7 +152,7 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
         for p in sorted(partial.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    serial = 1 + max((m.serial for _, m in list_checkpoints(final.parent).complete), default=0)
+    serial = 1 + _newest_serial(final.parent)
     manifest = Manifest(files=files, **fields, serial=serial)
     tmp = partial / (MANIFEST + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -165,6 +165,21 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
         shutil.rmtree(final)
     os.replace(partial, final)
     fsync_dir(final.parent)
+
+
+def _newest_serial(root: Path) -> int:
+    """The highest serial number among the manifests in ``root`` (read, not checked)."""
+    newest = 0
+    for entry in root.iterdir():
+        if _NAME.match(entry.name) is None:
+            continue
+        try:
+            serial = json.loads((entry / MANIFEST).read_text(encoding="utf-8")).get("serial", 0)
+        except (OSError, ValueError, AttributeError):
+            continue  # no manifest (yet), or not one: not a complete checkpoint
+        if isinstance(serial, int) and not isinstance(serial, bool):
+            newest = max(newest, serial)
+    return newest
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -49,6 +49,15 @@ def _restore_dict(target: dict[Any, Any], saved: dict[Any, Any]) -> None:
             target[key] = value
 
 
+def _grad(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad``, without the warning a non-leaf tensor gives (it has none to keep)."""
+    return t.grad if t.is_leaf or t.retains_grad else None
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
 class RngState:
     """The global random number generators (CPU, CUDA, ``random``, NumPy) and any extra
     ``torch.Generator`` objects, saved so that :meth:`restore` puts them back."""
@@ -117,14 +126,9 @@ class _Snapshot:
             for t in loose:
                 add(t)
             self.tensors = [
-                (
-                    t,
-                    t.detach().clone(),
-                    t.requires_grad,
-                    t.grad,
-                    None if t.grad is None else t.grad.detach().clone(),
-                )
+                (t, t.detach().clone(), t.requires_grad, grad, _clone(grad))
                 for t in tensors
+                for grad in (_grad(t),)
             ]
             self.optimizer = optimizer
             if optimizer is not None:
@@ -169,7 +173,7 @@ class _Snapshot:
                     t.requires_grad_(requires_grad)
                 if grad is not None and grad_data is not None:
                     _restore_value(grad, grad_data)
-                if t.grad is not grad:
+                if _grad(t) is not grad:
                     t.grad = grad
             opt = self.optimizer
             if opt is not None:

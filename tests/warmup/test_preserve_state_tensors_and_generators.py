@@ -60,3 +60,11 @@ def test_other_extras_are_still_refused_by_name(bad: object) -> None:
         preserve_state(extra=(bad,))
     if not isinstance(bad, str):
         assert "tensors and torch.Generator objects" in str(info.value)
+
+
+def test_a_non_leaf_tensor_is_put_back_without_a_warning() -> None:
+    base = torch.ones(3, requires_grad=True)
+    y = base * 2  # not a leaf: no .grad of its own to keep
+    with preserve_state(extra=(y,)), torch.no_grad():
+        y.add_(5)
+    assert torch.equal(y.detach(), torch.full((3,), 2.0))
