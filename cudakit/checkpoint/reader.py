@@ -26,7 +26,16 @@ from ..parallel import unwrap
 from . import layout
 from .arguments import describe_parts
 from .data import generators_of, is_stateful, restore_rng
-from .state import Parts, failure_cause, fresh_optimizers, mismatch, reset_fresh, tensor_state
+from .state import (
+    Parts,
+    failure_cause,
+    flat_keys,
+    fresh_optimizers,
+    has_state,
+    mismatch,
+    reset_fresh,
+    tensor_state,
+)
 
 __all__ = ["apply_host", "read"]
 
@@ -109,18 +118,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t if to_local is None else to_local()
 
 
-def _leaves(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _leaves(v, out)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            _leaves(v, out)
-    return out
-
-
 class _Rollback:
     """What a load may change, saved so that a load that fails part-way changes nothing.
 
@@ -132,7 +129,11 @@ class _Rollback:
 
     def __init__(self, parts: Parts, tensors: dict[str, Any], extras: dict[str, Any], loader: Any):
         with torch.no_grad():
-            self.data = [(_local(t), _to_host(t)) for t in _leaves(tensors, [])]
+            self.data = [
+                (_local(t), _to_host(t))
+                for t in flat_keys(tensors).values()
+                if isinstance(t, torch.Tensor)
+            ]
             # Tensor hyper-parameters (a tensor lr) go back into the same tensors.
             self.data += [
                 (_local(v), _to_host(v))
@@ -166,7 +167,7 @@ class _Rollback:
         self.extras = extras
         self.extra_values = dict(extras)
         self.extra_states = {
-            name: _to_host(obj.state_dict()) for name, obj in extras.items() if _stateful(obj)
+            name: _to_host(obj.state_dict()) for name, obj in extras.items() if has_state(obj)
         }
         self.loader = loader
         self.loader_state = (
@@ -214,12 +215,6 @@ class _Rollback:
         if self.loader_state is not None:
             attempt(self.loader.load_state_dict, self.loader_state)
         return failed
-
-
-def _stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 def _load_extras(host: dict[str, Any], extras: dict[str, Any], loader: Any) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from .._check import describe
 from ..parallel import unwrap
 
-__all__ = ["Parts", "failure_cause", "fresh_optimizers", "mismatch", "tensor_state"]
+__all__ = ["Parts", "failure_cause", "fresh_optimizers", "has_state", "mismatch", "tensor_state"]
 
 
 @dataclasses.dataclass
@@ -195,13 +195,18 @@ def check_extras(func: str, extras: object) -> dict[str, Any]:
     return dict(extras)
 
 
+def has_state(obj: object) -> bool:
+    """Whether an extra is saved by ``state_dict()`` and loaded by ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
 def extras_state(extras: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     """Each extra as ``("state", its state_dict())`` or ``("value", the value)``."""
     out: dict[str, tuple[str, Any]] = {}
     for name, obj in extras.items():
-        if callable(getattr(obj, "state_dict", None)) and callable(
-            getattr(obj, "load_state_dict", None)
-        ):
+        if has_state(obj):
             out[name] = ("state", obj.state_dict())
         else:
             out[name] = ("value", obj)
