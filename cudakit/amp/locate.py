@@ -167,17 +167,21 @@ def replay(
 
 
 def _bad(
-    value: object, path: str, depth: int = 4, nan_only: bool = False
+    value: object, path: str, depth: int = 4, masks: bool = False
 ) -> tuple[str, torch.Tensor] | None:
     """The first tensor holding an inf/NaN in ``value`` (nested containers), with its path.
 
-    ``nan_only``: an inf is fine (a keyword input: attention masks hold -inf).
+    ``masks``: a tensor whose only non-finite values are ``-inf`` is fine (an input:
+    additive attention masks hold ``-inf``, however they are passed); a NaN or a
+    ``+inf`` is not.
     """
     if isinstance(value, torch.Tensor):
         checked = (value.is_floating_point() or value.is_complex()) and value.numel() > 0
         if checked and not value.is_sparse:
             with torch.no_grad():  # records nothing (activation checkpointing counts saves)
-                bad = bool(value.isnan().any()) if nan_only else not torch.isfinite(value).all()
+                bad = not bool(torch.isfinite(value).all())
+                if bad and masks and not value.is_complex():
+                    bad = bool(value.isnan().any() or value.isposinf().any())
             if bad:
                 return path, value
         return None
@@ -193,7 +197,7 @@ def _bad(
     else:
         return None
     for sub, item in items:
-        hit = _bad(item, sub, depth - 1, nan_only)
+        hit = _bad(item, sub, depth - 1, masks)
         if hit is not None:
             return hit
     return None
@@ -402,9 +406,9 @@ class _Replay:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], by_global: bool
     ) -> None:
         if self.source is None:
-            # Made bad between two modules: the enclosing one's code. Keyword inputs may
-            # hold -inf (attention masks): only a NaN there counts.
-            hit = _bad(args, "input") or _bad(kwargs, "input", nan_only=True)
+            # Made bad between two modules: the enclosing one's code. An input that is
+            # -inf where it is not finite is an additive attention mask, not a source.
+            hit = _bad(args, "input", masks=True) or _bad(kwargs, "input", masks=True)
             if hit is not None:
                 self._found("forward", self.stack[-1][0] if self.stack else None, hit[1])
         self.stack.append((module, _sequence_number(), by_global))
@@ -538,7 +542,7 @@ class _Replay:
     def run(
         self, autocast: Callable[[], Any] | None, seed: float, pause: Callable[[], Any] | None
     ) -> NonFiniteSource | None:
-        hit = _bad(self.args, "args") or _bad(self.kwargs, "kwargs")
+        hit = _bad(self.args, "args", masks=True) or _bad(self.kwargs, "kwargs", masks=True)
         if hit is not None:
             self._found("input", None, hit[1], name=hit[0])
             return self.source
