@@ -23,9 +23,10 @@ random number generator (torch's CPU and CUDA ones, ``random``, NumPy).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -204,15 +205,38 @@ def _bad(
 
 
 def _copied(value: Any, depth: int = 4) -> Any:
-    """``value`` with the tensors in its dicts, lists and tuples cloned (the rest as is)."""
+    """``value`` with the tensors in its containers cloned, the containers' types kept.
+
+    Lists, tuples and namedtuples, mappings (dict subclasses, ``UserDict`` such as
+    HF's ``BatchEncoding``) and dataclasses are copied shallowly, then given their
+    items' copies; anything else is passed as it is.
+    """
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
-    if depth == 0:
+    if depth == 0 or isinstance(value, (str, bytes)):
         return value
-    if type(value) is dict:
+    tp = type(value)
+    if tp is dict:
         return {k: _copied(v, depth - 1) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_copied(v, depth - 1) for v in value)
+    if tp is list or tp is tuple:
+        return tp(_copied(v, depth - 1) for v in value)
+    try:
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return tp._make(_copied(v, depth - 1) for v in value)
+        if isinstance(value, (list, MutableMapping)):
+            out: Any = copy.copy(value)
+            keys = range(len(value)) if isinstance(value, list) else list(value.keys())
+            for key in keys:
+                out[key] = _copied(value[key], depth - 1)
+            return out
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out = copy.copy(value)
+            for field in dataclasses.fields(value):
+                item = getattr(value, field.name)
+                object.__setattr__(out, field.name, _copied(item, depth - 1))
+            return out
+    except Exception:  # a container that refuses to be copied: replayed as it is
+        return value
     return value
 
 
