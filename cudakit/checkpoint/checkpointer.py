@@ -191,7 +191,8 @@ class Checkpointer:
         self._requested = False
         self._resumed = False
         self._closed = False
-        self._in_batches = 0  # batches() generators running: they count the batches
+        # A batch batches() yielded and counted, which the next maybe_save() only checks.
+        self._yielded = False
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -374,18 +375,19 @@ class Checkpointer:
             if skip:
                 skip_batches(iterator, skip)
         length = _length(loader)
-        self._in_batches += 1
         try:
             for batch in iterator:
                 pos = self._position
                 self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+                self._yielded = True
                 yield batch
+                self._yielded = False
                 if length is None or self._position.batch < length:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
                     # once the iterator is exhausted: a sampler may still draw from the RNG.)
                     self._boundary()
         finally:
-            self._in_batches -= 1
+            self._yielded = False
         pos = self._position
         self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
         self._boundary()
@@ -396,11 +398,13 @@ class Checkpointer:
 
         Call it after each call of the step (each micro-batch), on every rank, when the
         loop brings its own data instead of :meth:`batches` (which counts the batches
-        and checks between them itself; inside it, this only checks). Returns the
-        checkpoint's path when it saved.
+        and checks between them itself: the first call after a batch it yielded only
+        checks). Returns the checkpoint's path when it saved.
         """
         self._check_open("maybe_save")
-        if not self._in_batches:
+        if self._yielded:  # batches() counted this batch (a generator left open counts once)
+            self._yielded = False
+        else:
             if not self._resumed:
                 self._refuse_unresumed()
             pos = self._position
