@@ -359,8 +359,8 @@ class _Replay:
     ):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.source: NonFiniteSource | None = None
-        # (module, first autograd sequence number, entered by the global pre-hook)
-        self.stack: list[tuple[nn.Module, int, bool]] = []
+        # (module, the autograd sequence number when it was entered)
+        self.stack: list[tuple[nn.Module, int]] = []
         self.spans: list[tuple[int, int, int, nn.Module]] = []  # (first, last, depth, module)
         self.names: dict[int, str] = {}
         self.saved: list[_ModuleState] = []
@@ -419,23 +419,21 @@ class _Replay:
             return  # its own pre-hook, which sees the keyword arguments, enters it
         if not self.stack:
             self._root(module)  # hooked from now on; this call is entered here
-        self._enter(module, args, {}, by_global=True)
+        self._enter(module, args, {})
 
     def _own_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        top = self.stack[-1] if self.stack else None
-        if top is None or top[0] is not module or not top[2]:  # (not entered above)
-            self._enter(module, args, kwargs, by_global=False)
+        # (Never the call that rooted the module in _pre: torch takes the tuple of a
+        # call's pre-hooks before it runs them. A module calling itself is entered again.)
+        self._enter(module, args, kwargs)
 
-    def _enter(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], by_global: bool
-    ) -> None:
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.source is None:
             # Made bad between two modules: the enclosing one's code. An input that is
             # -inf where it is not finite is an additive attention mask, not a source.
             hit = _bad(args, "input", masks=True) or _bad(kwargs, "input", masks=True)
             if hit is not None:
                 self._found("forward", self.stack[-1][0] if self.stack else None, hit[1])
-        self.stack.append((module, _sequence_number(), by_global))
+        self.stack.append((module, _sequence_number()))
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         """The global forward hook: modules outside the hooked trees."""
@@ -449,7 +447,7 @@ class _Replay:
 
     def _leave(self, module: nn.Module, output: object) -> None:
         if self.stack and self.stack[-1][0] is module:
-            _, first, _ = self.stack.pop()
+            _, first = self.stack.pop()
             self.spans.append((first, _sequence_number(), len(self.stack), module))
         if self.source is None:
             hit = _bad(output, "output")
