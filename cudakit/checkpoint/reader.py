@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def read(
     tensors, fresh_now = _check_tensors(root, parts)
     rollback: _Rollback | None = None
     try:
-        rollback = _Rollback(parts, tensors, extras, loader)
+        rollback = _Rollback(parts, tensors, extras, loader, fresh_now)
         for obj, state in zip(parts.steps, host["steps"], strict=True):
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
@@ -127,11 +128,29 @@ class _Rollback:
     loader's state are kept as they were.
     """
 
-    def __init__(self, parts: Parts, tensors: dict[str, Any], extras: dict[str, Any], loader: Any):
+    def __init__(
+        self,
+        parts: Parts,
+        tensors: dict[str, Any],
+        extras: dict[str, Any],
+        loader: Any,
+        fresh: Sequence[bool],
+    ):
+        # The state DCP made for optimizers that had none is emptied again on failure
+        # (reset_fresh): not copied (for AdamW, two thirds of a resume's state).
+        made = {
+            name
+            for name in tensors["optim"]
+            if all(fresh[parts.optimizers.index(o)] for o in parts.optimizers_of(name))
+        }
+        kept = {
+            "model": tensors["model"],
+            "optim": {k: v for k, v in tensors["optim"].items() if k not in made},
+        }
         with torch.no_grad():
             self.data = [
                 (_local(t), _to_host(t))
-                for t in flat_keys(tensors).values()
+                for t in flat_keys(kept).values()
                 if isinstance(t, torch.Tensor)
             ]
             # Tensor hyper-parameters (a tensor lr) go back into the same tensors.
