@@ -41,25 +41,26 @@ def lm_loss(model: TinyLM, src: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return nn.functional.cross_entropy(logits.flatten(0, 1), src.flatten())
 
 
-def test_positional_mask_to_a_module_is_not_blamed() -> None:
+def _poisoned_lm() -> tuple[TinyLM, torch.Tensor, torch.Tensor]:
+    """The model with a NaN weight in its decoder, a batch, the causal -inf mask."""
     torch.manual_seed(0)
     model = TinyLM()
     src = torch.randint(0, 11, (2, 5))
     mask = nn.Transformer.generate_square_subsequent_mask(5)
     with torch.no_grad():
         model.decoder.weight[3, 2] = NAN
+    return model, src, mask
+
+
+def test_positional_mask_to_a_module_is_not_blamed() -> None:
+    model, src, mask = _poisoned_lm()
     found = find_nonfinite(lambda s, m: lm_loss(model, s, m), src, mask)
     assert found is not None
     assert (found.phase, found.name, found.module) == ("forward", "decoder", "Linear")
 
 
 def test_mask_passed_to_the_step_function_is_not_an_input_source() -> None:
-    torch.manual_seed(0)
-    model = TinyLM()
-    src = torch.randint(0, 11, (2, 5))
-    mask = nn.Transformer.generate_square_subsequent_mask(5)
-    with torch.no_grad():
-        model.decoder.weight[3, 2] = NAN
+    model, src, mask = _poisoned_lm()
     for found in (
         find_nonfinite(lambda s, m: lm_loss(model, s, m), src, mask),
         find_nonfinite(lambda s, mask: lm_loss(model, s, mask), src, mask=mask),
