@@ -26,7 +26,8 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections import UserDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -207,9 +208,9 @@ def _bad(
 def _copied(value: Any, depth: int = 4) -> Any:
     """``value`` with the tensors in its containers cloned, the containers' types kept.
 
-    Lists, tuples and namedtuples, mappings (dict subclasses, ``UserDict`` such as
-    HF's ``BatchEncoding``) and dataclasses are copied shallowly, then given their
-    items' copies; anything else is passed as it is.
+    Lists, tuples and namedtuples, dicts (subclasses too), ``UserDict`` (HF's
+    ``BatchEncoding``) and dataclasses are copied shallowly, then given their items'
+    copies; anything else is passed as it is.
     """
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
@@ -223,7 +224,9 @@ def _copied(value: Any, depth: int = 4) -> Any:
     try:
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
             return tp._make(_copied(v, depth - 1) for v in value)
-        if isinstance(value, (list, MutableMapping)):
+        # (dict and list subclasses, and UserDict, copy their storage; other mappings
+        # may share theirs with the copy, which would change the user's batch.)
+        if isinstance(value, (list, dict, UserDict)):
             out: Any = copy.copy(value)
             keys = range(len(value)) if isinstance(value, list) else list(value.keys())
             for key in keys:

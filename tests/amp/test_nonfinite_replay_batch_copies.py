@@ -109,3 +109,36 @@ def test_a_step_that_changes_its_batch_in_place_changes_it_once(kind: str, shift
     assert torch.equal(x, before)  # the replay changed a copy
     assert torch.equal(y, torch.zeros(4, 1))
     assert seen == [type(batch), type(batch)]  # the container kept its type
+
+
+class Store(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    """A mapping over a dict attribute, with no __copy__: a shallow copy shares it."""
+
+    def __init__(self, **items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_a_mapping_that_would_share_its_storage_is_left_as_it_is() -> None:
+    model = nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight[0, 1] = NAN
+    x = torch.ones(4, 3)
+    batch = Store(x=x)
+    found = find_nonfinite(lambda b: model(b["x"]).sum(), batch)
+    assert found is not None
+    assert batch["x"] is x  # the user's mapping still holds the user's tensor
