@@ -76,9 +76,13 @@ def expand_hostlist(nodelist: str) -> list[str]:
     ['node01', 'node02', 'node03', 'node07', 'gpu-a1b', 'gpu-a2b', 'login']
     >>> expand_hostlist("rack[1-2]-n[8-9]")
     ['rack1-n8', 'rack1-n9', 'rack2-n8', 'rack2-n9']
+    >>> expand_hostlist("alpha beta, gamma[1, 3]")
+    ['alpha', 'beta', 'gamma1', 'gamma3']
 
-    Zero padding is kept (``[08-10]`` gives ``08, 09, 10``); several bracket groups in
-    one name expand as a product, the first group varying slowest, as SLURM does.
+    Names are separated by commas or whitespace (inside brackets, spaces after the commas
+    are allowed too). Zero padding is kept (``[08-10]`` gives ``08, 09, 10``); several
+    bracket groups in one name expand as a product, the first group varying slowest, as
+    SLURM does.
 
     Raises:
         ValueError: an unbalanced bracket or a range that is not ``lo-hi`` with lo <= hi.
@@ -96,10 +100,11 @@ def expand_hostlist(nodelist: str) -> list[str]:
 
 
 def _split_top_level(nodelist: str) -> list[str]:
+    """The names of a node list: separated by commas or whitespace outside brackets."""
     items, depth, start = [], 0, 0
     for i, ch in enumerate(nodelist):
         depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
+        if depth == 0 and (ch == "," or ch.isspace()):
             items.append(nodelist[start:i])
             start = i + 1
     items.append(nodelist[start:])
@@ -315,20 +320,26 @@ class DistributedEnv:
     master_port: int
 
 
-def _parse_int(env: Mapping[str, str], name: str, lo: int) -> int:
+def _parse_int(
+    env: Mapping[str, str],
+    name: str,
+    lo: int,
+    sources: Mapping[str, tuple[str, str]] | None = None,
+) -> int:
+    """``env[name]`` as an integer >= ``lo``; the error names the SLURM variable it came
+    from (``sources``, see :func:`slurm_sources`) and SLURM's fix for a task srun started."""
     raw = env[name]
+    source = (sources or {}).get(name, ("", ""))[1]
+    shown = source if source.startswith("SLURM_") else name
+    fix = _SLURM_FIX if shown != name else f"{launch_hint()}, which sets it correctly."
     try:
         value = int(raw.strip())
     except ValueError:
         raise DistributedSetupError(
-            f"environment variable {name}={raw!r} is not an integer. {launch_hint()}, which "
-            "sets it correctly."
+            f"environment variable {shown}={raw!r} is not an integer. {fix}"
         ) from None
     if value < lo:
-        raise DistributedSetupError(
-            f"environment variable {name}={value} must be >= {lo}. {launch_hint()}, which sets "
-            "it correctly."
-        )
+        raise DistributedSetupError(f"environment variable {shown}={value} must be >= {lo}. {fix}")
     return value
 
 
@@ -408,7 +419,7 @@ def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv
         return None
     missing = [k for k in LAUNCHER_VARS if k not in present]
     if missing:
-        world = _parse_int(env, "WORLD_SIZE", 1) if "WORLD_SIZE" in present else None
+        world = _parse_int(env, "WORLD_SIZE", 1, sources) if "WORLD_SIZE" in present else None
         if not strict and (world is None or world == 1):
             return None
         if sources and missing == ["MASTER_ADDR"]:
@@ -432,12 +443,14 @@ def read_launcher_env(env: Mapping[str, str], *, strict: bool) -> DistributedEnv
         source = sources.get(name, ("", ""))[1]
         return f"{name}={value}" + (f" (from {source})" if source and source != name else "")
 
-    world = _parse_int(env, "WORLD_SIZE", 1)
-    rank_ = _parse_int(env, "RANK", 0)
-    local = _parse_int(env, "LOCAL_RANK", 0)
-    port = _parse_int(env, "MASTER_PORT", 1)
+    world = _parse_int(env, "WORLD_SIZE", 1, sources)
+    rank_ = _parse_int(env, "RANK", 0, sources)
+    local = _parse_int(env, "LOCAL_RANK", 0, sources)
+    port = _parse_int(env, "MASTER_PORT", 1, sources)
     local_world = (
-        _parse_int(env, "LOCAL_WORLD_SIZE", 1) if env.get("LOCAL_WORLD_SIZE", "") else world
+        _parse_int(env, "LOCAL_WORLD_SIZE", 1, sources)
+        if env.get("LOCAL_WORLD_SIZE", "")
+        else world
     )
     fix = (
         f"{_SLURM_FIX}"

@@ -342,7 +342,9 @@ def _cuda_index_for(local: int, device_count: int) -> int:
     raise DistributedSetupError(
         f"LOCAL_RANK={local} but only {device_count} CUDA device(s) are visible to this process; "
         f"each rank needs its own GPU. Launch with `torchrun --nproc-per-node {device_count} "
-        "script.py` (or fewer), or check CUDA_VISIBLE_DEVICES."
+        "script.py` (or fewer); under SLURM (srun), ask for no more tasks per node than GPUs "
+        f"(`--ntasks-per-node={device_count}` with `--gpus-per-node={device_count}`) or give "
+        "each task one GPU (`--gpus-per-task=1`); or check CUDA_VISIBLE_DEVICES."
     )
 
 
