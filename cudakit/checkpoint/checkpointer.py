@@ -478,7 +478,7 @@ class Checkpointer:
         self._position = pos
         if self._writer.pending is not None and self._writer.done():
             self._writer.finish()
-        stop = self._stop.poll(self._signals.signum is not None)
+        stop = self._stop.poll(self._signals.seen)
         due = self._requested or (
             self.every is not None and pos.windows - self._saved_windows >= self.every
         )
@@ -536,18 +536,23 @@ class Checkpointer:
         }
 
     def _exit_after_stop(self) -> None:
+        # The agreed signals: a rank the signal did not reach exits (and rank 0 requeues)
+        # as the rank it reached does.
+        agreed = self._stop.signals
         signum = self._signals.signum
+        if signum is None and agreed:
+            signum = agreed[0]
         self.wait()
         options = self._options
         if self._rank == 0 and options.requeue is not False:
             usr1 = getattr(signal, "SIGUSR1", None)
-            if options.requeue is True or (signum is not None and signum == usr1):
+            if options.requeue is True or (usr1 is not None and int(usr1) in agreed):
                 done = requeue_slurm_job()
                 if done:
                     log.warning("cudakit: %s", done)
         code = options.exit_code
         if code is None:
-            code = 128 + (signum if signum is not None else 15)
+            code = 128 + (signum if signum is not None else int(signal.SIGTERM))
         log.warning(
             "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
         )

@@ -4,21 +4,22 @@ SLURM (``--signal=USR1@90``, or SIGTERM before a preemption), Kubernetes and
 torchrun stop a job with a signal. The handler only notes it (and calls the
 handler that was installed before, so the user's own keep working). The loop asks
 :meth:`StopAgreement.poll` at each window boundary; under a process group every rank
-contributes its flag to an all-reduce (max) started asynchronously on a group of its
-own and read at the next boundary, so every rank sees the same answer at the same
-boundary without ever waiting for a rank that did not see the signal, and without a
-blocking collective per step.
+contributes its flags (one per stop signal) to an all-reduce (max) started
+asynchronously on a group of its own and read at the next boundary, so every rank sees
+the same answer (and the same signals) at the same boundary without ever waiting for a
+rank that did not see the signal, and without a blocking collective per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import FrameType
 from typing import Any
 
@@ -36,15 +37,24 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class SignalWatch:
-    """Notes the first stop signal; chains the handlers that were there before.
+    """Notes the stop signals; chains the handlers that were there before.
 
     Installed only from the main thread (Python delivers signals there);
-    :meth:`uninstall` puts the previous handlers back.
+    :meth:`uninstall` puts the previous handlers back. Where it cannot (a handler
+    installed on top of this one since, or ``close()`` called from another thread),
+    the watch is detached instead: it only forwards each signal to the handler that
+    was there before, and gives its place back at the first signal it still receives
+    as the installed handler (re-delivering that signal, so that SIGTERM's default
+    action still ends the process).
     """
 
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        #: The first signal noted (None: none yet).
         self.signum: int | None = None
+        #: Every signal noted, in the order they first came.
+        self.seen: list[int] = []
         self._previous: dict[signal.Signals, _Handler] = {}
+        self._detached = False
         if not signals or threading.current_thread() is not threading.main_thread():
             return
         for sig in signals:
@@ -53,46 +63,91 @@ class SignalWatch:
 
     @property
     def installed(self) -> bool:
-        return bool(self._previous)
+        return bool(self._previous) and not self._detached
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        previous = _unwrap(sig, self._previous.get(sig))
+        if self._detached:
+            if signal.getsignal(sig) == self._handle:  # closed, yet still the handler
+                signal.signal(sig, _settable(previous))
+                if previous is None or previous == signal.SIG_DFL:
+                    signal.raise_signal(sig)  # the default action, as without the watch
+                    return
+            if callable(previous):
+                previous(signum, frame)
+            return
         if self.signum is None:
             self.signum = signum
-        previous = self._previous.get(signal.Signals(signum))
+        if signum not in self.seen:
+            self.seen.append(signum)
         if callable(previous):
             previous(signum, frame)
 
     def uninstall(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        """Put the previous handlers back where this watch is still the handler; detach."""
+        if self._detached:
             return
+        self._detached = True
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal() works in the main thread only: see _handle
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+                signal.signal(sig, _settable(_unwrap(sig, previous)))
+
+
+def _unwrap(sig: signal.Signals, handler: _Handler) -> _Handler:
+    """``handler``, or for a detached watch's, the handler that watch forwards to."""
+    while True:
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, SignalWatch) and owner._detached):
+            return handler
+        handler = owner._previous.get(sig)
+
+
+def _settable(handler: _Handler) -> Callable[[int, FrameType | None], Any] | int:
+    """A handler ``signal.signal`` accepts: None (not installed from Python) is SIG_DFL."""
+    return signal.SIG_DFL if handler is None else handler
 
 
 class StopAgreement:
-    """Whether every rank should stop, agreed one window boundary after any rank asks."""
+    """Whether every rank should stop, agreed one window boundary after any rank asks.
+
+    What is agreed is the set of stop signals any rank received (:attr:`signals`), so
+    that a rank the signal did not reach exits as the others do, and rank 0 requeues
+    after a SIGUSR1 that reached another rank first.
+    """
 
     def __init__(self, group: Any = None) -> None:
         self._group = group
         self._pending: tuple[Any, torch.Tensor] | None = None
-        self.agreed = False
+        #: The signals any rank received, in :data:`DEFAULT_SIGNALS` order.
+        self.signals: tuple[int, ...] = ()
 
-    def poll(self, local: bool) -> bool:
-        """The agreed answer now; starts the next round with this rank's ``local`` flag."""
+    @property
+    def agreed(self) -> bool:
+        """Whether every rank stops (some rank received a stop signal)."""
+        return bool(self.signals)
+
+    def _merge(self, received: Collection[int]) -> None:
+        known = {*self.signals, *received}
+        self.signals = tuple(int(s) for s in DEFAULT_SIGNALS if int(s) in known)
+
+    def poll(self, seen: Collection[int]) -> bool:
+        """The agreed answer now; starts the next round with the signals this rank saw."""
         if self._group is None:
-            self.agreed = self.agreed or local
+            self._merge(seen)
             return self.agreed
         import torch.distributed as dist
 
         if self._pending is not None:
-            work, flag = self._pending
+            work, flags = self._pending
             work.wait()
-            self.agreed = self.agreed or bool(flag[0])  # a CPU tensor: no device sync
-        flag = torch.tensor([int(local)], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, flag)
+            # A CPU tensor: no device sync.
+            self._merge([int(s) for s, f in zip(DEFAULT_SIGNALS, flags.tolist(), strict=True) if f])
+        flags = torch.tensor([int(int(s) in seen) for s in DEFAULT_SIGNALS], dtype=torch.int32)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flags)
         return self.agreed
 
     def drain(self) -> None:
@@ -104,15 +159,48 @@ class StopAgreement:
                 work.wait()
 
 
+#: What SLURM names a job by: digits, or ``<array job>_<task>``.
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+
+
 def requeue_slurm_job() -> str | None:
-    """Ask SLURM to requeue this job (``scontrol requeue``); returns what was done, or None."""
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    """Ask SLURM to requeue this job (``scontrol requeue``); returns what was done, or why
+    it failed, for the log; None outside a SLURM batch job or without ``scontrol``.
+
+    An array task is named ``<array job>_<task>`` (never the whole array). The shell of
+    ``salloc`` (``SLURM_JOB_NAME`` ``bash``/``interactive``) has no batch job to
+    requeue. A failure (scontrol's status, or scontrol that cannot run) is returned,
+    never raised: the run still exits with the status the scheduler expects.
+    """
+    env = os.environ
+    if env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return None
+    array, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    job = f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID", "")
     if not job:
         return None
-    if os.environ.get("SLURM_ARRAY_TASK_ID") and os.environ.get("SLURM_ARRAY_JOB_ID"):
-        job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if not _JOB_ID.fullmatch(job):
+        return (
+            f"not requeued: the SLURM job id {job!r} is not a job id (digits, or "
+            "<array job>_<task>); requeue the job by hand"
+        )
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return None
-    subprocess.run([scontrol, "requeue", job], check=False, timeout=60)
-    return f"scontrol requeue {job}"
+    command = f"scontrol requeue {job}"
+    try:
+        done = subprocess.run(
+            [scontrol, "requeue", job],
+            check=False,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{command} failed ({type(exc).__name__}: {exc}); requeue the job by hand"
+    status = getattr(done, "returncode", 0)
+    if status:
+        why = (getattr(done, "stderr", "") or getattr(done, "stdout", "") or "").strip()
+        return f"{command} failed with status {status}" + (f": {why}" if why else "")
+    return command
