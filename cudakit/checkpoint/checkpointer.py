@@ -543,10 +543,11 @@ class Checkpointer:
         if signum is None and agreed:
             signum = agreed[0]
         self.wait()
+        received = {*agreed, *self._signals.seen}  # with those that came during the save
         options = self._options
         if self._rank == 0 and options.requeue is not False:
             usr1 = getattr(signal, "SIGUSR1", None)
-            if options.requeue is True or (usr1 is not None and int(usr1) in agreed):
+            if options.requeue is True or (usr1 is not None and int(usr1) in received):
                 done = requeue_slurm_job()
                 if done:
                     log.warning("cudakit: %s", done)

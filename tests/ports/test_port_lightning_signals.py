@@ -309,6 +309,35 @@ def test_no_requeue_from_the_interactive_shell_of_salloc(
     assert _calls(scontrol) == []
 
 
+class _SignalDuringSave:
+    """An extra whose state (read inside the save) sends this process ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def state_dict(self) -> dict[str, int]:
+        os.kill(os.getpid(), self.signum)
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_a_sigusr1_during_the_save_of_a_sigterm_still_requeues(
+    tmp_path: Path, scontrol: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLURM's --signal=USR1 arriving while the preemption's SIGTERM save is written:
+    the job still asks to be requeued, and exits with SIGTERM's status."""
+    monkeypatch.setenv("SLURM_JOB_ID", "31")
+    extra = {"late": _SignalDuringSave(SIGUSR1)}
+    ckpt = cudakit.Checkpointer(tmp_path / "ckpt", model=_model(), extra=extra)
+    with pytest.raises(SystemExit) as info:
+        _own_loop_until_stop(ckpt, SIGTERM)
+    assert info.value.code == 143
+    assert _calls(scontrol) == ["requeue 31"]
+    assert cudakit.find_latest(tmp_path / "ckpt") is not None
+
+
 def test_a_failed_requeue_is_reported_and_the_run_still_exits_for_the_scheduler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
