@@ -342,7 +342,10 @@ class OptimizerStep:
         """The scaler's per-optimizer inf flags (set by ``unscale_``); None if it keeps none.
 
         Without them the gradients are added to ``checks``; a token weight's factor
-        (applied after the scaler's check) is always added.
+        (applied after the scaler's check) is always added. So are sparse gradients other
+        than fp16 ones: ``unscale_`` checks their values as stored (it coalesces fp16 ones
+        only), and duplicate entries can be finite while their sum, the gradient the
+        optimizer sees, overflows; the guard checks them coalesced.
         """
         found: list[dict[torch.device, torch.Tensor]] = []
         states = getattr(scaler, "_per_optimizer_states", {})
@@ -353,6 +356,8 @@ class OptimizerStep:
                 found = []
                 break
             found.append(flags)
+        if found:
+            checks.extend(g for g in self.grads() if g.is_sparse and g.dtype != torch.float16)
         if isinstance(factor, torch.Tensor):
             checks.append(factor)
         return found or None
