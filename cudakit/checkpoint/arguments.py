@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 
 from .._check import check_bool, check_int, check_optional, fail_type, fail_value
 from ..amp import AutocastStep
+from .preemption import stop_signals
 from .state import Parts, assign_owners, check_extras
 
 __all__ = ["Options", "check_loader", "describe_parts", "resolve", "resolve_directory"]
@@ -34,7 +36,7 @@ class Options:
     keep: int | None
     every: int | None
     background: bool
-    preemption: bool
+    preemption: tuple[signal.Signals, ...]
     exit_code: int | None
     requeue: bool | str
 
@@ -192,7 +194,7 @@ def resolve(
     keep_n = check_optional(check_int, _FUNC, "keep", keep, minimum=1)
     every_n = check_optional(check_int, _FUNC, "every", every, minimum=1)
     background = check_bool(_FUNC, "async_save", async_save)
-    watch = check_bool(_FUNC, "preemption", preemption)
+    watch = stop_signals(_FUNC, preemption)
     code = check_optional(check_int, _FUNC, "exit_code", exit_code, minimum=0, maximum=255)
     if requeue != "auto" and not isinstance(requeue, bool):
         fail_type(
@@ -200,7 +202,8 @@ def resolve(
             "requeue",
             "'auto', True or False",
             requeue,
-            "'auto' requeues a SLURM job that got SIGUSR1 (its --signal).",
+            "'auto' requeues a SLURM job after a stop signal other than SIGTERM "
+            "(SIGUSR1, its --signal, by default).",
         )
     return Options(
         root=root,

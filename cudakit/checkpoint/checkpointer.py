@@ -9,7 +9,7 @@ import os
 import signal
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +29,7 @@ from .data import (
     set_epoch,
     skip_batches,
 )
-from .preemption import DEFAULT_SIGNALS, SignalWatch, StopAgreement, requeue_slurm_job
+from .preemption import SignalWatch, StopAgreement, requeue_slurm_job, requeues_after
 from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
 from .writer import Pending, Writer, drain_background
 
@@ -103,11 +103,14 @@ class Checkpointer:
             stop signal and at the end of :meth:`epochs`).
         async_save: write in the background; the loop waits only while the state is
             copied to host memory.
-        preemption: save and exit on SIGTERM or SIGUSR1.
+        preemption: save and exit on SIGTERM or SIGUSR1 (True), on no signal (False),
+            or on the signals given: a name (``"SIGUSR2"``, ``"USR2"``) or a
+            ``signal.Signals``, or a list of them.
         exit_code: the status to exit with after a stop signal (default ``128 +``
             the signal's number: 143 for SIGTERM).
-        requeue: after a SIGUSR1 under SLURM, ``scontrol requeue`` the job
-            (``"auto"``: when ``scontrol`` exists), or True/False.
+        requeue: after a watched signal other than SIGTERM and SIGINT (SIGUSR1 by
+            default) under SLURM, ``scontrol requeue`` the job (``"auto"``: when
+            ``scontrol`` exists); True also after SIGTERM; False never.
 
     Raises:
         TypeError, ValueError: a wrong argument (named, with the fix).
@@ -129,7 +132,7 @@ class Checkpointer:
         keep: int | None = None,
         every: int | None = None,
         async_save: bool = False,
-        preemption: bool = True,
+        preemption: bool | str | signal.Signals | Collection[str | signal.Signals] = True,
         exit_code: int | None = None,
         requeue: bool | str = "auto",
     ) -> None:
@@ -180,8 +183,8 @@ class Checkpointer:
             distributed=self._distributed,
             protect=self._protected,
         )
-        self._signals = SignalWatch(DEFAULT_SIGNALS if options.preemption else ())
-        self._stop = StopAgreement(self._control)
+        self._signals = SignalWatch(options.preemption)
+        self._stop = StopAgreement(self._control, options.preemption)
         self._position = Position()
         self._epoch_rng: dict[str, Any] | None = None
         self._skip = 0
@@ -545,12 +548,11 @@ class Checkpointer:
         self.wait()
         received = {*agreed, *self._signals.seen}  # with those that came during the save
         options = self._options
-        if self._rank == 0 and options.requeue is not False:
-            usr1 = getattr(signal, "SIGUSR1", None)
-            if options.requeue is True or (usr1 is not None and int(usr1) in received):
-                done = requeue_slurm_job()
-                if done:
-                    log.warning("cudakit: %s", done)
+        requeue = options.requeue is True or any(requeues_after(s) for s in received)
+        if self._rank == 0 and options.requeue is not False and requeue:
+            done = requeue_slurm_job()
+            if done:
+                log.warning("cudakit: %s", done)
         code = options.exit_code
         if code is None:
             code = 128 + (signum if signum is not None else int(signal.SIGTERM))

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_SIGNALS", "SignalWatch", "StopAgreement", "requeue_slurm_job"]
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "SignalWatch",
+    "StopAgreement",
+    "requeue_slurm_job",
+    "requeues_after",
+    "stop_signals",
+]
 
 #: SIGTERM (SLURM preemption, Kubernetes, torchrun) and SIGUSR1 (SLURM's ``--signal``).
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (
@@ -34,6 +41,68 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (
 )
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
+
+_UNCATCHABLE = frozenset(
+    getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)
+)
+_SIGNAL_FIX = (
+    "Pass True (SIGTERM and SIGUSR1), False, or the signals to watch: a name or a "
+    "signal.Signals, or a list, e.g. preemption=['SIGTERM', 'SIGUSR2'] for SLURM's "
+    "--signal=USR2@90."
+)
+
+
+def stop_signals(func: str, value: object) -> tuple[signal.Signals, ...]:
+    """The signals ``preemption=`` asks to watch: True, False, or signals by name.
+
+    A name may leave out ``SIG`` and is read in any case (``"USR2"``, ``"sigusr2"``); a
+    ``signal.Signals`` is taken as it is, a plain number is not (``preemption=1``, meant
+    as True, would watch SIGHUP). Each signal is kept once, in the order given. SIGKILL
+    and SIGSTOP cannot be caught.
+    """
+    from .._check import fail_type, fail_value
+
+    if isinstance(value, bool):
+        return DEFAULT_SIGNALS if value else ()
+    items = list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
+    if isinstance(value, set | frozenset):
+        items.sort(key=lambda item: str(item))
+    out: list[signal.Signals] = []
+    for item in items:
+        if isinstance(item, str):
+            name = item.strip().upper()
+            name = name if name.startswith("SIG") else "SIG" + name
+            found = getattr(signal.Signals, name, None) if name.isidentifier() else None
+            if not isinstance(found, signal.Signals):
+                fail_value(func, "preemption", "a signal this system knows", item, _SIGNAL_FIX)
+            sig = found
+        elif isinstance(item, signal.Signals):  # (a plain int is refused: 1 is SIGHUP)
+            sig = item
+        else:
+            fail_type(
+                func,
+                "preemption",
+                "True or False, or signals (names such as 'SIGUSR2', or signal.Signals)",
+                item,
+                _SIGNAL_FIX,
+            )
+        if sig in _UNCATCHABLE:
+            fail_value(
+                func,
+                "preemption",
+                "signals a process can catch",
+                item,
+                f"{sig.name} cannot be caught, so nothing can save on it. " + _SIGNAL_FIX,
+            )
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+def requeues_after(sig: int) -> bool:
+    """Whether ``requeue="auto"`` requeues after ``sig``: every watched signal but SIGTERM
+    and SIGINT (SIGUSR1 by default; SLURM's ``--signal`` sends the one it is given)."""
+    return sig not in (signal.SIGTERM, signal.SIGINT)
 
 
 class SignalWatch:
@@ -81,7 +150,9 @@ class SignalWatch:
             self.signum = signum
         if signum not in self.seen:
             self.seen.append(signum)
-        if callable(previous):
+        # (SIGINT's default handler raises KeyboardInterrupt here, before the save: like
+        # SIG_DFL, it is the action the watch takes the place of.)
+        if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
     def uninstall(self) -> None:
@@ -118,10 +189,13 @@ class StopAgreement:
     after a SIGUSR1 that reached another rank first.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(
+        self, group: Any = None, watched: tuple[signal.Signals, ...] = DEFAULT_SIGNALS
+    ) -> None:
         self._group = group
+        self._watched = watched
         self._pending: tuple[Any, torch.Tensor] | None = None
-        #: The signals any rank received, in :data:`DEFAULT_SIGNALS` order.
+        #: The signals any rank received, in the order of ``watched``.
         self.signals: tuple[int, ...] = ()
 
     @property
@@ -131,7 +205,7 @@ class StopAgreement:
 
     def _merge(self, received: Collection[int]) -> None:
         known = {*self.signals, *received}
-        self.signals = tuple(int(s) for s in DEFAULT_SIGNALS if int(s) in known)
+        self.signals = tuple(int(s) for s in self._watched if int(s) in known)
 
     def poll(self, seen: Collection[int]) -> bool:
         """The agreed answer now; starts the next round with the signals this rank saw."""
@@ -144,8 +218,8 @@ class StopAgreement:
             work, flags = self._pending
             work.wait()
             # A CPU tensor: no device sync.
-            self._merge([int(s) for s, f in zip(DEFAULT_SIGNALS, flags.tolist(), strict=True) if f])
-        flags = torch.tensor([int(int(s) in seen) for s in DEFAULT_SIGNALS], dtype=torch.int32)
+            self._merge([int(s) for s, f in zip(self._watched, flags.tolist(), strict=True) if f])
+        flags = torch.tensor([int(int(s) in seen) for s in self._watched], dtype=torch.int32)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, flags)
         return self.agreed
