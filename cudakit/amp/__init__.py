@@ -31,7 +31,8 @@ What it offers:
 # window), checkpoint (validated state dicts), misuse (what misuse raises), options
 # and ops; step (AutocastStep, composing them into the decorator and the explicit
 # form) and factory (autocast_step). Besides inf/NaN a step watches: spikes
-# (loss-spike skipping), locate (find_nonfinite) and watch (their part of the step).
+# (loss-spike skipping), locate (find_nonfinite, with values: the inf/NaN check of
+# nested inputs and the batch copies of its replay) and watch (their part of the step).
 
 from .factory import autocast_step
 from .locate import NonFiniteSource, NonFiniteWarning, Phase, find_nonfinite

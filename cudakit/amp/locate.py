@@ -23,11 +23,9 @@ random number generator (torch's CPU and CUDA ones, ``random``, NumPy).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
-from collections import UserDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -38,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .._check import check_callable
 from .._dist import group_world_size
 from ..warmup.preserve import RngState
+from .values import copy_batch, first_nonfinite
 
 __all__ = ["NonFiniteSource", "NonFiniteWarning", "Phase", "find_nonfinite", "replay"]
 
@@ -166,81 +165,6 @@ def replay(
     finally:
         rng.restore()
     return first
-
-
-def _bad(
-    value: object, path: str, depth: int = 4, masks: bool = False
-) -> tuple[str, torch.Tensor] | None:
-    """The first tensor holding an inf/NaN in ``value`` (nested containers), with its path.
-
-    ``masks``: a tensor whose only non-finite values are ``-inf`` is fine (an input:
-    additive attention masks hold ``-inf``, however they are passed); a NaN or a
-    ``+inf`` is not.
-    """
-    if isinstance(value, torch.Tensor):
-        checked = (value.is_floating_point() or value.is_complex()) and value.numel() > 0
-        if checked and not value.is_sparse:
-            with torch.no_grad():  # records nothing (activation checkpointing counts saves)
-                bad = not bool(torch.isfinite(value).all())
-                if bad and masks and not value.is_complex():
-                    bad = bool(value.isnan().any() or value.isposinf().any())
-            if bad:
-                return path, value
-        return None
-    if depth == 0 or isinstance(value, (str, bytes)):
-        return None
-    items: Iterator[tuple[str, object]]
-    if isinstance(value, Mapping):
-        items = ((f"{path}[{k!r}]", v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = ((f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value))
-    else:
-        return None
-    for sub, item in items:
-        hit = _bad(item, sub, depth - 1, masks)
-        if hit is not None:
-            return hit
-    return None
-
-
-def _copied(value: Any, depth: int = 4) -> Any:
-    """``value`` with the tensors in its containers cloned, the containers' types kept.
-
-    Lists, tuples and namedtuples, dicts (subclasses too), ``UserDict`` (HF's
-    ``BatchEncoding``) and dataclasses are copied shallowly, then given their items'
-    copies; anything else is passed as it is.
-    """
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    if depth == 0 or isinstance(value, (str, bytes)):
-        return value
-    tp = type(value)
-    if tp is dict:
-        return {k: _copied(v, depth - 1) for k, v in value.items()}
-    if tp is list or tp is tuple:
-        return tp(_copied(v, depth - 1) for v in value)
-    try:
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return tp._make(_copied(v, depth - 1) for v in value)
-        # (dict and list subclasses, and UserDict, copy their storage; other mappings
-        # may share theirs with the copy, which would change the user's batch.)
-        if isinstance(value, (list, dict, UserDict)):
-            out: Any = copy.copy(value)
-            keys = range(len(value)) if isinstance(value, list) else list(value.keys())
-            for key in keys:
-                out[key] = _copied(value[key], depth - 1)
-            return out
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out = copy.copy(value)
-            for field in dataclasses.fields(value):
-                item = getattr(value, field.name)
-                object.__setattr__(out, field.name, _copied(item, depth - 1))
-            return out
-    except Exception:  # a container that refuses to be copied: replayed as it is
-        return value
-    return value
 
 
 def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
@@ -433,7 +357,9 @@ class _Replay:
         if self.source is None:
             # Made bad between two modules: the enclosing one's code. An input that is
             # -inf where it is not finite is an additive attention mask, not a source.
-            hit = _bad(args, "input", masks=True) or _bad(kwargs, "input", masks=True)
+            hit = first_nonfinite(args, "input", masks=True) or first_nonfinite(
+                kwargs, "input", masks=True
+            )
             if hit is not None:
                 self._found("forward", self.stack[-1][0] if self.stack else None, hit[1])
         self.stack.append((module, _sequence_number()))
@@ -453,7 +379,7 @@ class _Replay:
             _, first = self.stack.pop()
             self.spans.append((first, _sequence_number(), len(self.stack), module))
         if self.source is None:
-            hit = _bad(output, "output")
+            hit = first_nonfinite(output, "output")
             if hit is not None:
                 self._found("forward", module, hit[1])
 
@@ -466,8 +392,8 @@ class _Replay:
         @functools.wraps(hook)
         def watched(grad: torch.Tensor) -> Any:
             out = hook(grad)
-            if self.source is None and out is not None and _bad(grad, "grad") is None:
-                hit = _bad(out, "grad")
+            if self.source is None and out is not None and first_nonfinite(grad, "grad") is None:
+                hit = first_nonfinite(out, "grad")
                 if hit is not None:
                     self._found("backward", owner, hit[1], "a tensor hook")
             return out
@@ -510,13 +436,13 @@ class _Replay:
                 ran.append(node)
                 if self.source is not None:
                     return
-                arrived = _bad(tuple(grad_outputs), "grad")
+                arrived = first_nonfinite(tuple(grad_outputs), "grad")
                 if arrived is not None:  # finite when made, changed by a hook on the tensor
                     users = [n for n in reversed(ran) if n in consumers.get(node, ())]
                     module = self._module_of(users[0] if users else node)
                     self._found("backward", module, arrived[1], f"a hook on {node.name()}")
                     return
-                made = _bad(tuple(grad_inputs), "grad")
+                made = first_nonfinite(tuple(grad_inputs), "grad")
                 if made is not None:
                     self._found("backward", self._module_of(node), made[1], node.name())
 
@@ -567,13 +493,15 @@ class _Replay:
     def run(
         self, autocast: Callable[[], Any] | None, seed: float, pause: Callable[[], Any] | None
     ) -> NonFiniteSource | None:
-        hit = _bad(self.args, "args", masks=True) or _bad(self.kwargs, "kwargs", masks=True)
+        hit = first_nonfinite(self.args, "args", masks=True) or first_nonfinite(
+            self.kwargs, "kwargs", masks=True
+        )
         if hit is not None:
             self._found("input", None, hit[1], name=hit[0])
             return self.source
         # The replay runs on copies of the batch's tensors: a step that changes its batch
         # in place (x.sub_(1)) does not change it a second time.
-        args, kwargs = _copied(self.args), _copied(self.kwargs)
+        args, kwargs = copy_batch(self.args), copy_batch(self.kwargs)
         with contextlib.ExitStack() as stack:
             stance = getattr(torch.compiler, "set_stance", None)
             if stance is not None:
