@@ -36,6 +36,7 @@ __all__ = [
     "fsync_dir",
     "list_checkpoints",
     "read_manifest",
+    "remove_checkpoint",
     "remove_stale_partials",
     "to_remove",
     "write_manifest",
@@ -45,6 +46,8 @@ __all__ = [
 MANIFEST = "cudakit.json"
 #: Suffix of a checkpoint directory that is still being written.
 PARTIAL = ".partial"
+#: The suffix of a checkpoint being removed (``keep=``): not a checkpoint any more.
+REMOVING = ".removing"
 #: Bumped when the layout changes in a way older code cannot read.
 FORMAT = 1
 #: The format of the rank files (``rank-NNNNN.pt``), bumped likewise.
@@ -251,15 +254,36 @@ def list_checkpoints(root: Path) -> Found:
 
 
 def remove_stale_partials(root: Path) -> list[Path]:
-    """Remove ``.partial`` directories (saves a crash interrupted); returns what went."""
+    """Remove ``.partial`` directories (saves a crash interrupted) and what a failed
+    :func:`remove_checkpoint` left (``.removing``); returns what went."""
     gone: list[Path] = []
     if not root.is_dir():
         return gone
     for entry in root.iterdir():
-        if entry.name.endswith(PARTIAL) and _NAME.match(entry.name[: -len(PARTIAL)]):
-            shutil.rmtree(entry, ignore_errors=True)
-            gone.append(entry)
+        for suffix in (PARTIAL, REMOVING):
+            if entry.name.endswith(suffix) and _NAME.match(entry.name[: -len(suffix)]):
+                shutil.rmtree(entry, ignore_errors=True)
+                gone.append(entry)
     return gone
+
+
+def remove_checkpoint(path: Path) -> str | None:
+    """Remove a complete checkpoint whole or not at all; why it failed, else None.
+
+    It is renamed out of the checkpoints' names first (``.removing``, atomic), so a
+    removal that fails part-way never leaves a checkpoint with files missing; what is
+    left goes at the next resume (:func:`remove_stale_partials`).
+    """
+    doomed = path.with_name(path.name + REMOVING)
+    try:
+        os.replace(path, doomed)
+    except OSError as exc:
+        return f"{exc} (it is still complete)"
+    try:
+        shutil.rmtree(doomed)
+    except OSError as exc:
+        return f"{exc} (what is left, {doomed.name}, goes at the next resume)"
+    return None
 
 
 def to_remove(complete: Sequence[Path], keep: int | None, protected: Iterable[Path]) -> list[Path]:

@@ -146,8 +146,16 @@ class Writer:
             return
         found = layout.list_checkpoints(self.root)
         for path in layout.to_remove([p for p, _ in found.complete], self.keep, self._protect()):
-            shutil.rmtree(path, ignore_errors=True)
-            log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
+            failed = layout.remove_checkpoint(path)
+            if failed is None:
+                log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
+            else:
+                log.warning(
+                    "cudakit: could not remove old checkpoint %s (keep=%d): %s",
+                    path,
+                    self.keep,
+                    failed,
+                )
 
     def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
         if self.rank == 0:
