@@ -18,7 +18,6 @@ from typing_extensions import Self
 
 from .._check import check_int, fail_type
 from .._dist import group_rank, group_world_size, is_group_running
-from ..exceptions import CheckpointSaveError
 from . import arguments, layout, reader
 from .data import (
     Position,
@@ -163,7 +162,7 @@ class Checkpointer:
         self._distributed = is_group_running()
         self._rank = group_rank()
         self._world = group_world_size()
-        _probe_writable(self.directory, self._rank)
+        layout.probe_writable(self.directory, self._rank)
         self._control: Any = None
         save_group: Any = None
         if self._distributed:
@@ -326,6 +325,7 @@ class Checkpointer:
 
         When the loop finishes, a last checkpoint is saved (if anything happened since
         the last one) and waited for, so running the command again does nothing more.
+        A run that ends inside an accumulation window (no ``flush()``) saves none: it logs why.
         """
         stop = check_int("Checkpointer.epochs", "stop", stop, minimum=0)
         self.resume()
@@ -339,6 +339,19 @@ class Checkpointer:
         if self._position.total != self._saved_total and self._at_window_end():
             self.save()
         self.wait()
+        if self._position.total != self._saved_total:  # the last window is open
+            step = next(s for s in self._parts.steps if s.position)
+            log.warning(
+                "cudakit: Checkpointer.epochs(): the run ended with %d of %d micro-batches "
+                "in an open accumulation window, so no last checkpoint was saved (a "
+                "checkpoint never holds half-accumulated gradients); running the command "
+                "again resumes from %s and trains what followed again. Call "
+                "train_step.flush() after each epoch's batches (a step on the partial "
+                "window), or give each epoch a number of batches that accumulate divides.",
+                step.position,
+                step.accumulate,
+                self.latest or "the start",
+            )
 
     def batches(self, loader: Any = None) -> Iterator[Any]:
         """Yield this epoch's batches from ``loader`` (default: the one passed at creation).
@@ -431,7 +444,9 @@ class Checkpointer:
         if not self._at_window_end():
             self._requested = True
             return None
-        return self._save_now()
+        # A window that ended since the last boundary (a step, a flush()) is counted first.
+        saved = self._boundary() if self._yielded or self._parts.steps else None
+        return saved if saved is not None else self._save_now()
 
     def wait(self) -> Path | None:
         """Finish a background save in flight; returns its path (None: nothing was in flight)."""
@@ -498,8 +513,10 @@ class Checkpointer:
         parts = self._parts
         fresh = fresh_optimizers(parts)
         try:
-            tensors = tensor_state(parts)
+            # The host state first: the steps' state settles a pending (sync-free) verdict,
+            # which may put the schedulers and learning rates back, before they are read.
             host = self._host_state(fresh)
+            tensors = tensor_state(parts)
             fields = {
                 "total": pos.total,
                 "epoch": pos.epoch,
@@ -568,21 +585,6 @@ def _length(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
-
-
-def _probe_writable(root: Path, rank: int) -> None:
-    probe = root / f".cudakit-write-test-{rank}-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise CheckpointSaveError(
-            f"Checkpointer(directory={str(root)!r}): the directory cannot be written "
-            f"({type(exc).__name__}: {exc.strerror or exc}). Expected a directory this "
-            "process can create files in (on a file system every rank shares); choose "
-            "another one or fix its permissions."
-        ) from None
 
 
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

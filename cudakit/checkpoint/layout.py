@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..exceptions import CheckpointSaveError
+
 __all__ = [
     "MANIFEST",
     "PARTIAL",
@@ -35,6 +37,7 @@ __all__ = [
     "checkpoint_name",
     "fsync_dir",
     "list_checkpoints",
+    "probe_writable",
     "read_manifest",
     "remove_checkpoint",
     "remove_stale_partials",
@@ -54,6 +57,22 @@ FORMAT = 1
 HOST_FORMAT = 1
 
 _NAME = re.compile(r"^ckpt-(\d{10})$")
+
+
+def probe_writable(root: Path, rank: int) -> None:
+    """Make ``root`` if needed and write a file there (else :class:`CheckpointSaveError`)."""
+    probe = root / f".cudakit-write-test-{rank}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointSaveError(
+            f"Checkpointer(directory={str(root)!r}): the directory cannot be written "
+            f"({type(exc).__name__}: {exc.strerror or exc}). Expected a directory this "
+            "process can create files in (on a file system every rank shares); choose "
+            "another one or fix its permissions."
+        ) from None
 
 
 def checkpoint_name(total: int) -> str:
