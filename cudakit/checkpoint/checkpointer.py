@@ -24,11 +24,12 @@ from .data import (
     capture_rng,
     generators_of,
     is_stateful,
+    loader_length,
     restore_rng,
     set_epoch,
     skip_batches,
 )
-from .preemption import SignalWatch, StopAgreement, requeue_slurm_job, requeues_after
+from .preemption import SignalWatch, StopAgreement, after_stop
 from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
 from .writer import Pending, Writer, drain_background
 
@@ -390,7 +391,7 @@ class Checkpointer:
             iterator = iter(loader)
             if skip:
                 skip_batches(iterator, skip)
-        length = _length(loader)
+        length = loader_length(loader)
         try:
             for batch in iterator:
                 pos = self._position
@@ -556,35 +557,16 @@ class Checkpointer:
         }
 
     def _exit_after_stop(self) -> None:
-        # The agreed signals: a rank the signal did not reach exits (and rank 0 requeues)
-        # as the rank it reached does.
-        agreed = self._stop.signals
-        signum = self._signals.signum
-        if signum is None and agreed:
-            signum = agreed[0]
         self.wait()
-        received = {*agreed, *self._signals.seen}  # with those that came during the save
         options = self._options
-        requeue = options.requeue is True or any(requeues_after(s) for s in received)
-        if self._rank == 0 and options.requeue is not False and requeue:
-            done = requeue_slurm_job()
-            if done:
-                log.warning("cudakit: %s", done)
-        code = options.exit_code
-        if code is None:
-            code = 128 + (signum if signum is not None else int(signal.SIGTERM))
+        code = after_stop(
+            self._rank, self._stop.signals, self._signals, options.requeue, options.exit_code
+        )
         log.warning(
             "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
         )
         self.close()
         raise SystemExit(code)
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

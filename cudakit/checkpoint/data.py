@@ -22,7 +22,15 @@ import torch
 
 from ..warmup.preserve import RngState
 
-__all__ = ["Position", "capture_rng", "generators_of", "is_stateful", "restore_rng", "set_epoch"]
+__all__ = [
+    "Position",
+    "capture_rng",
+    "generators_of",
+    "is_stateful",
+    "loader_length",
+    "restore_rng",
+    "set_epoch",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,3 +155,11 @@ def skip_batches(iterator: Iterator[Any], count: int) -> None:
         return
     for _ in range(count):
         next(iterator)
+
+
+def loader_length(loader: Any) -> int | None:
+    """Batches per epoch, or None for a loader without a length (an iterable dataset)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -13,6 +13,7 @@ rank that did not see the signal, and without a blocking collective per step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -29,10 +30,13 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "SignalWatch",
     "StopAgreement",
+    "after_stop",
     "requeue_slurm_job",
     "requeues_after",
     "stop_signals",
 ]
+
+log = logging.getLogger("cudakit.checkpoint")
 
 #: SIGTERM (SLURM preemption, Kubernetes, torchrun) and SIGUSR1 (SLURM's ``--signal``).
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (
@@ -278,3 +282,30 @@ def requeue_slurm_job() -> str | None:
         why = (getattr(done, "stderr", "") or getattr(done, "stdout", "") or "").strip()
         return f"{command} failed with status {status}" + (f": {why}" if why else "")
     return command
+
+
+def after_stop(
+    rank: int,
+    agreed: tuple[int, ...],
+    watch: SignalWatch,
+    requeue: bool | str,
+    exit_code: int | None,
+) -> int:
+    """Requeue the SLURM job (rank 0, as ``requeue`` says) after an agreed stop; the status
+    to exit with: ``exit_code``, else ``128 +`` the signal.
+
+    The agreed signals count as received: a rank the signal did not reach exits (and rank
+    0 requeues) as the rank it reached does; so do signals that came during the save.
+    """
+    signum = watch.signum
+    if signum is None and agreed:
+        signum = agreed[0]
+    received = {*agreed, *watch.seen}
+    wanted = requeue is True or any(requeues_after(s) for s in received)
+    if rank == 0 and requeue is not False and wanted:
+        done = requeue_slurm_job()
+        if done:
+            log.warning("cudakit: %s", done)
+    if exit_code is not None:
+        return exit_code
+    return 128 + (signum if signum is not None else int(signal.SIGTERM))

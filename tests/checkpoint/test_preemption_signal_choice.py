@@ -45,7 +45,7 @@ def _loop(tmp_path: Path, signum: int, **kwargs: Any) -> None:
 def _requeues(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     asked: list[str] = []
     monkeypatch.setattr(
-        "cudakit.checkpoint.checkpointer.requeue_slurm_job", lambda: asked.append("x") or None
+        "cudakit.checkpoint.preemption.requeue_slurm_job", lambda: asked.append("x") or None
     )
     return asked
 
