@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Collection
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeGuard, TypeVar
 
 __all__ = [
     "check_bool",
@@ -32,10 +32,22 @@ __all__ = [
     "fail_type",
     "fail_value",
     "for_attribute",
+    "is_int",
+    "is_real",
     "name_error",
 ]
 
 T = TypeVar("T")
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int, NumPy's too; a bool is not."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a real number (an int or float, NumPy's too); a bool is not."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def describe(value: object, limit: int = 60) -> str:
@@ -95,12 +107,24 @@ def check_int(
     """``int(value)`` for an int (NumPy's too; bools refused) within ``[minimum, maximum]``."""
     bounds = _bounds(minimum, maximum)
     expected = f"an int{bounds}"
+    fix = fix or _example(arg, _int_example(minimum, maximum))
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail_type(func, arg, expected, value, fix)
     number = int(value)
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         fail_value(func, arg, expected, value, fix)
     return number
+
+
+def _int_example(minimum: int | None, maximum: int | None) -> int:
+    """A small allowed int for a message's example: 1 where it fits, else a bound."""
+    example = 1 if minimum is None else max(minimum, 1)
+    return example if maximum is None else min(example, maximum)
+
+
+def _example(arg: str, example: object) -> str:
+    """The default fix of a message: an example of the argument, ``Pass e.g. every=1.``"""
+    return f"Pass e.g. {arg}={example!r}." if arg.isidentifier() else ""
 
 
 def check_number(
@@ -113,14 +137,15 @@ def check_number(
     finite: bool = True,
     fix: str = "",
 ) -> float:
-    """``float(value)`` for an int or float (bools refused), finite and in range."""
+    """``float(value)`` for a real number (NumPy's too; bools refused), finite and in range."""
     if positive:
         expected = "a positive finite number" if finite else "a positive number"
     elif minimum is not None:
         expected = f"a {'finite ' if finite else ''}number >= {minimum}"
     else:
         expected = "a finite number" if finite else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    fix = fix or _example(arg, 1.0 if minimum is None or minimum <= 1 else float(minimum))
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail_type(func, arg, expected, value, fix)
     number = float(value)
     if (
@@ -139,6 +164,7 @@ def check_choice(
     """``value`` if it is one of ``choices`` (a str, say), else ``TypeError``/``ValueError``."""
     names = ", ".join(repr(c) for c in choices)
     expected = f"one of {names}"
+    fix = fix or (_example(arg, next(iter(choices))) if choices else "")
     kinds = {type(c) for c in choices}
     if not any(isinstance(value, k) for k in kinds):
         fail_type(func, arg, expected, value, fix)
@@ -183,8 +209,10 @@ def check_device(func: str, arg: str, value: object, resolve: Callable[[Any], T]
 
     The resolver is passed in, so this module imports nothing of cudakit's. The
     error keeps its type (``TypeError``, ``DeviceError``) and its text, prefixed with
-    ``func(arg=value):``.
+    ``func(arg=value):``. A resolver that names itself in its errors (the public
+    ``resolve_device``) is called through its plain form, ``resolve.__wrapped__``.
     """
+    resolve = getattr(resolve, "__wrapped__", resolve)
     try:
         return resolve(value)
     except (TypeError, ValueError) as exc:

@@ -49,8 +49,16 @@ def is_oom_error(exc: BaseException) -> bool:
     Returns:
         ``True`` if it reports an allocation failure.
 
+    Raises:
+        TypeError: ``exc`` is not an exception.
+
     .. versionadded:: 0.1
     """
+    if not isinstance(exc, BaseException):
+        raise TypeError(
+            f"is_oom_error(exc=...) expects an exception, got {type(exc).__name__} {exc!r:.60}. "
+            "Pass the exception you caught: `except Exception as exc: if is_oom_error(exc): ...`."
+        )
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):

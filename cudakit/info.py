@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._accel import cpu_native_bf16, cpu_native_fp16
-from ._check import check_bool
+from ._check import check_bool, check_int, check_optional
 from ._units import format_bytes
 from .device import resolve_device
 
@@ -62,7 +62,16 @@ class DeviceInfo:
         return dataclasses.asdict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The report as JSON."""
+        """The report as JSON.
+
+        Args:
+            indent: spaces per level, or None for one line.
+
+        Raises:
+            TypeError: ``indent`` is not an int or None.
+            ValueError: ``indent`` is negative.
+        """
+        indent = check_optional(check_int, "DeviceInfo.to_json", "indent", indent, minimum=0)
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:

@@ -163,14 +163,15 @@ def validate(
     """Check a whole state against the step it is loaded into; raise before any change."""
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"load_state_dict() expects the dict from AutocastStep.state_dict(), got "
-            f"{type(state).__name__}."
+            "AutocastStep.load_state_dict(state=...) expects the dict from "
+            f"AutocastStep.state_dict(), got {describe(state)}. Pass the dict that "
+            "state_dict() returned (e.g. checkpoint['step'])."
         )
     missing = [k for k in KEYS if k not in state]
     if missing:
         raise ValueError(
-            f"load_state_dict(): the state is missing {missing}; pass the dict returned "
-            "by AutocastStep.state_dict()."
+            f"AutocastStep.load_state_dict(state=...): the state is missing {missing}; pass "
+            "the dict returned by AutocastStep.state_dict()."
         )
     saved_accumulate = state["accumulate"]
     if isinstance(saved_accumulate, bool) or not isinstance(saved_accumulate, int):

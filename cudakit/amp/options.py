@@ -49,16 +49,16 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
     optimizers = _as_tuple(optimizer)
     if not optimizers:
         raise ValueError(
-            f"autocast_step() got an empty {type(optimizer).__name__} of optimizers; pass "
-            "one optimizer, or a list such as [opt_matrices, opt_embeddings]."
+            f"autocast_step(optimizer=...) got an empty {type(optimizer).__name__} of "
+            "optimizers; pass one optimizer, or a list such as [opt_matrices, opt_embeddings]."
         )
     for opt in optimizers:
         if isinstance(opt, torch.optim.Optimizer):
             continue
         if isinstance(opt, type):
             raise TypeError(
-                f"autocast_step() got the class {opt.__name__}, not an optimizer. Build it "
-                f"first: autocast_step({opt.__name__}(model.parameters(), lr=...))."
+                f"autocast_step(optimizer=...) got the class {opt.__name__}, not an optimizer. "
+                f"Build it first: autocast_step({opt.__name__}(model.parameters(), lr=...))."
             )
         hint = ""
         if callable(opt) and not isinstance(opt, torch.nn.Module):
@@ -69,8 +69,9 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
         elif isinstance(opt, torch.nn.Module):
             hint = " Pass the optimizer first, and the model as model=... (for DDP no_sync)."
         raise TypeError(
-            "autocast_step() expects a torch.optim.Optimizer (or a list of them) as its first "
-            f"argument, got {type(opt).__name__}.{hint}"
+            "autocast_step(optimizer=...) expects a torch.optim.Optimizer (or a list of them) "
+            f"as its first argument, got {type(opt).__name__}."
+            + (hint or " Pass e.g. autocast_step(torch.optim.AdamW(model.parameters())).")
         )
     for opt in optimizers:
         if _needs_closure(opt):
@@ -83,8 +84,9 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
             )
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise ValueError(
-            "autocast_step() got the same optimizer twice in its list; each optimizer "
-            "steps once per step, so list each one once."
+            "autocast_step(optimizer=...) expects each optimizer once, got the same optimizer "
+            "twice in its list; each optimizer steps once per step, so list each one once, "
+            "e.g. autocast_step([opt_a, opt_b])."
         )
     _check_shared(optimizers)
     return optimizers
@@ -181,7 +183,8 @@ def check_schedulers(
         if not callable(getattr(s, "step", None)):
             raise TypeError(
                 "autocast_step(scheduler=...) expects a learning-rate scheduler with a "
-                f"step() method (or a list of them), got {type(s).__name__}."
+                f"step() method (or a list of them), got {describe(s)}. Pass e.g. "
+                "scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)."
             )
         owner = getattr(s, "optimizer", None)
         if isinstance(owner, torch.optim.Optimizer) and all(owner is not o for o in optimizers):
@@ -419,7 +422,8 @@ def resolve_options(
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
-            f"the DDP or FSDP2 wrapper), got {type(model).__name__}."
+            f"the DDP or FSDP2 wrapper), got {describe(model)}. Pass model=model, or leave "
+            "it out."
         )
     if model is not None:
         check_model_owns(model, optimizers)
@@ -433,8 +437,9 @@ def resolve_options(
         )
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(
-            "autocast_step(scaler=...) expects a torch.amp.GradScaler, got "
-            f"{type(scaler).__name__}."
+            f"autocast_step(scaler=...) expects a torch.amp.GradScaler, got {describe(scaler)}. "
+            "Pass scaler=torch.amp.GradScaler('cuda'), or leave scaler= out and one is made "
+            "for float16."
         )
     requested = parse_dtype(dtype)
     device_type = device_type_of(

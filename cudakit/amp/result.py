@@ -9,6 +9,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from typing_extensions import ParamSpec
 
+from .._check import describe, fail_type
+
 __all__ = [
     "SpikeVerdict",
     "StepResult",
@@ -79,11 +81,13 @@ class SteppedFunction(Protocol[P]):
         """Restore a checkpoint; see :meth:`AutocastStep.load_state_dict`."""
 
 
-def extract_loss(output: object) -> tuple[torch.Tensor, object]:
+def extract_loss(output: object, *, explicit: bool = False) -> tuple[torch.Tensor, object]:
     """The loss and its weight (None when unweighted) inside a step function's return.
 
     Accepted: a scalar tensor, ``(loss, ...)``, ``{"loss": loss, ...}`` and
     ``{"loss": summed_loss, "weight": count, ...}`` (a token-weighted loss).
+    ``explicit``: ``output`` was passed to ``AutocastStep.backward(loss)``, which the
+    messages then name, rather than returned by a decorated function.
     """
     # Fast path: a plain tensor that passes every check below (errors come from the slow path).
     if (
@@ -94,24 +98,38 @@ def extract_loss(output: object) -> tuple[torch.Tensor, object]:
     ):
         return output, None
     weight: object = None
+    at = " in AutocastStep.backward(loss=...)" if explicit else ""
+    came = (
+        "AutocastStep.backward(loss=...) got"
+        if explicit
+        else "autocast_step: the function returned"
+    )
+    give = "Pass" if explicit else "Return"
     if isinstance(output, torch.Tensor):
         loss = output
     elif isinstance(output, Mapping):
         if "loss" not in output:
             raise TypeError(
-                "autocast_step: the function returned a mapping without a 'loss' key "
-                f"(keys: {sorted(map(str, output))}). Return {{'loss': loss, ...}}, a "
-                "(loss, ...) tuple, or the scalar loss tensor itself."
+                f"{came} a mapping without a 'loss' key (keys: {sorted(map(str, output))}). "
+                f"{give} {{'loss': loss, ...}}, a (loss, ...) tuple, or the scalar loss tensor "
+                "itself."
             )
         loss = output["loss"]
         weight = output.get("weight")
     elif isinstance(output, (tuple, list)):
         if not output:
             raise TypeError(
-                f"autocast_step: the function returned an empty {type(output).__name__}; "
-                "return the scalar loss tensor, (loss, ...) or {'loss': loss, ...}."
+                f"{came} an empty {type(output).__name__}; {give.lower()} the scalar loss "
+                "tensor, (loss, ...) or {'loss': loss, ...}."
             )
         loss = output[0]
+    elif explicit:
+        raise TypeError(
+            "AutocastStep.backward(loss=...) expects the loss: a scalar tensor, a tuple or "
+            "list whose first item is the loss, or a mapping with a 'loss' key; got "
+            f"{describe(output)}. Pass the loss tensor the block computed, e.g. "
+            "step.backward(loss)."
+        )
     else:
         raise TypeError(
             "autocast_step: the function must return the loss: a scalar tensor, a tuple or "
@@ -121,12 +139,12 @@ def extract_loss(output: object) -> tuple[torch.Tensor, object]:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"autocast_step: the loss must be a torch.Tensor, got {type(loss).__name__} "
-            f"{loss!r}. Return the loss tensor itself, not loss.item()."
+            f"{loss!r}{at}. {give} the loss tensor itself, not loss.item()."
         )
     if not loss.is_floating_point():
         raise TypeError(
             "autocast_step: the loss must be a real floating-point tensor, got dtype "
-            f"{loss.dtype}. "
+            f"{loss.dtype}{at}. "
             + (
                 "A complex loss has no single direction to minimise: return its real part, "
                 "its abs() or a norm."
@@ -137,12 +155,12 @@ def extract_loss(output: object) -> tuple[torch.Tensor, object]:
         )
     if loss.numel() != 1:
         raise ValueError(
-            f"autocast_step: the loss must be a scalar tensor, got shape {tuple(loss.shape)}. "
+            f"autocast_step: the loss must be a scalar tensor, got shape {tuple(loss.shape)}{at}. "
             "Reduce it first, e.g. loss.mean() or loss.sum()."
         )
     if not loss.requires_grad:
         raise ValueError(
-            "autocast_step: the loss does not require grad, so there is nothing to "
+            f"autocast_step: the loss does not require grad{at}, so there is nothing to "
             "backpropagate. Was it computed under torch.no_grad()/inference_mode(), from "
             "detached tensors, or with a frozen model?"
         )
@@ -191,6 +209,8 @@ class Verdict:
     __slots__ = ("_flag", "_skipped", "_value")
 
     def __init__(self, flag: torch.Tensor, *, skipped: bool) -> None:
+        if not _verdict_inputs(flag, skipped):
+            _refuse_verdict(type(self).__name__, flag, skipped)
         self._flag = flag
         self._skipped = skipped
         self._value: bool | None = None
@@ -223,6 +243,22 @@ class Verdict:
 
     def __repr__(self) -> str:
         return repr(bool(self))
+
+
+def _verdict_inputs(flag: object, skipped: object) -> bool:
+    return isinstance(flag, torch.Tensor) and type(skipped) is bool
+
+
+def _refuse_verdict(name: str, flag: object, skipped: object) -> None:
+    if not isinstance(flag, torch.Tensor):
+        fail_type(
+            name,
+            "flag",
+            "a one-element tensor (positive where the step found inf/NaN)",
+            flag,
+            f"Pass e.g. {name}(torch.zeros(1), skipped=True).",
+        )
+    fail_type(name, "skipped", "True or False", skipped, "Pass skipped=True or skipped=False.")
 
 
 class SpikeVerdict(Verdict):

@@ -122,8 +122,8 @@ class SpikeRule:
         raw = self.on if isinstance(self.on, tuple) else (self.on,)
         if not raw:
             raise ValueError(
-                "SpikeRule(on=...) got an empty tuple; name what to watch: 'loss', "
-                "'grad_norm' or ('loss', 'grad_norm')."
+                "SpikeRule(on=...) got an empty tuple; it expects what to watch: pass "
+                "'loss', 'grad_norm' or ('loss', 'grad_norm')."
             )
         fix = "Watch 'loss', 'grad_norm' or both: on=('loss', 'grad_norm')."
         on = tuple(check_choice(where, "on", s, STATISTICS, fix=fix) for s in raw)
@@ -150,7 +150,8 @@ class SpikeRule:
             "warmup",
             self.warmup,
             minimum=2,
-            fix="It is the number of accepted windows the statistics learn from first.",
+            fix="It is the number of accepted windows the statistics learn from first, "
+            "e.g. warmup=20.",
         )
         decay = check_number(where, "decay", self.decay, fix="For example decay=0.99.")
         if not 0 < decay < 1:

@@ -386,7 +386,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         active = _ACTIVE.get()
         if active is not None and not (active[0] is self and active[1] == "block"):
             raise misuse.nested_error(active[0] is self)
-        tensor, weight = extract_loss(loss)
+        tensor, weight = extract_loss(loss, explicit=True)
         if self.compile_options is not None and not self._warned_block_compile:
             self._warned_block_compile = True
             misuse.warn_block_compile()

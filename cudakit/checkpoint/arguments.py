@@ -96,7 +96,13 @@ def _models(value: object, steps: tuple[AutocastStep, ...]) -> dict[str, nn.Modu
             if not isinstance(module, nn.Module):
                 fail_type(_FUNC, f"model[{key!r}]", "an nn.Module", module)
         return dict(value)
-    return fail_type(_FUNC, "model", "an nn.Module or a non-empty dict of names to modules", value)
+    return fail_type(
+        _FUNC,
+        "model",
+        "an nn.Module or a non-empty dict of names to modules",
+        value,
+        "Pass model=model, or name several: model={'generator': g, 'discriminator': d}.",
+    )
 
 
 def _sequence(value: object) -> list[Any]:
@@ -114,7 +120,13 @@ def _optimizers(
     out: list[torch.optim.Optimizer] = []
     for item in items:
         if not isinstance(item, torch.optim.Optimizer):
-            fail_type(_FUNC, "optimizer", "a torch.optim.Optimizer (or a list of them)", item)
+            fail_type(
+                _FUNC,
+                "optimizer",
+                "a torch.optim.Optimizer (or a list of them)",
+                item,
+                "Pass optimizer=optimizer, or a list: optimizer=[opt_g, opt_d].",
+            )
         if all(item is not o for o in out):
             out.append(item)
     return tuple(out)
@@ -133,6 +145,7 @@ def _schedulers(value: object, steps: tuple[AutocastStep, ...]) -> tuple[Any, ..
                 "scheduler",
                 "a learning-rate scheduler instance (with state_dict/load_state_dict)",
                 item,
+                "Pass the scheduler you step, e.g. scheduler=StepLR(optimizer, step_size=10).",
             )
         if all(item is not s for s in out):
             out.append(item)
@@ -152,8 +165,23 @@ def check_loader(func: str, value: object) -> Any:
             "An iterator cannot be started again at an epoch or skipped to a batch: pass the "
             "DataLoader itself.",
         )
+    if isinstance(value, str | bytes | os.PathLike):
+        fail_type(
+            func,
+            "loader",
+            "a DataLoader or another re-iterable of batches",
+            value,
+            "A path is not a loader (it would iterate character by character): build a "
+            "Dataset that reads the files there and pass DataLoader(dataset, batch_size=...).",
+        )
     if not isinstance(value, Iterable):
-        fail_type(func, "loader", "a DataLoader or another re-iterable of batches", value)
+        fail_type(
+            func,
+            "loader",
+            "a DataLoader or another re-iterable of batches",
+            value,
+            "Pass the DataLoader itself, e.g. loader=DataLoader(dataset, batch_size=32).",
+        )
     return value
 
 
@@ -161,7 +189,9 @@ def resolve_directory(func: str, value: object) -> Path:
     """``value`` as a ``Path`` if it is a non-empty str or ``os.PathLike``."""
     arg = "directory" if "." not in func else "path"
     if isinstance(value, bytes) or not isinstance(value, str | os.PathLike):
-        fail_type(func, arg, "a path (str or os.PathLike)", value)
+        fail_type(
+            func, arg, "a path (str or os.PathLike)", value, f"Pass e.g. {arg}='checkpoints/run1'."
+        )
     if os.fspath(value) == "":
         fail_value(func, arg, "a non-empty path", value, "Pass e.g. 'checkpoints/run1'.")
     return Path(os.fspath(value))
@@ -203,7 +233,8 @@ def resolve(
             "'auto', True or False",
             requeue,
             "'auto' requeues a SLURM job after a stop signal other than SIGTERM "
-            "(SIGUSR1, its --signal, by default).",
+            "(SIGUSR1, its --signal, by default); pass requeue=False to never requeue, or "
+            "leave it out.",
         )
     return Options(
         root=root,

@@ -114,6 +114,7 @@ def loader_kwargs(
             value,
             types=bool,
             expected="True, False or None (let cudakit choose)",
+            fix=f"Pass {name}=True or {name}=False, or leave it out to let cudakit choose.",
         )
     if num_workers is not None and num_workers < 0:
         raise ValueError(

@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from .._check import check_device
+from .._check import check_device, is_int
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
 
@@ -236,9 +236,11 @@ class Prefetcher(Generic[T]):
     __slots__ = ("_depth", "_device", "_loader")
 
     def __init__(self, loader: Iterable[T], device: torch.device, depth: int) -> None:
+        name = type(self).__name__
+        _check_source(loader, name)
         self._loader = loader
-        self._device = device
-        self._depth = depth
+        self._device = check_device(name, "device", device, resolve_device)
+        self._depth = _check_depth(name, depth)
 
     @property
     def loader(self) -> Iterable[T]:
@@ -292,12 +294,13 @@ class Prefetcher(Generic[T]):
             TypeError: ``epoch`` is not an int.
             ValueError: ``epoch`` is negative.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
+        if not is_int(epoch):
             raise TypeError(
                 f"set_epoch() expects the epoch number as an int, got {type(epoch).__name__} "
                 f"{epoch!r}; call it once per epoch: `for epoch in range(n): "
                 "batches.set_epoch(epoch); for batch in batches: ...`."
             )
+        epoch = int(epoch)  # a NumPy int too
         if epoch < 0:
             raise ValueError(
                 f"set_epoch() expects the epoch number as an int >= 0, got {epoch}; epochs "
@@ -350,9 +353,10 @@ def _epoch_targets(loader: object) -> list[Callable[[int], object]]:
     return targets
 
 
-def _check_source(loader: object) -> None:
+def _check_source(loader: object, func: str = "prefetch") -> None:
     hint = (
-        "prefetch() expects an iterable of batches (a DataLoader, a list of batches, a generator)"
+        f"{func}(loader=...) expects an iterable of batches (a DataLoader, a list of batches, "
+        "a generator)"
     )
     if isinstance(loader, torch.Tensor):
         raise TypeError(
@@ -376,6 +380,23 @@ def _check_source(loader: object) -> None:
             f"{hint}, got {type(loader).__name__} {loader!r}, which is not iterable. Pass the "
             "DataLoader itself (not a batch or a count), or a list of batches."
         )
+
+
+def _check_depth(func: str, depth: object) -> int:
+    """``depth`` as an int (NumPy's too) >= 1."""
+    if not is_int(depth):
+        raise TypeError(
+            f"{func}(depth=...) expects depth as an int number of batches to copy ahead, got "
+            f"{type(depth).__name__} {depth!r}; the default depth=2 suits most loops: pass "
+            "e.g. depth=2."
+        )
+    if depth < 1:
+        raise ValueError(
+            f"{func}(depth=...) needs depth >= 1 (batches copied ahead of the one in use), got "
+            f"depth={depth}. Use depth=1 for the least device memory, or plain "
+            "on_device(batch) inside the loop for no look-ahead at all."
+        )
+    return int(depth)
 
 
 @overload
@@ -429,17 +450,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
     .. versionadded:: 0.1
     """
     _check_source(loader)
-    if isinstance(depth, bool) or not isinstance(depth, int):
-        raise TypeError(
-            f"prefetch() expects depth as an int number of batches to copy ahead, got "
-            f"{type(depth).__name__} {depth!r}; the default depth=2 suits most loops."
-        )
-    if depth < 1:
-        raise ValueError(
-            f"prefetch() needs depth >= 1 (batches copied ahead of the one in use), got "
-            f"depth={depth}. Use depth=1 for the least device memory, or plain "
-            "on_device(batch) inside the loop for no look-ahead at all."
-        )
+    depth = _check_depth("prefetch", depth)
     dev = check_device("prefetch", "device", device, resolve_device)
     if hasattr(loader, "__len__"):
         return SizedPrefetcher(loader, dev, depth)

@@ -220,7 +220,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         device = resolve_device(args.device)
     except (ValueError, TypeError) as exc:
-        p.error(f"--device {args.device}: {exc}")
+        text = str(exc)  # without resolve_device's own name: the flag is named here
+        head = f"resolve_device(spec={args.device!r}): "
+        p.error(f"--device {args.device}: {text.removeprefix(head)}")
     if device.type == "meta":
         p.error(
             f"--device {args.device} holds no data, so the demo cannot train or measure "

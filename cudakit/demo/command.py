@@ -6,10 +6,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from .._check import fail_type
 from .._dist import launched_local_world_size
 from ..parallel import is_main_process, launch
 from ._args import build_parser, check_args
@@ -37,17 +38,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``--plot`` file could not be written (one line on stderr names it).
 
     Raises:
+        TypeError: ``argv`` is not a list of strings (a single string, a number).
         SystemExit: bad arguments (status 2, with a message saying what to change),
             or ``--help`` (status 0).
 
     .. versionadded:: 0.1
     """
+    given = list(sys.argv[1:]) if argv is None else _check_argv(argv)
     p = build_parser()
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(given)
     check_args(p, args)
     # --nprocs N: N local DDP processes; rank 0's summary comes back here.
     summary = launch(launched, args, nprocs=args.nprocs)[0] if args.nprocs > 1 else train(args)
     return finish(summary, args) if is_main_process() else 0
+
+
+def _check_argv(argv: object) -> list[str]:
+    """``argv`` as a list, refused unless it holds strings (a string would be read letter
+    by letter)."""
+    fix = "Pass a list of strings, e.g. main(['--epochs', '1']), or main('--epochs 1'.split())."
+    if isinstance(argv, str | bytes) or not isinstance(argv, Iterable):
+        fail_type("main", "argv", "a list of command-line arguments or None", argv, fix)
+    items = list(argv)
+    for item in items:
+        if not isinstance(item, str):
+            fail_type("main", "argv", "a list of strings", item, fix)
+    return items
 
 
 def launched(args: argparse.Namespace) -> DemoSummary:

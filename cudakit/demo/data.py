@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .._check import check_int, is_int
+
 __all__ = ["NUM_CLASSES", "make_dataset"]
 
 NUM_CLASSES = 10
@@ -35,14 +37,23 @@ def make_dataset(
         ``(images, labels)``: a float32 tensor ``(n, 3, 32, 32)`` and an int64 tensor ``(n,)``.
 
     Raises:
-        ValueError: ``n`` is not positive or ``split`` is unknown.
+        ValueError: ``n`` is not a positive int (NumPy's are ints; ``True`` is not), or
+            ``split`` is unknown; ``seed`` beyond +-2**62.
+        TypeError: ``seed`` is not an int.
 
     .. versionadded:: 0.1
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"make_dataset() needs a positive number of images n, got {n!r}.")
+    if not is_int(n) or n < 1:
+        raise ValueError(
+            f"make_dataset() needs a positive number of images n, got {n!r}. Pass e.g. n=64."
+        )
+    n = int(n)  # a NumPy int too
+    seed = check_int("make_dataset", "seed", seed, minimum=-(2**62), maximum=2**62)
     if split not in ("train", "val"):
-        raise ValueError(f"make_dataset() split must be 'train' or 'val', got {split!r}.")
+        raise ValueError(
+            f"make_dataset() split must be 'train' or 'val', got {split!r}. Pass "
+            "split='train' or split='val'."
+        )
     patterns_gen = torch.Generator().manual_seed(seed)
     coarse = torch.randn(NUM_CLASSES, 3, 4, 4, generator=patterns_gen)
     patterns = nn.functional.interpolate(coarse, size=(40, 40), mode="bicubic", align_corners=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch  # noqa: F401 (the doctest uses it)
 from torch import nn
 
+from .._check import check_int
 from .data import NUM_CLASSES
 
 __all__ = ["make_model"]
@@ -23,8 +24,13 @@ def make_model(width: int = 16) -> nn.Sequential:
     Returns:
         An ``nn.Sequential`` mapping ``(N, 3, 32, 32)`` images to ``(N, 10)`` logits.
 
+    Raises:
+        TypeError: ``width`` is not an int (NumPy's are).
+        ValueError: ``width`` is below 1.
+
     .. versionadded:: 0.1
     """
+    width = check_int("make_model", "width", width, minimum=1, fix="Pass e.g. width=16.")
 
     def block(c_in: int, c_out: int, pool: bool) -> list[nn.Module]:
         layers: list[nn.Module] = [

@@ -8,10 +8,10 @@ import re
 import torch
 
 from .._accel import default_cuda_index
-from .._check import check_device
+from .._check import check_device, is_int, name_error
 from ..exceptions import DeviceError
 
-__all__ = ["DeviceLike", "resolve_cached", "resolve_device", "resolve_for"]
+__all__ = ["DeviceLike", "resolve_cached", "resolve_device", "resolve_for", "resolve_spec"]
 
 #: Everything cudakit accepts wherever it takes ``device=``.
 DeviceLike = torch.device | str | int | None
@@ -79,12 +79,13 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
     >>> resolve_device("gpu")
     Traceback (most recent call last):
     ...
-    cudakit.exceptions.DeviceError: unknown device 'gpu'; did you mean 'cuda'? ...
+    cudakit.exceptions.DeviceError: resolve_device(spec='gpu'): unknown device ...
 
     Args:
         spec: ``None``/``"auto"``; ``"cuda"`` (the current CUDA device) or
-            ``"cuda:N"``; an ``int`` N (CUDA device N); ``"cpu"``, ``"mps"``,
-            ``"meta"``; or a ``torch.device``, which is checked and passed through.
+            ``"cuda:N"``; an ``int`` N (CUDA device N; a NumPy int too); ``"cpu"``,
+            ``"mps"``, ``"meta"``; or a ``torch.device``, which is checked and passed
+            through.
 
     Returns:
         A ``torch.device``; CUDA devices always carry an index.
@@ -96,12 +97,23 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
 
     .. versionadded:: 0.1
     """
+    try:
+        return resolve_spec(spec)
+    except (TypeError, ValueError) as exc:  # named: resolve_device(spec=...): device=...
+        raise name_error("resolve_device", "spec", spec, exc) from None
+
+
+def resolve_spec(spec: DeviceLike) -> torch.device:
+    """:func:`resolve_device` with errors that name no function, for callers that name
+    their own (``check_device`` prefixes the public function and its ``device=``)."""
     if spec is None or (isinstance(spec, str) and spec == "auto"):
         if torch.cuda.is_available():
             return torch.device("cuda", default_cuda_index())
         if _mps_available():
             return torch.device("mps")
         return torch.device("cpu")
+    if is_int(spec) and type(spec) is not int:
+        spec = int(spec)  # a NumPy int: a CUDA index like any other
     if isinstance(spec, bool) or not isinstance(spec, (str, int, torch.device)):
         raise TypeError(
             "device must be a torch.device, a string such as 'cuda:0', an int CUDA index or "
@@ -111,7 +123,7 @@ def resolve_device(spec: DeviceLike = None) -> torch.device:
         if spec < 0:
             raise DeviceError(
                 f"device={spec} is a negative CUDA index; CUDA indices start at 0. "
-                f"Existing devices: {_existing_cuda()}."
+                f"Existing devices: {_existing_cuda()}. Pass one of those, or 'cpu'."
             )
         return _check_cuda_index(spec, spec)
     if isinstance(spec, str):
@@ -161,6 +173,11 @@ def _backend_available(device_type: str) -> bool:
         return bool(is_available())
     except Exception:  # a broken backend is not an available one
         return False
+
+
+# check_device (cudakit._check) calls the plain resolver through this, so that an error
+# names the public function that took ``device=``, not resolve_device as well.
+resolve_device.__wrapped__ = resolve_spec  # type: ignore[attr-defined]
 
 
 def resolve_for(func: str, spec: DeviceLike) -> torch.device:

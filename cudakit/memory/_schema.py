@@ -62,6 +62,12 @@ def load_json(text: object) -> object:
         )
     try:
         return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"MemoryReport.from_json(text): the bytes are not UTF-8 text ({exc.reason} at "
+            f"byte {exc.start}). Pass the string MemoryReport.to_json() wrote, or the file's "
+            "bytes unchanged."
+        ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"MemoryReport.from_json(text): the text is not JSON ({exc.msg}: line "
@@ -74,7 +80,8 @@ def read_report(data: object) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The report's fields (``devices`` left out) and one dict per device, all checked."""
     if not isinstance(data, dict):
         raise TypeError(
-            f"{_WHERE} takes a dict as MemoryReport.to_dict() returns, got {describe(data)}."
+            f"{_WHERE} takes a dict as MemoryReport.to_dict() returns, got {describe(data)}. "
+            "Pass that dict, or use MemoryReport.from_json(text) for its JSON."
         )
     fields = _fields(data, REPORT_FIELDS, "")
     devices = fields.pop("devices")

@@ -18,7 +18,7 @@ from typing import IO, Any, Literal, Protocol, TypeVar, overload
 from typing_extensions import ParamSpec, Self
 
 from .._accel import follows_current_device
-from .._check import describe
+from .._check import describe, is_int
 from .._contextlib import ContextDecorator
 from .._notes import add_note
 from .._oom import is_oom_error
@@ -196,6 +196,11 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         Args:
             label: The clone's label; ``...`` (the default) keeps this reporter's.
         """
+        if label is not None and not isinstance(label, str | EllipsisType):
+            raise TypeError(
+                "MemoryReporter.clone(label=...) takes a string naming the block, or None, got "
+                f"{describe(label)}. For example: rep.clone('eval_step')."
+            )
         twin = copy.copy(self)  # the settings, the resolved targets, the throttle
         twin.label = self.label if isinstance(label, EllipsisType) else label
         twin._agg_ = self._agg  # shared: made now if it was not yet
@@ -448,11 +453,12 @@ def memory_report(
     file = check_file("memory_report", file)
     log = check_log("memory_report", log)
     if every is not None:
-        if isinstance(every, bool) or not isinstance(every, int):
+        if not is_int(every):
             raise TypeError(
                 f"memory_report(every=...) takes a whole number of calls, got "
                 f"{type(every).__name__} {every!r}. For example: every=100."
             )
+        every = int(every)  # a NumPy int too
         if every < 1:
             raise ValueError(
                 f"memory_report(every={every}) must be at least 1 (1 writes a line for every "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from .._check import describe, fail_type, fail_value
+from .._check import describe, fail_type, fail_value, is_real
 from .._contextlib import ContextDecorator
 from .._dist import (
     LAUNCHER_VARS,
@@ -90,13 +90,14 @@ def check_timeout(func: str, timeout: object) -> datetime.timedelta:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, datetime.timedelta):
         td = timeout
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        if not math.isfinite(timeout) or timeout <= 0:
+    elif is_real(timeout):  # NumPy's too
+        seconds = float(timeout)
+        if not math.isfinite(seconds) or seconds <= 0:
             td = datetime.timedelta(0)  # rejected below with the finite-timeout message
-        elif timeout > MAX_TIMEOUT.total_seconds():
+        elif seconds > MAX_TIMEOUT.total_seconds():
             td = datetime.timedelta.max  # rejected below (timedelta itself would overflow)
         else:
-            td = datetime.timedelta(seconds=float(timeout))
+            td = datetime.timedelta(seconds=seconds)
     else:
         raise TypeError(
             f"{func}(): timeout must be seconds (an int or float) or a datetime.timedelta, got "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch.distributed as dist
 
-from .._check import describe
+from .._check import describe, is_int, is_real
 from .failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
 
@@ -189,19 +189,23 @@ def launch(
     .. versionadded:: 0.1
     """
     if not callable(fn):
-        raise TypeError(f"launch() expects a function to run, got {type(fn).__name__}.")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(
+            f"launch(fn=...) expects a function to run, got {describe(fn)}. Pass a function "
+            "defined at module level, e.g. launch(train, nprocs=2)."
+        )
+    if not is_int(nprocs):
         raise TypeError(
             f"launch() needs nprocs, the number of processes, as an int, got "
             f"{type(nprocs).__name__} {nprocs!r}; e.g. nprocs=2."
         )
+    nprocs = int(nprocs)  # a NumPy int too
     if nprocs < 1:
         raise ValueError(
             f"launch() needs nprocs >= 1 (the number of processes), got {nprocs!r}; "
             "e.g. nprocs=torch.cuda.device_count()."
         )
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        if not is_real(timeout):
             raise TypeError(
                 f"launch() timeout must be a number of seconds or None, got "
                 f"{type(timeout).__name__} {timeout!r}; e.g. timeout=600."

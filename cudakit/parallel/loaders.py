@@ -17,6 +17,7 @@ from .._check import (
     check_optional,
     describe,
     fail_type,
+    is_int,
 )
 from .ranks import rank, world_size
 
@@ -59,7 +60,7 @@ class DistributedLoader(DataLoader[T_co]):
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (to resume from a checkpoint)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
+        if not is_int(epoch):
             raise TypeError(
                 f"DistributedLoader.set_epoch(): epoch must be an int >= 0, got "
                 f"{describe(epoch)}. Pass the epoch number, e.g. set_epoch(0)."
@@ -69,7 +70,7 @@ class DistributedLoader(DataLoader[T_co]):
                 f"DistributedLoader.set_epoch(): epoch must be an int >= 0, got {epoch!r}. "
                 "Pass the epoch number, e.g. set_epoch(0)."
             )
-        self.epoch = epoch
+        self.epoch = int(epoch)
 
     def __iter__(self) -> _BaseDataLoaderIter:
         self.sampler.set_epoch(self.epoch)
@@ -204,7 +205,9 @@ def distributed_loader(
             cannot read (a ``dict`` keyed otherwise), an argument of the wrong kind (a
             ``collate_fn`` or ``worker_init_fn`` that is not callable), a
             ``sampler``/``batch_sampler`` argument or an option ``DataLoader`` lacks.
-        ValueError: ``batch_size`` < 1, or a ``seed`` out of the 64-bit range.
+        ValueError: ``batch_size`` < 1, or a ``seed`` out of the 64-bit range; an option
+            ``DataLoader`` refuses (``prefetch_factor`` or ``persistent_workers=True``
+            without worker processes, a negative ``timeout``), named in the message.
 
     .. versionadded:: 0.1
     """
@@ -229,6 +232,9 @@ def distributed_loader(
             minimum=0,
             fix="Pass 0 to load in the main process.",
         )
+    for flag in ("pin_memory", "persistent_workers", "in_order"):
+        if flag in loader_kwargs:
+            check_bool("distributed_loader", flag, loader_kwargs[flag])
     generator = loader_kwargs.get("generator")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
@@ -243,6 +249,14 @@ def distributed_loader(
         seed=seed,
         drop_last=drop_last,
     )
-    return DistributedLoader(
-        dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last, **loader_kwargs
-    )
+    try:
+        return DistributedLoader(
+            dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last, **loader_kwargs
+        )
+    except (TypeError, ValueError) as exc:  # DataLoader's own checks of its options
+        given = ", ".join(f"{k}={v!r}" for k, v in loader_kwargs.items()) or "no options"
+        raise type(exc)(
+            f"distributed_loader(): DataLoader refused the options ({given}): {exc}. Change "
+            "the option it names, e.g. pass num_workers=N (N > 0) with prefetch_factor= or "
+            "persistent_workers=True."
+        ) from exc

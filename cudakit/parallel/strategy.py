@@ -19,7 +19,7 @@ from typing import Any, Literal, NoReturn, cast, get_args
 import torch
 
 from .._accel import current_cuda_index
-from .._check import check_bool, describe, fail_type, fail_value
+from .._check import check_bool, describe, fail_type, fail_value, is_int
 from .._dist import (
     LAUNCHER_VARS,
     DistributedEnv,
@@ -30,6 +30,7 @@ from .._dist import (
     read_launcher_env,
 )
 from ..device import DeviceLike, resolve_device
+from ..device.resolve import resolve_spec
 from ..exceptions import DeviceError, DistributedSetupError
 from .options import check_options, cuda_index
 
@@ -192,11 +193,12 @@ def choose_strategy(
     """
     request = check_strategy(strategy, func="choose_strategy")
     check_env("choose_strategy", env)
-    if isinstance(device_count, bool) or not isinstance(device_count, int):
+    if not is_int(device_count):
         raise TypeError(
             f"choose_strategy(): device_count must be an int, got {describe(device_count)}. "
             "Pass torch.cuda.device_count()."
         )
+    device_count = int(device_count)  # a NumPy int too
     if device_count < 0:
         raise ValueError(
             f"choose_strategy(): device_count must be >= 0, got {device_count}. "
@@ -213,12 +215,13 @@ def choose_strategy(
             f"'cpu', got {device_type!r}; pass torch.device(...).type (lower case)."
         )
     if group_world_size is not None:
-        if isinstance(group_world_size, bool) or not isinstance(group_world_size, int):
+        if not is_int(group_world_size):
             raise TypeError(
                 f"choose_strategy(): group_world_size must be an int or None, got "
                 f"{describe(group_world_size)}. Pass torch.distributed.get_world_size(), or "
                 "None without a process group."
             )
+        group_world_size = int(group_world_size)
         if group_world_size < 1:
             raise ValueError(
                 f"choose_strategy(): group_world_size must be >= 1, got {group_world_size}. "
@@ -302,7 +305,7 @@ def requested_device(func: str, device: DeviceLike, *, cuda_available: bool) -> 
     if bare_cuda and cuda_available:
         return None
     try:
-        return resolve_device(device)  # without CUDA, "cuda" is the clear DeviceError
+        return resolve_spec(device)  # without CUDA, "cuda" is the clear DeviceError
     except (TypeError, DeviceError) as err:
         raise type(err)(f"{func}(device=...): {err}") from None
 

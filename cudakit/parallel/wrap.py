@@ -191,6 +191,55 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
+class _StateMismatchError(ValueError, RuntimeError):
+    """A state dict that does not fit the model: a wrong value (``ValueError``), and the
+    ``RuntimeError`` ``nn.Module.load_state_dict`` raises for it."""
+
+
+def _may_not_fit(own: Mapping[str, Any], given: Mapping[str, Any], strict: bool) -> bool:
+    """Whether torch's load may refuse ``given`` (a key set that differs under
+    ``strict``, or a tensor of another shape), after copying what did fit."""
+    if strict and own.keys() != given.keys():
+        return True
+    for key, value in given.items():
+        mine = own.get(key)
+        if (
+            isinstance(mine, torch.Tensor)
+            and isinstance(value, torch.Tensor)
+            and not nn.parameter.is_lazy(mine)
+            and mine.shape != value.shape
+        ):
+            return True
+    return False
+
+
+def _load_or_restore(inner: nn.Module, state: Mapping[str, Any], strict: bool) -> Any:
+    """``inner.load_state_dict(state)``, the model put back as it was if torch refuses.
+
+    Torch copies every tensor that fits before it raises for those that do not; a copy of
+    the model's tensors is taken only when the state may not fit, so a load that fits
+    costs nothing more.
+    """
+    own = inner.state_dict()
+    if not _may_not_fit(own, state, strict):
+        return inner.load_state_dict(state, strict=strict)
+    saved = {k: v.detach().clone() for k, v in own.items() if isinstance(v, torch.Tensor)}
+    try:
+        return inner.load_state_dict(state, strict=strict)
+    except RuntimeError as exc:
+        reason = str(exc).strip().rstrip(".")
+        with torch.no_grad():
+            for key, value in inner.state_dict().items():
+                if key in saved and isinstance(value, torch.Tensor):
+                    value.copy_(saved[key])
+        raise _StateMismatchError(
+            f"load_state_dict(state=...) got a state dict that does not fit the "
+            f"{type(inner).__name__}, so nothing was loaded: {reason}. Pass the state dict "
+            "of this model, or strict=False to load the keys that match and get the others "
+            "back in the result."
+        ) from None
+
+
 def load_state_dict(
     model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
 ) -> LoadResult:
@@ -219,7 +268,9 @@ def load_state_dict(
     Raises:
         TypeError: ``state`` is not a mapping, ``model`` is not an ``nn.Module``, or
             ``strict`` is not a bool.
-        RuntimeError: with ``strict=True``, keys that do not match (torch's message).
+        ValueError: with ``strict=True``, keys that do not match, or (with any
+            ``strict``) a tensor of another shape: torch's message, after the model was
+            put back as it was. The exception is a ``RuntimeError`` too, as torch's is.
 
     .. versionadded:: 0.1
     """
@@ -242,7 +293,7 @@ def load_state_dict(
         res = set_model_state_dict(inner, bare, options=opts)
         return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
     own = set(inner.state_dict().keys())
-    res = inner.load_state_dict(_strip(state, own), strict=strict)
+    res = _load_or_restore(inner, _strip(state, own), strict)
     return LoadResult(list(res.missing_keys), list(res.unexpected_keys))
 
 

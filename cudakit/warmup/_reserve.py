@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 import torch
@@ -39,13 +40,15 @@ def parse_reserve(spec: object) -> tuple[str, float]:
         'Pass bytes (an int, or a string like "12GiB"), a fraction of total device memory '
         '(a float in (0, 1], or a string like "80%"), or None.'
     )
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    if isinstance(spec, bool) or not isinstance(spec, (numbers.Real, str)):
         raise TypeError(f"warmup(): reserve= got {type(spec).__name__} {spec!r}. {fix}")
-    if isinstance(spec, int):
+    if isinstance(spec, numbers.Integral):  # NumPy's too
+        spec = int(spec)
         if spec <= 0:
             raise ValueError(f"warmup(): reserve={spec} bytes must be positive. {fix}")
         return "bytes", float(spec)
-    if isinstance(spec, float):
+    if not isinstance(spec, str):
+        spec = float(spec)  # a NumPy float too
         if not 0.0 < spec <= 1.0:
             raise ValueError(
                 f"warmup(): reserve={spec} is read as a fraction of total device memory and "

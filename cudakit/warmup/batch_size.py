@@ -14,6 +14,7 @@ from typing import Any, Concatenate, Protocol, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
+from .._check import is_int, is_real
 from .._oom import is_oom_error
 from ..exceptions import BatchSizeSearchError
 
@@ -32,7 +33,7 @@ def free_memory() -> None:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(
             f"find_batch_size() expects {name} to be an int, got {type(value).__name__} "
             f"{value!r}. Pass a whole number of samples, e.g. {name}=32."
@@ -42,7 +43,7 @@ def _positive_int(name: str, value: object) -> int:
             f"find_batch_size() expects {name} >= 1, got {value}. Batch sizes count samples, "
             f"from 1; e.g. {name}=32."
         )
-    return value
+    return int(value)  # a NumPy int too
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,10 @@ class _Search:
         lo = _positive_int("lower", lower)
         hi = None if upper is None else _positive_int("upper", upper)
         m = _positive_int("multiple_of", multiple_of)
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        if not is_real(margin):
             raise TypeError(
                 f"find_batch_size() expects margin to be a float in [0, 1), got "
-                f"{type(margin).__name__} {margin!r}."
+                f"{type(margin).__name__} {margin!r}. Pass e.g. margin=0.1, or leave it out."
             )
         if not 0.0 <= margin < 1.0:
             raise ValueError(

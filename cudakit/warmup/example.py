@@ -82,7 +82,13 @@ def example_batch(loader: Iterable[T], /) -> T:
             "DataLoader (or list) itself.",
         )
     if not isinstance(loader, Iterable):
-        fail_type("example_batch", "loader", _EXPECTED, loader)
+        fail_type(
+            "example_batch",
+            "loader",
+            _EXPECTED,
+            loader,
+            "Pass the loader you train with, e.g. example_batch(train_loader).",
+        )
     rng = RngState(_generators(loader))
     epochs = _epoch_counters(loader)
     # A DataLoader with persistent workers keeps the iterator its first iter() made

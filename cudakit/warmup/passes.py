@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import time
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from .._accel import synchronize
-from .._check import check_device, fail_type, fail_value
+from .._check import check_device, fail_type, fail_value, is_int
 from .._notes import add_note
 from ..device import DeviceLike, resolve_device
 from ..exceptions import CompiledWarmupWarning, DeviceError, ReserveIgnoredWarning
@@ -85,7 +86,9 @@ def _resolve_amp(amp: object, device: torch.device) -> tuple[Callable[[], Any], 
         return functools.partial(torch.autocast, device_type=device.type, dtype=amp), ()
     raise TypeError(
         f"warmup(amp=...) expects an autocast_step(...) object (anything with .autocast()), a "
-        f"torch.dtype such as torch.bfloat16, or None; got {type(amp).__name__} {amp!r}."
+        f"torch.dtype such as torch.bfloat16, or None; got {type(amp).__name__} {amp!r}. "
+        "Pass amp=step (your autocast_step) or the dtype you train in, e.g. "
+        "amp=torch.bfloat16."
     )
 
 
@@ -138,8 +141,9 @@ def _check_plan_shape(
     """The cross-argument checks: is there something to do, and something to run it on."""
     if model is None and (batch is not None or loss_fn is not None):
         raise ValueError(
-            "warmup() got an example batch or loss_fn but no model, so there is nothing to "
-            "run it through. Call warmup(model, example_batch, loss_fn=...)."
+            "warmup() got an example batch or loss_fn but no model (model=None), so there is "
+            "nothing to run it through: it needs the model. Call warmup(model, example_batch, "
+            "loss_fn=...)."
         )
     if model is not None and batch is None and loss_fn is None:
         raise ValueError(
@@ -175,6 +179,24 @@ def _is_compiled(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
+def _check_two_arguments(loss_fn: Callable[..., Any], criterion: bool) -> None:
+    """Refuse a ``loss_fn`` that cannot take the two arguments warmup() will pass."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: find out by calling
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        form = "loss_fn(model(inputs), target)" if criterion else "loss_fn(model, batch)"
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        raise TypeError(
+            f"warmup(loss_fn=...) is called as {form}, but {name}{signature} cannot take "
+            f"two arguments ({exc}). Write it as lambda model, batch: ... returning the "
+            f"loss, or as a criterion loss_fn(output, target). {describe_forms()}"
+        ) from None
+
+
 def _plan(
     model: object,
     batch: object,
@@ -189,13 +211,16 @@ def _plan(
     """Check every argument of :func:`warmup` and decide what it runs; changes nothing."""
     module = check_model(model, "warmup")
     opt = check_optimizer(optimizer, "warmup")
-    if isinstance(steps, bool) or not isinstance(steps, int):
+    if not is_int(steps):
         raise TypeError(
             f"warmup() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
             "Two passes is typical: steps=2."
         )
     if steps < 1:
-        raise ValueError(f"warmup() expects steps >= 1, got {steps}. Two passes is typical.")
+        raise ValueError(
+            f"warmup() expects steps >= 1, got {steps}. Two passes is typical: steps=2."
+        )
+    steps = int(steps)  # a NumPy int too
     _check_plan_shape(module, batch, loss_fn, reserve)
     _check_batch(batch)
     if module is not None:
@@ -206,6 +231,8 @@ def _plan(
             f"loss_fn(model(inputs), target), got {type(loss_fn).__name__}. {describe_forms()}"
         )
     criterion = loss_fn is not None and loss_form(loss_fn, module) == "criterion"
+    if loss_fn is not None:
+        _check_two_arguments(loss_fn, criterion)
     if criterion and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         kind = "loss module" if isinstance(loss_fn, nn.Module) else "criterion"
         name = (

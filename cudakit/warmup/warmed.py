@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
+from .._check import is_int
 from .._contextlib import reject_deferred_body
 from ._args import check_extra, check_model, check_optimizer
 from .preserve import preserve_state
@@ -121,12 +122,16 @@ def warmed(
             "warmed() needs model=, the module the step function trains, so that the warm-up "
             "calls can be rolled back. Write @warmed(model=model, optimizer=optimizer)."
         )
-    if isinstance(steps, bool) or not isinstance(steps, int):
+    if not is_int(steps):
         raise TypeError(
-            f"warmed() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}."
+            f"warmed() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
+            "Pass e.g. steps=1."
         )
     if steps < 1:
-        raise ValueError(f"warmed() expects steps to be an int >= 1, got {steps!r}.")
+        raise ValueError(
+            f"warmed() expects steps to be an int >= 1, got {steps!r}. Pass e.g. steps=1."
+        )
+    steps = int(steps)  # a NumPy int too
     guard = preserve_state(module, opt, extra=extra_items)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
