@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .._accel import cpu_native_bf16, cpu_native_fp16
+from .._check import check_bool, check_type, fail_value
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -141,8 +142,41 @@ def decide_precision(
     ...                  caps=Capabilities(cuda_bf16=True)).dtype
     torch.bfloat16
 
+    Raises:
+        TypeError: an argument of the wrong kind (``caps`` not a :class:`Capabilities`).
+        ValueError: ``requested`` is not bf16, fp16 or fp32 (``parse_dtype`` first).
+
     .. versionadded:: 0.1
     """
+    func = "decide_precision"
+    if requested is not None:
+        check_type(
+            func,
+            "requested",
+            requested,
+            torch.dtype,
+            expected="a torch.dtype or None",
+            fix="Pass parse_dtype(dtype), e.g. torch.bfloat16, or None for 'auto'.",
+        )
+        if requested not in _DTYPES:
+            fail_value(
+                func,
+                "requested",
+                "torch.bfloat16, torch.float16 or torch.float32",
+                requested,
+                "Pass parse_dtype(dtype) first.",
+            )
+    _check_device_type(func, device_type)
+    check_bool(func, "enabled", enabled)
+    check_bool(func, "user_scaler", user_scaler)
+    check_type(
+        func,
+        "caps",
+        caps,
+        Capabilities,
+        expected="a cudakit.amp.policy.Capabilities",
+        fix="Pass probe_capabilities(device_type), or Capabilities(...) in a test.",
+    )
     if not enabled:
         return Precision(torch.float32, False, False)
     if requested is not None:
@@ -179,8 +213,30 @@ def _cuda_native_bf16() -> bool:
         return major >= 8
 
 
+def _check_device_type(func: str, device_type: object) -> None:
+    kind = check_type(
+        func,
+        "device_type",
+        device_type,
+        str,
+        expected="a device type such as 'cuda'",
+        fix="Pass torch.device(...).type, e.g. 'cuda' or 'cpu'.",
+    )
+    try:
+        torch.device(kind)
+    except (RuntimeError, ValueError):
+        fail_value(
+            func,
+            "device_type",
+            "a device type torch knows, such as 'cuda' or 'cpu'",
+            device_type,
+            "Pass torch.device(...).type.",
+        )
+
+
 def probe_capabilities(device_type: str) -> Capabilities:
     """Gather the capabilities :func:`decide_precision` needs for ``device_type``, only those."""
+    _check_device_type("probe_capabilities", device_type)
     if device_type == "cuda":
         return Capabilities(cuda_bf16=_cuda_native_bf16())
     if device_type == "cpu":
@@ -193,6 +249,15 @@ _logged: set[tuple[str, torch.dtype]] = set()
 
 def log_choice(device_type: str, precision: Precision) -> None:
     """Log once per (device type, dtype) why ``"auto"`` fell back to float32."""
+    _check_device_type("log_choice", device_type)
+    check_type(
+        "log_choice",
+        "precision",
+        precision,
+        Precision,
+        expected="a Precision",
+        fix="Pass what decide_precision() returned.",
+    )
     key = (device_type, precision.dtype)
     if precision.dtype == torch.float32 and precision.reason and key not in _logged:
         _logged.add(key)
@@ -201,6 +266,16 @@ def log_choice(device_type: str, precision: Precision) -> None:
 
 def check_autocast(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     """Raise if ``torch.autocast`` would refuse or silently disable this combination."""
+    _check_device_type("check_autocast", device_type)
+    check_type(
+        "check_autocast",
+        "dtype",
+        dtype,
+        torch.dtype,
+        expected="a torch.dtype",
+        fix="Pass e.g. torch.bfloat16.",
+    )
+    check_bool("check_autocast", "enabled", enabled)
     available = getattr(torch.amp.autocast_mode, "is_autocast_available", None)
     if enabled and available is not None and not available(device_type):
         raise ValueError(

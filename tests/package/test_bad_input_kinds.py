@@ -27,6 +27,8 @@ import cudakit
 from cudakit import amp, checkpoint, data, device, memory, parallel, speed
 
 warmup_pkg = importlib.import_module("cudakit.warmup")
+policy = importlib.import_module("cudakit.amp.policy")
+info = importlib.import_module("cudakit.info")
 demo = importlib.import_module("cudakit.demo")
 
 torch.set_num_threads(1)
@@ -227,6 +229,62 @@ ROWS: list[Bad] = [
         "no",
         lambda w: amp.Verdict(torch.tensor(False), skipped="no"),  # type: ignore[arg-type]
     ),
+    # ---------------------------------------------------------- cudakit.amp.policy
+    *_rows(
+        "decide_precision(",
+        lambda w, **kw: policy.decide_precision(
+            **{
+                "requested": None,
+                "device_type": "cpu",
+                "enabled": True,
+                "user_scaler": False,
+                "caps": policy.Capabilities(),
+                **kw,
+            }
+        ),
+        [
+            ("requested", "bf16"),
+            ("device_type", 3),
+            ("enabled", "y"),
+            ("user_scaler", 1),
+            ("caps", None),
+            ("caps", {"cuda_bf16": True}),
+        ],
+    ),
+    *[
+        _one("probe_capabilities(", "device_type", v, lambda w, v=v: policy.probe_capabilities(v))
+        for v in (3, None)
+    ],
+    *_rows(
+        "check_autocast(",
+        lambda w, **kw: policy.check_autocast(
+            **{"device_type": "cpu", "dtype": torch.bfloat16, "enabled": True, **kw}
+        ),
+        [("device_type", 3), ("dtype", "bf16"), ("enabled", "yes")],
+    ),
+    *_rows(
+        "log_choice(",
+        lambda w, **kw: policy.log_choice(
+            **{
+                "device_type": "cpu",
+                "precision": policy.decide_precision(
+                    None, "cpu", enabled=True, user_scaler=False, caps=policy.Capabilities()
+                ),
+                **kw,
+            }
+        ),
+        [("device_type", 3), ("precision", 3)],
+    ),
+    *[
+        _one(
+            "autocast_step(",
+            "dtype",
+            v,
+            lambda w, v=v: policy.parse_dtype(v),
+            note=f"parse_dtype-{type(v).__name__}",
+        )
+        for v in (3, None)
+    ],
     # ------------------------------------------------------------------ Checkpointer
     *_rows(
         "Checkpointer(",
@@ -806,7 +864,7 @@ def test_the_sweep_covers_every_public_callable() -> None:
     covered = {row_id(r.values[0] if hasattr(r, "values") else r).split("-")[0] for r in ROWS}
     covered = {c.split(".")[0] for c in covered}
     # Checked through the rows of the function that makes them (their messages name it).
-    covered |= {"AutocastStep", "SpeedReport"}
+    covered |= {"AutocastStep", "SpeedReport", "parse_dtype"}
     records = {
         # Results and records cudakit builds and returns; their fields are not user input.
         "CudaDeviceInfo", "DeviceInfo", "MemoryReport", "MemorySnapshot", "Position",
@@ -819,11 +877,13 @@ def test_the_sweep_covers_every_public_callable() -> None:
         "MemoryReported", "WarmedDecorator", "FindBatchSizeDecorator", "OnDeviceDecorator",
         "SizedIterable", "SizedPrefetcher", "Stderr", "STDERR", "PEAKS", "MAX_AUTO_WORKERS",
         "LaunchError", "MemoryReserveError", "ReserveIgnoredWarning", "__version__",
+        "Capabilities", "Precision", "DTYPE_ALIASES",
         # No arguments.
-        "rank", "local_rank", "world_size",
+        "rank", "local_rank", "world_size", "cpu_native_bf16", "cpu_native_fp16",
     }  # fmt: skip
     missing = []
-    for module in (cudakit, amp, checkpoint, speed, memory, parallel, device, data, warmup_pkg):
+    packages = (cudakit, amp, checkpoint, speed, memory, parallel, device, data, warmup_pkg)
+    for module in (*packages, policy, demo, info):
         for name in module.__all__:
             obj = getattr(module, name)
             if isinstance(obj, type) and issubclass(obj, BaseException):

@@ -32,6 +32,7 @@ from cudakit import DeviceError, amp, data, parallel
 
 warmup_pkg = importlib.import_module("cudakit.warmup")
 demo = importlib.import_module("cudakit.demo")
+policy = importlib.import_module("cudakit.amp.policy")
 
 torch.set_num_threads(1)
 
@@ -216,6 +217,54 @@ ROWS: list[Any] = [
     _one(
         "SpikeRule(", "z", None, lambda w: amp.SpikeRule(z=None, ratio=None), note="and-ratio-None"
     ),
+    # ---------------------------------------------------------- cudakit.amp.policy
+    *[
+        _one(
+            "decide_precision(",
+            arg,
+            v,
+            lambda w, a=arg, v=v: policy.decide_precision(
+                **{
+                    "requested": None,
+                    "device_type": "cpu",
+                    "enabled": True,
+                    "user_scaler": False,
+                    "caps": policy.Capabilities(),
+                    a: v,
+                }
+            ),
+            note=note,
+        )
+        for arg, v, note in (
+            ("requested", torch.int8, "int8"),
+            ("requested", torch.float64, "float64"),
+            ("device_type", "gpu", "gpu"),
+        )
+    ],
+    _one("probe_capabilities(", "device_type", "gpu", lambda w: policy.probe_capabilities("gpu")),
+    _one(
+        "check_autocast(",
+        "device_type",
+        "gpu",
+        lambda w: policy.check_autocast("gpu", torch.bfloat16, True),
+    ),
+    _one(
+        "autocast_step(",
+        "dtype",
+        torch.int32,
+        lambda w: policy.check_autocast("cpu", torch.int32, True),
+        note="check_autocast-int32",
+    ),
+    *[
+        _one(
+            "autocast_step(",
+            "dtype",
+            v,
+            lambda w, v=v: policy.parse_dtype(v),
+            note=f"parse_dtype-{v}",
+        )
+        for v in ("bf17", torch.int32, "bf16-true")
+    ],
     # ------------------------------------------------------------------ Checkpointer
     *_rows(
         "Checkpointer(",
