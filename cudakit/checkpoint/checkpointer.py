@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import operator
 import os
 import signal
 import warnings
@@ -30,7 +31,14 @@ from .data import (
     skip_batches,
 )
 from .preemption import SignalWatch, StopAgreement, after_stop
-from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
+from .state import (
+    extras_state,
+    fresh_optimizers,
+    reset_fresh,
+    step_marks,
+    tensor_state,
+    warn_open_window,
+)
 from .writer import Pending, Writer, drain_background
 
 __all__ = ["Checkpointer", "find_latest"]
@@ -196,6 +204,7 @@ class Checkpointer:
         self._closed = False
         # A batch batches() yielded and counted, which the next maybe_save() only checks.
         self._yielded = False
+        self._marks: tuple[Any, ...] = ()  # the steps' last backward when it was yielded
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -341,18 +350,7 @@ class Checkpointer:
             self.save()
         self.wait()
         if self._position.total != self._saved_total:  # the last window is open
-            step = next(s for s in self._parts.steps if s.position)
-            log.warning(
-                "cudakit: Checkpointer.epochs(): the run ended with %d of %d micro-batches "
-                "in an open accumulation window, so no last checkpoint was saved (a "
-                "checkpoint never holds half-accumulated gradients); running the command "
-                "again resumes from %s and trains what followed again. Call "
-                "train_step.flush() after each epoch's batches (a step on the partial "
-                "window), or give each epoch a number of batches that accumulate divides.",
-                step.position,
-                step.accumulate,
-                self.latest or "the start",
-            )
+            warn_open_window(self._parts.steps, self.latest)
 
     def batches(self, loader: Any = None) -> Iterator[Any]:
         """Yield this epoch's batches from ``loader`` (default: the one passed at creation).
@@ -397,6 +395,7 @@ class Checkpointer:
                 pos = self._position
                 self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
                 self._yielded = True
+                self._marks = step_marks(self._parts.steps)
                 yield batch
                 self._yielded = False
                 if length is None or self._position.batch < length:
@@ -445,6 +444,8 @@ class Checkpointer:
         if not self._at_window_end():
             self._requested = True
             return None
+        if self._before_step():
+            return self._save_now(unconsumed=True)
         # A window that ended since the last boundary (a step, a flush()) is counted first.
         saved = self._boundary() if self._yielded or self._parts.steps else None
         return saved if saved is not None else self._save_now()
@@ -506,8 +507,22 @@ class Checkpointer:
             self._exit_after_stop()
         return saved
 
-    def _save_now(self) -> Path:
+    def _before_step(self) -> bool:
+        """Whether no step ran a backward since batches() yielded its batch (a save at the
+        top of the body); unknown without a step, or with a stateful loader (moved on)."""
+        steps = self._parts.steps
+        return (
+            self._yielded
+            and bool(steps)
+            and not is_stateful(self.loader)
+            and all(map(operator.is_, step_marks(steps), self._marks))
+        )
+
+    def _save_now(self, unconsumed: bool = False) -> Path:
+        """Save now; ``unconsumed``: without the batch just yielded, which a resume steps on."""
         pos = self._position
+        if unconsumed:
+            pos = dataclasses.replace(pos, batch=pos.batch - 1, total=pos.total - 1)
         name = layout.checkpoint_name(pos.total)
         partial = self.directory / (name + layout.PARTIAL)
         final = self.directory / name
@@ -516,7 +531,7 @@ class Checkpointer:
         try:
             # The host state first: the steps' state settles a pending (sync-free) verdict,
             # which may put the schedulers and learning rates back, before they are read.
-            host = self._host_state(fresh)
+            host = self._host_state(fresh, pos, unconsumed)
             tensors = tensor_state(parts)
             fields = {
                 "total": pos.total,
@@ -538,16 +553,17 @@ class Checkpointer:
         self._saved_windows = pos.windows
         return final
 
-    def _host_state(self, fresh: list[bool]) -> dict[str, Any]:
+    def _host_state(self, fresh: list[bool], pos: Position, unconsumed: bool) -> dict[str, Any]:
         loader = self.loader
         gens = generators_of(loader) if loader is not None else ()
-        pos = self._position
+        # Before an epoch's first step, resume from its start (its iterator drew then).
+        at_start = unconsumed and pos.batch == 0 and self._epoch_rng is not None
         return {
             "format": layout.HOST_FORMAT,
             "rank": self._rank,
             "world_size": self._world,
             "position": dataclasses.asdict(pos),
-            "rng": capture_rng(gens),
+            "rng": self._epoch_rng if at_start else capture_rng(gens),
             "epoch_rng": self._epoch_rng if pos.batch > 0 else None,
             "steps": [s.state_dict() for s in self._parts.steps],
             "schedulers": [s.state_dict() for s in self._parts.schedulers],

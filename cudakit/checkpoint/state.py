@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,16 @@ from torch import nn
 from .._check import describe
 from ..parallel import unwrap
 
-__all__ = ["Parts", "failure_cause", "fresh_optimizers", "has_state", "mismatch", "tensor_state"]
+__all__ = [
+    "Parts",
+    "failure_cause",
+    "fresh_optimizers",
+    "has_state",
+    "mismatch",
+    "step_marks",
+    "tensor_state",
+    "warn_open_window",
+]
 
 
 @dataclasses.dataclass
@@ -221,3 +231,28 @@ def failure_cause(exc: BaseException) -> str:
         inner_exc = inner[0] if isinstance(inner, tuple) else inner
         return f"{type(inner_exc).__name__}: {inner_exc} (rank {rank})"
     return f"{type(exc).__name__}: {exc}"
+
+
+def step_marks(steps: Sequence[Any]) -> tuple[Any, ...]:
+    """What every micro-step of ``steps`` changes: the reference to its backward's loss.
+
+    :class:`~cudakit.checkpoint.Checkpointer` compares them with ``is`` to tell whether
+    a step ran since a batch was yielded.
+    """
+    return tuple(s._window.backwarded for s in steps)
+
+
+def warn_open_window(steps: Sequence[Any], latest: Any) -> None:
+    """Log that a run ended inside an accumulation window, so no last checkpoint was saved."""
+    step = next(s for s in steps if s.position)
+    logging.getLogger("cudakit.checkpoint").warning(
+        "cudakit: Checkpointer.epochs(): the run ended with %d of %d micro-batches "
+        "in an open accumulation window, so no last checkpoint was saved (a "
+        "checkpoint never holds half-accumulated gradients); running the command "
+        "again resumes from %s and trains what followed again. Call "
+        "train_step.flush() after each epoch's batches (a step on the partial "
+        "window), or give each epoch a number of batches that accumulate divides.",
+        step.position,
+        step.accumulate,
+        latest or "the start",
+    )
