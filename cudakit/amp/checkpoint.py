@@ -228,6 +228,12 @@ def validate(
         weight = _scalar_tensor(weight, "window_weight")
         if not bool(torch.isfinite(weight).all() & (weight >= 0).all()):
             _fail("window_weight", "a finite count >= 0 (the window's summed weights)", weight)
+    saved_buffers = state.get("window_buffers")  # their shapes are checked against the model
+    if saved_buffers is not None and not (
+        isinstance(saved_buffers, (list, tuple))
+        and all(isinstance(t, torch.Tensor) for t in saved_buffers)
+    ):
+        _fail("window_buffers", "a list of tensors or None", saved_buffers, TypeError)
     return Restored(
         position=position,
         steps=steps,

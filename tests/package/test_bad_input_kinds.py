@@ -179,6 +179,26 @@ ROWS: list[Bad] = [
     ],
     *[
         _one(
+            "AutocastStep.load_state_dict(",
+            f"state['{key}']",
+            bad,
+            lambda w, key=key, bad=bad: w.step.load_state_dict({**w.step.state_dict(), key: bad}),
+            uses=("step",),
+            note=f"{key}-{type(bad).__name__}",
+        )
+        for key, bad in (
+            ("accumulate", "2"),
+            ("position", 1.5),
+            ("steps", True),
+            ("window_losses", 3),
+            ("window_weight", "w"),
+            ("window_buffers", "x"),
+            ("window_buffers", [1, 2]),
+            ("spike_stats", 3),
+        )
+    ],
+    *[
+        _one(
             "AutocastStep.accumulate = ",
             "accumulate",
             v,
