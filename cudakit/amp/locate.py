@@ -131,7 +131,14 @@ def find_nonfinite(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> NonF
 
     .. versionadded:: 0.1
     """
-    check_callable("find_nonfinite", "fn", fn, expected="the loss function to replay")
+    check_callable(
+        "find_nonfinite",
+        "fn",
+        fn,
+        expected="the loss function to replay",
+        fix="Pass the function that computes the loss, then its arguments: "
+        "find_nonfinite(loss_fn, batch).",
+    )
     return replay([(fn, args, dict(kwargs))])
 
 

@@ -21,7 +21,14 @@ from ..amp import AutocastStep
 from .preemption import stop_signals
 from .state import Parts, assign_owners, check_extras
 
-__all__ = ["Options", "check_loader", "describe_parts", "resolve", "resolve_directory"]
+__all__ = [
+    "Options",
+    "batches_loader",
+    "check_loader",
+    "describe_parts",
+    "resolve",
+    "resolve_directory",
+]
 
 _FUNC = "Checkpointer"
 
@@ -150,6 +157,24 @@ def _schedulers(value: object, steps: tuple[AutocastStep, ...]) -> tuple[Any, ..
         if all(item is not s for s in out):
             out.append(item)
     return tuple(out)
+
+
+def batches_loader(value: object, default: Any) -> Any:
+    """The loader ``Checkpointer.batches(loader)`` iterates: ``value``, else ``default``.
+
+    Checked when ``batches()`` is called, not at its first ``next()``.
+    """
+    if value is not None:
+        return check_loader("Checkpointer.batches", value)
+    if default is None:
+        fail_type(
+            "Checkpointer.batches",
+            "loader",
+            "a DataLoader (here or as Checkpointer(loader=...))",
+            value,
+            "Pass the loader to the Checkpointer so that its position is saved.",
+        )
+    return default
 
 
 def check_loader(func: str, value: object) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from .._check import check_int, fail_type
+from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
 from . import arguments, layout, reader
 from .data import (
@@ -337,7 +337,9 @@ class Checkpointer:
         the last one) and waited for, so running the command again does nothing more.
         A run that ends inside an accumulation window (no ``flush()``) saves none: it logs why.
         """
-        stop = check_int("Checkpointer.epochs", "stop", stop, minimum=0)
+        return self._epochs(check_int("Checkpointer.epochs", "stop", stop, minimum=0))
+
+    def _epochs(self, stop: int) -> Iterator[int]:
         self.resume()
         while self._position.epoch < stop:
             epoch = self._position.epoch
@@ -359,18 +361,9 @@ class Checkpointer:
         and RNG as the run that saved. Between batches, after the step has run, it saves
         when due and reacts to a stop signal.
         """
-        if loader is None:
-            loader = self.loader
-            if loader is None:
-                fail_type(
-                    "Checkpointer.batches",
-                    "loader",
-                    "a DataLoader (here or as Checkpointer(loader=...))",
-                    loader,
-                    "Pass the loader to the Checkpointer so that its position is saved.",
-                )
-        else:
-            loader = arguments.check_loader("Checkpointer.batches", loader)
+        return self._batches(arguments.batches_loader(loader, self.loader))
+
+    def _batches(self, loader: Any) -> Iterator[Any]:
         self.resume()
         start = self._position
         stateful = is_stateful(loader)

@@ -27,7 +27,7 @@ from typing import Final
 
 import torch
 
-from .._check import check_type
+from .._check import check_type, fail_type
 
 __all__ = ["DTYPE_KEYS", "PEAKS", "DevicePeak", "Peak", "dtype_key", "lookup_peak"]
 
@@ -315,7 +315,7 @@ def lookup_peak(name: str, dtype: object) -> Peak:
         The ``Peak``, with the figure and its datasheet, or no figure and the reason.
 
     Raises:
-        TypeError: ``name`` is not a str.
+        TypeError: ``name`` is not a str, or ``dtype`` neither a ``torch.dtype`` nor a str.
 
     .. versionadded:: 0.1
     """
@@ -327,6 +327,14 @@ def lookup_peak(name: str, dtype: object) -> Peak:
         expected="the device's name as a str",
         fix="Pass torch.cuda.get_device_name(device), e.g. 'NVIDIA H100 80GB HBM3'.",
     )
+    if not isinstance(dtype, torch.dtype | str):
+        fail_type(
+            "lookup_peak",
+            "dtype",
+            f"a torch.dtype or one of {', '.join(map(repr, DTYPE_KEYS))}",
+            dtype,
+            "Pass e.g. torch.bfloat16 or 'bf16'.",
+        )
     key = dtype_key(dtype)
     if key is None:
         return Peak(

@@ -231,15 +231,7 @@ ROWS: list[Bad] = [
         ],
     ),
     *[
-        pytest.param(
-            _one("find_nonfinite(", "fn", v, lambda w, v=v: amp.find_nonfinite(v)),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="find_nonfinite(fn=3) says 'expects the loss function to replay, got "
-                "int 3.' with no fix (e.g. find_nonfinite(loss_fn, batch)); "
-                "cudakit/amp/locate.py is the lead's",
-            ),
-        )
+        _one("find_nonfinite(", "fn", v, lambda w, v=v: amp.find_nonfinite(v))
         for v in (3, None, "loss")
     ],
     _one("Verdict(", "flag", "x", lambda w: amp.Verdict("x", skipped=False)),  # type: ignore[arg-type]
@@ -434,14 +426,7 @@ ROWS: list[Bad] = [
         [("fn", 3), ("model", 3), ("optimizer", 3), ("extra", 3)],
     ),
     _one("lookup_peak(", "name", 3, lambda w: speed.lookup_peak(3, "bf16")),  # type: ignore[arg-type]
-    pytest.param(
-        _one("lookup_peak(", "dtype", 3, lambda w: speed.lookup_peak("NVIDIA H100", 3)),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="lookup_peak(dtype=3) is accepted: it returns a Peak whose reason says "
-            "the table has no figures for 3, instead of a TypeError (cudakit/speed/, the lead's)",
-        ),
-    ),
+    _one("lookup_peak(", "dtype", 3, lambda w: speed.lookup_peak("NVIDIA H100", 3)),
     # ----------------------------------------------------------------- memory_report
     *_rows(
         "memory_report(",
