@@ -23,6 +23,7 @@ from . import arguments, layout, reader
 from .data import (
     Position,
     capture_rng,
+    fetched,
     generators_of,
     is_stateful,
     loader_length,
@@ -204,7 +205,9 @@ class Checkpointer:
         self._closed = False
         # A batch batches() yielded and counted, which the next maybe_save() only checks.
         self._yielded = False
-        self._marks: tuple[Any, ...] = ()  # the steps' last backward when it was yielded
+        # At the yield: the total, the steps' last backward, the torch CPU RNG before the
+        # fetch (a dataset's augmentation draws from it), and whether the loader is stateful.
+        self._yield: tuple[int, tuple[Any, ...], Any, bool, Any] = (-1, (), None, True, None)
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -224,7 +227,7 @@ class Checkpointer:
 
     @property
     def stop_requested(self) -> bool:
-        """Whether this process received a stop signal (SIGTERM/SIGUSR1)."""
+        """Whether this process received a watched stop signal (see ``preemption=``)."""
         return self._signals.signum is not None
 
     def __repr__(self) -> str:
@@ -382,21 +385,22 @@ class Checkpointer:
             iterator = iter(loader)
             if skip:
                 skip_batches(iterator, skip)
-        length = loader_length(loader)
+        length, token = loader_length(loader), object()
         try:
-            for batch in iterator:
+            for batch, before in fetched(iterator, rng=not stateful):
                 pos = self._position
                 self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
                 self._yielded = True
-                self._marks = step_marks(self._parts.steps)
+                marks = step_marks(self._parts.steps)
+                self._yield = (self._position.total, marks, before, stateful, token)
                 yield batch
                 self._yielded = False
                 if length is None or self._position.batch < length:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
                     # once the iterator is exhausted: a sampler may still draw from the RNG.)
                     self._boundary()
-        finally:
-            self._yielded = False
+        finally:  # (a generator closed late leaves a newer one's batch as it is)
+            self._yielded = self._yielded and self._yield[4] is not token
         pos = self._position
         self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
         self._boundary()
@@ -407,13 +411,11 @@ class Checkpointer:
 
         Call it after each call of the step (each micro-batch), on every rank, when the
         loop brings its own data instead of :meth:`batches` (which counts the batches
-        and checks between them itself: the first call after a batch it yielded only
-        checks). Returns the checkpoint's path when it saved.
+        and checks between them itself: inside it, this only checks; close a batches()
+        generator you leave). Returns the checkpoint's path when it saved.
         """
         self._check_open("maybe_save")
-        if self._yielded:  # batches() counted this batch (a generator left open counts once)
-            self._yielded = False
-        else:
+        if not self._yielded:  # (inside batches(), which counted its batch: only a check)
             if not self._resumed:
                 self._refuse_unresumed()
             pos = self._position
@@ -437,8 +439,9 @@ class Checkpointer:
         if not self._at_window_end():
             self._requested = True
             return None
-        if self._before_step():
-            return self._save_now(unconsumed=True)
+        if self._before_step():  # (a position saved already is not written again)
+            done = self._position.total - 1 == self._saved_total
+            return self._writer.newest if done else self._save_now(unconsumed=True)
         # A window that ended since the last boundary (a step, a flush()) is counted first.
         saved = self._boundary() if self._yielded or self._parts.steps else None
         return saved if saved is not None else self._save_now()
@@ -507,8 +510,9 @@ class Checkpointer:
         return (
             self._yielded
             and bool(steps)
-            and not is_stateful(self.loader)
-            and all(map(operator.is_, step_marks(steps), self._marks))
+            and self._position.total == self._yield[0]
+            and not self._yield[3]
+            and all(map(operator.is_, step_marks(steps), self._yield[1]))
         )
 
     def _save_now(self, unconsumed: bool = False) -> Path:
@@ -551,12 +555,15 @@ class Checkpointer:
         gens = generators_of(loader) if loader is not None else ()
         # Before an epoch's first step, resume from its start (its iterator drew then).
         at_start = unconsumed and pos.batch == 0 and self._epoch_rng is not None
+        rng = self._epoch_rng if at_start and self._epoch_rng else capture_rng(gens)
+        if unconsumed and not at_start and self._yield[2] is not None:
+            rng["cpu"] = self._yield[2]  # as the batch was fetched (augmentation)
         return {
             "format": layout.HOST_FORMAT,
             "rank": self._rank,
             "world_size": self._world,
             "position": dataclasses.asdict(pos),
-            "rng": self._epoch_rng if at_start else capture_rng(gens),
+            "rng": rng,
             "epoch_rng": self._epoch_rng if pos.batch > 0 else None,
             "steps": [s.state_dict() for s in self._parts.steps],
             "schedulers": [s.state_dict() for s in self._parts.schedulers],

@@ -150,13 +150,14 @@ class SignalWatch:
             if callable(previous):
                 previous(signum, frame)
             return
+        again = signum in self.seen
         if self.signum is None:
             self.signum = signum
-        if signum not in self.seen:
+        if not again:
             self.seen.append(signum)
-        # (SIGINT's default handler raises KeyboardInterrupt here, before the save: like
-        # SIG_DFL, it is the action the watch takes the place of.)
-        if callable(previous) and previous is not signal.default_int_handler:
+        # (SIGINT's default handler raises KeyboardInterrupt: the watch takes its place for
+        # the first Ctrl-C, the save; a second one interrupts, as without the watch.)
+        if callable(previous) and (previous is not signal.default_int_handler or again):
             previous(signum, frame)
 
     def uninstall(self) -> None:
@@ -297,9 +298,10 @@ def after_stop(
     The agreed signals count as received: a rank the signal did not reach exits (and rank
     0 requeues) as the rank it reached does; so do signals that came during the save.
     """
+    # Every rank the same status: the agreed signals' (SIGTERM's among several).
     signum = watch.signum
-    if signum is None and agreed:
-        signum = agreed[0]
+    if agreed:
+        signum = int(signal.SIGTERM) if int(signal.SIGTERM) in agreed else agreed[0]
     received = {*agreed, *watch.seen}
     wanted = requeue is True or any(requeues_after(s) for s in received)
     if rank == 0 and requeue is not False and wanted:

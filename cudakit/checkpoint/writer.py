@@ -134,6 +134,11 @@ class Writer:
         log.info("cudakit: checkpoint %s complete", pending.final)
         return pending.final
 
+    @property
+    def newest(self) -> Path | None:
+        """The checkpoint written last: the one in flight, else the last finished."""
+        return self.pending.final if self.pending is not None else self.last
+
     def done(self) -> bool:
         """Whether nothing is in flight, or the background save has finished writing."""
         return self.pending is None or (

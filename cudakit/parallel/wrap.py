@@ -198,17 +198,17 @@ class _StateMismatchError(ValueError, RuntimeError):
 
 def _may_not_fit(own: Mapping[str, Any], given: Mapping[str, Any], strict: bool) -> bool:
     """Whether torch's load may refuse ``given`` (a key set that differs under
-    ``strict``, or a tensor of another shape), after copying what did fit."""
+    ``strict``, a value that is not a tensor, a tensor of another shape, or a complex one
+    into a real tensor), after copying what did fit."""
     if strict and own.keys() != given.keys():
         return True
     for key, value in given.items():
         mine = own.get(key)
-        if (
-            isinstance(mine, torch.Tensor)
-            and isinstance(value, torch.Tensor)
-            and not nn.parameter.is_lazy(mine)
-            and mine.shape != value.shape
-        ):
+        if not isinstance(mine, torch.Tensor) or nn.parameter.is_lazy(mine):
+            continue
+        if not isinstance(value, torch.Tensor) or mine.shape != value.shape:
+            return True
+        if value.is_complex() and not mine.is_complex():
             return True
     return False
 

@@ -131,3 +131,42 @@ def test_ctrl_c_watched_saves_and_exits_130_without_a_requeue(
     assert latest.name == "ckpt-0000000003"
     assert asked == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_interrupts_as_without_the_watch(tmp_path: Path) -> None:
+    """The first Ctrl-C asks for the save; a second one (a hang, a long evaluation) raises
+    KeyboardInterrupt, so the process can always be stopped."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cudakit.Checkpointer(
+        tmp_path, model=model, optimizer=opt, preemption=["SIGTERM", "SIGINT"]
+    ) as ckpt:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ckpt.stop_requested
+        with pytest.raises(KeyboardInterrupt):  # (Python runs the handler at once)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_every_rank_exits_with_the_agreed_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks that got different signals, or none, exit alike: SIGTERM's among several."""
+    from cudakit.checkpoint import preemption
+
+    monkeypatch.setattr(preemption, "requeue_slurm_job", lambda: None)
+    term, usr1, usr2 = int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2)
+
+    class Watch:
+        def __init__(self, *got: int) -> None:
+            self.signum = got[0] if got else None
+            self.seen = list(got)
+
+    for agreed in [(term, usr1), (usr1, term), (usr2, term)]:
+        codes = {
+            preemption.after_stop(1, agreed, Watch(*got), "auto", None)  # type: ignore[arg-type]
+            for got in [(), (usr1,), (term,), (usr2,)]
+        }
+        assert codes == {128 + term}
+    codes = {
+        preemption.after_stop(1, (usr2,), Watch(*got), "auto", None)  # type: ignore[arg-type]
+        for got in [(), (usr2,)]
+    }
+    assert codes == {128 + usr2}

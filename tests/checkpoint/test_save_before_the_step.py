@@ -24,17 +24,33 @@ class Crash(Exception):
     pass
 
 
+class Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """A random augmentation per item, drawn in the main process (num_workers=0)."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(12, 3, generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i] + torch.rand(3)
+
+
 def _run(directory: Path, seed: int, save_at: int, accumulate: int, crash_at: int | None = None,
-         explicit: bool = False) -> dict[str, Any]:  # fmt: skip
+         explicit: bool = False, augment: bool = False, every: int | None = None,
+         ) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.3), torch.nn.Linear(4, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     step = cudakit.autocast_step(opt, model=model, dtype=torch.float32, accumulate=accumulate)
-    samples = torch.randn(12, 3, generator=torch.Generator().manual_seed(7))
+    samples: Any = (
+        Augmented() if augment else torch.randn(12, 3, generator=torch.Generator().manual_seed(7))
+    )
     loader = torch.utils.data.DataLoader(
         samples, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5)
     )
-    ckpt = cudakit.Checkpointer(directory, step=step, loader=loader, preemption=False)
+    ckpt = cudakit.Checkpointer(directory, step=step, loader=loader, preemption=False, every=every)
     losses: dict[int, float] = {}
     try:
         for _ in ckpt.epochs(2):
@@ -85,13 +101,18 @@ def test_a_save_before_the_step_resumes_bit_for_bit(
     assert {k: v for k, v in ref["losses"].items() if k >= first} == resumed["losses"]
 
 
-@pytest.mark.parametrize("save_at", [1, 7])
-def test_the_explicit_form_and_an_epochs_first_batch(tmp_path: Path, save_at: int) -> None:
-    """The explicit form too; batch 1 and 7 are the first of an epoch (the shuffle's draw)."""
-    ref = _run(tmp_path / "ref", 0, save_at, 1, explicit=True)
+@pytest.mark.parametrize("augment", [False, True], ids=["plain", "augmented"])
+@pytest.mark.parametrize("save_at", [1, 3, 7])
+def test_the_explicit_form_an_epochs_first_batch_and_augmentation(
+    tmp_path: Path, save_at: int, augment: bool
+) -> None:
+    """The explicit form too; batches 1 and 7 are the first of an epoch (the shuffle's
+    draw); an augmenting dataset draws from torch's RNG as each batch is fetched."""
+    kw: dict[str, Any] = {"explicit": True, "augment": augment}
+    ref = _run(tmp_path / "ref", 0, save_at, 1, **kw)
     with pytest.raises(Crash):
-        _run(tmp_path / "run", 0, save_at, 1, crash_at=save_at + 2, explicit=True)
-    resumed = _run(tmp_path / "run", 1, save_at, 1, explicit=True)
+        _run(tmp_path / "run", 0, save_at, 1, crash_at=save_at + 2, **kw)
+    resumed = _run(tmp_path / "run", 1, save_at, 1, **kw)
     assert min(resumed["losses"]) == save_at  # the saved batch is stepped on after resume
     _same(ref, resumed)
     assert {k: v for k, v in ref["losses"].items() if k >= save_at} == resumed["losses"]
@@ -110,3 +131,28 @@ def test_a_save_after_the_step_still_counts_the_batch(tmp_path: Path) -> None:
                     path = ckpt.save()
     assert path is not None
     assert path.name == "ckpt-0000000002"
+
+
+def test_a_position_saved_already_is_not_written_again(tmp_path: Path) -> None:
+    """every=1 saved ckpt-2 after batch 2; save() at the top of batch 3 is that position:
+    it returns that checkpoint and does not write it again."""
+    stamps: list[tuple[int, int]] = []
+    original = cudakit.Checkpointer.save
+
+    def save(self: cudakit.Checkpointer) -> Any:
+        manifest = self.directory / "ckpt-0000000002" / "cudakit.json"
+        before = manifest.stat().st_mtime_ns if self.position.total == 3 else 0
+        path = original(self)
+        if self.position.total == 3:
+            assert path is not None
+            assert path.name == "ckpt-0000000002"
+            stamps.append((before, manifest.stat().st_mtime_ns))
+        return path
+
+    ref = _run(tmp_path / "ref", 0, 99, 1, every=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cudakit.Checkpointer, "save", save)
+        got = _run(tmp_path / "run", 0, 3, 1, every=1)
+    assert len(stamps) == 1
+    assert stamps[0][0] == stamps[0][1]
+    _same(ref, got)
