@@ -22,6 +22,7 @@ from .._dist import group_rank, group_world_size, is_group_running
 from . import arguments, layout, reader
 from .data import (
     Position,
+    Yielded,
     capture_rng,
     fetched,
     generators_of,
@@ -203,11 +204,8 @@ class Checkpointer:
         self._requested = False
         self._resumed = False
         self._closed = False
-        # A batch batches() yielded and counted, which the next maybe_save() only checks.
-        self._yielded = False
-        # At the yield: the total, the steps' last backward, the torch CPU RNG before the
-        # fetch (a dataset's augmentation draws from it), and whether the loader is stateful.
-        self._yield: tuple[int, tuple[Any, ...], Any, bool, Any] = (-1, (), None, True, None)
+        # The batch batches() yielded, counted there, while its loop body runs (else None).
+        self._yielded: Yielded | None = None
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -390,17 +388,17 @@ class Checkpointer:
             for batch, before in fetched(iterator, rng=not stateful):
                 pos = self._position
                 self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
-                self._yielded = True
                 marks = step_marks(self._parts.steps)
-                self._yield = (self._position.total, marks, before, stateful, token)
+                self._yielded = Yielded(self._position.total, marks, before, stateful, token)
                 yield batch
-                self._yielded = False
+                self._yielded = None
                 if length is None or self._position.batch < length:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
                     # once the iterator is exhausted: a sampler may still draw from the RNG.)
                     self._boundary()
         finally:  # (a generator closed late leaves a newer one's batch as it is)
-            self._yielded = self._yielded and self._yield[4] is not token
+            if self._yielded is not None and self._yielded.owner is token:
+                self._yielded = None
         pos = self._position
         self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
         self._boundary()
@@ -415,7 +413,7 @@ class Checkpointer:
         generator you leave). Returns the checkpoint's path when it saved.
         """
         self._check_open("maybe_save")
-        if not self._yielded:  # (inside batches(), which counted its batch: only a check)
+        if self._yielded is None:  # (inside batches(), which counted its batch: a check)
             if not self._resumed:
                 self._refuse_unresumed()
             pos = self._position
@@ -443,7 +441,7 @@ class Checkpointer:
             done = self._position.total - 1 == self._saved_total
             return self._writer.newest if done else self._save_now(unconsumed=True)
         # A window that ended since the last boundary (a step, a flush()) is counted first.
-        saved = self._boundary() if self._yielded or self._parts.steps else None
+        saved = self._boundary() if self._yielded is not None or self._parts.steps else None
         return saved if saved is not None else self._save_now()
 
     def wait(self) -> Path | None:
@@ -506,13 +504,13 @@ class Checkpointer:
     def _before_step(self) -> bool:
         """Whether no step ran a backward since batches() yielded its batch (a save at the
         top of the body); unknown without a step, or with a stateful loader (moved on)."""
-        steps = self._parts.steps
+        steps, now = self._parts.steps, self._yielded
         return (
-            self._yielded
+            now is not None
             and bool(steps)
-            and self._position.total == self._yield[0]
-            and not self._yield[3]
-            and all(map(operator.is_, step_marks(steps), self._yield[1]))
+            and self._position.total == now.total
+            and not now.stateful
+            and all(map(operator.is_, step_marks(steps), now.marks))
         )
 
     def _save_now(self, unconsumed: bool = False) -> Path:
@@ -553,11 +551,13 @@ class Checkpointer:
     def _host_state(self, fresh: list[bool], pos: Position, unconsumed: bool) -> dict[str, Any]:
         loader = self.loader
         gens = generators_of(loader) if loader is not None else ()
-        # Before an epoch's first step, resume from its start (its iterator drew then).
-        at_start = unconsumed and pos.batch == 0 and self._epoch_rng is not None
-        rng = self._epoch_rng if at_start and self._epoch_rng else capture_rng(gens)
-        if unconsumed and not at_start and self._yield[2] is not None:
-            rng["cpu"] = self._yield[2]  # as the batch was fetched (augmentation)
+        epoch_rng, now = self._epoch_rng, self._yielded
+        if unconsumed and pos.batch == 0 and epoch_rng is not None:
+            rng = epoch_rng  # before an epoch's first step: its start (its iterator drew then)
+        else:
+            rng = capture_rng(gens)
+            if unconsumed and now is not None and now.rng is not None:
+                rng["cpu"] = now.rng  # as the batch was fetched (augmentation)
         return {
             "format": layout.HOST_FORMAT,
             "rank": self._rank,

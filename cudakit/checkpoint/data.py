@@ -16,7 +16,7 @@ import dataclasses
 import random
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,7 @@ from ..warmup.preserve import RngState
 
 __all__ = [
     "Position",
+    "Yielded",
     "capture_rng",
     "fetched",
     "generators_of",
@@ -180,3 +181,14 @@ def fetched(iterator: Iterator[Any], rng: bool) -> Iterator[tuple[Any, torch.Ten
         except StopIteration:
             return
         yield batch, before
+
+
+class Yielded(NamedTuple):
+    """The batch :meth:`~cudakit.checkpoint.Checkpointer.batches` yielded last, while it is
+    the current one: what a ``save()`` before its step needs."""
+
+    total: int  # the position's total with this batch
+    marks: tuple[Any, ...]  # the steps' last backward (state.step_marks) at the yield
+    rng: torch.Tensor | None  # torch's CPU RNG before the fetch (None: stateful loader)
+    stateful: bool  # the loader saves its own position (it has moved past the batch)
+    owner: object  # the generator that yielded it

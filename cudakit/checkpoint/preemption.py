@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .._check import fail_type, fail_value
+
 __all__ = [
     "DEFAULT_SIGNALS",
     "SignalWatch",
@@ -64,8 +66,6 @@ def stop_signals(func: str, value: object) -> tuple[signal.Signals, ...]:
     as True, would watch SIGHUP). Each signal is kept once, in the order given. SIGKILL
     and SIGSTOP cannot be caught.
     """
-    from .._check import fail_type, fail_value
-
     if isinstance(value, bool):
         return DEFAULT_SIGNALS if value else ()
     items = list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
