@@ -65,6 +65,17 @@ def torchrun_env(world: int, rank: int = 0, port: int = 29500) -> dict[str, str]
     }
 
 
+def join_gloo(rank: int, port: int, world: int, timeout: float = 60) -> None:
+    """Inside a spawned rank: torchrun's variables (``LOCAL_WORLD_SIZE`` too), then the
+    gloo process group, with a finite timeout."""
+    import datetime
+
+    os.environ.update(torchrun_env(world, rank, port), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+    )
+
+
 @pytest.fixture(autouse=True)
 def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variables from outside; no process group left behind (import it)."""

@@ -6,15 +6,13 @@ seconds on a small machine). Free port, finite timeouts.
 
 from __future__ import annotations
 
-import datetime
-import os
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launcher_env import run_ranks
+from launcher_env import join_gloo, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -69,13 +67,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     import cudakit.parallel as cp
     from cudakit.amp import autocast_step
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
+    join_gloo(rank, port, WORLD)
     results: dict[str, Any] = {}
     try:
         calls = _count_reduce_scatters()

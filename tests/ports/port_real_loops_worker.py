@@ -8,12 +8,11 @@ what the test compares to ``{out}/{rank}.pt``.
 
 from __future__ import annotations
 
-import datetime
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from launcher_env import join_gloo
 
 WORLD = 2
 
@@ -21,13 +20,7 @@ WORLD = 2
 def worker(rank: int, port: int, out: str) -> None:
     from port_real_loops import Crash, gpt_run, training_state
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
+    join_gloo(rank, port, WORLD)
     root = Path(out)
     result: dict[str, Any] = {}
     try:
