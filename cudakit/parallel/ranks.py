@@ -22,7 +22,7 @@ from .._dist import (
     is_group_running,
     launched_local_rank,
 )
-from .._objects import user_stacklevel
+from .._stacklevel import user_stacklevel
 
 __all__ = [
     "barrier",

@@ -135,7 +135,7 @@ def test_a_tensor_another_path_moved_is_looked_up_even_when_held_once(
 ) -> None:
     """A Parameter's .grad is memoised by the Parameter's path; the inline paths must
     then look every tensor up, whatever its reference count says (here: held once)."""
-    import cudakit._tree as tree
+    import cudakit._tree.walk as tree
 
     fake_sys = types.SimpleNamespace(
         getrefcount=lambda obj: 0, getrecursionlimit=sys.getrecursionlimit

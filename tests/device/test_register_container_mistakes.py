@@ -306,7 +306,7 @@ def test_the_check_runs_only_for_types_with_their_own_flatten_until_they_warned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Plain containers, the default flatten and a type that has warned are not probed."""
-    import cudakit._objects as objects
+    import cudakit._tree.probe as objects
 
     probed: list[object] = []
     real = objects.holds_tensor

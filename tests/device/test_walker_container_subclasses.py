@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cudakit import register_container
-from cudakit._walk import Ctx
+from cudakit._tree import Ctx
 from cudakit.device import on_device
 from cudakit.exceptions import TensorsLeftBehindWarning
 

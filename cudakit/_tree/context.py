@@ -1,36 +1,26 @@
-"""The state of one walk over user data: its context, the staging of prefetch copies,
-and the errors that name where in the input something went wrong.
+"""The state of one walk over user data: its context and the staging of prefetch copies.
 
-:mod:`cudakit._tree` walks; this module holds what a walk carries along, so the
-walker itself is only the dispatch and the handlers.
+:class:`Ctx` is what one ``on_device`` call carries along (target, copy mode, memo,
+deferred in-place moves); :class:`Staging` is what prefetch adds to the same walk.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 __all__ = [
-    "BUSY",
-    "Bad",
     "Ctx",
-    "Cycle",
     "Handler",
     "NoType",
     "Staging",
-    "busy_or_done",
     "device_kind",
-    "located",
-    "meta_copy_error",
-    "user_error",
 ]
 
 Handler = Callable[[Any, "Ctx"], Any]
 _Tensor = torch.Tensor
-BUSY = object()  # memo marker: this container is being traversed right now (cycle guard)
 # Copies there are synchronous unless forced. MPS too: a CPU -> MPS non_blocking copy
 # from pageable memory can be read before it lands (pytorch/pytorch#83015).
 _SYNC_TARGETS = ("cpu", "meta", "mps")
@@ -175,93 +165,3 @@ class Staging:
 # device -> (copies there are synchronous by default, device is the CPU)
 _KINDS: dict[torch.device, tuple[bool, bool]] = {}
 _LAST_KIND: tuple[object, tuple[bool, bool]] = (None, (False, False))
-
-
-class Bad(Exception):
-    """Internal: bad input found during traversal; collects the path while unwinding."""
-
-    def __init__(self, exc_type: type[Exception], message: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
-        self.path: list[str] = []  # innermost first
-        self.cause: BaseException | None = None  # chained to the user-facing error
-
-    def add(self, step: str, container_id: int) -> None:
-        self.path.append(step)
-
-    def where(self, root: str) -> str:
-        return root + "".join(reversed(self.path))
-
-    def render(self, root: str) -> str:
-        return self.message.replace("{where}", self.where(root))
-
-
-def meta_copy_error(err: Exception, c: Ctx) -> Bad:
-    """The user-facing error for copying a meta tensor; any other error is re-raised."""
-    if not isinstance(err, NotImplementedError) or "meta tensor" not in str(err):
-        raise err
-    bad = Bad(
-        ValueError,
-        f"on_device() cannot copy the tensor at {{where}} from the meta device to {c.device}: "
-        "meta tensors have a shape but no data. Create it on the target device instead "
-        "(e.g. `torch.empty_like(t, device=...)`), or for a module use "
-        "`module.to_empty(device=...)` and then initialise or load its weights.",
-    )
-    bad.cause = err
-    return bad
-
-
-def user_error(e: Exception, c: Ctx, root: str) -> NoReturn:
-    """Raise the user-facing error for an internal one (:class:`Bad`, a meta copy, a
-    recursion); called inside the ``except`` clause that caught it."""
-    if isinstance(e, RecursionError):
-        raise ValueError(
-            f"on_device() cannot walk {root}: it is nested deeper than Python's recursion "
-            f"limit ({sys.getrecursionlimit()}) allows. Flatten the structure, or raise the "
-            "limit with sys.setrecursionlimit(...)."
-        ) from None
-    bad = e if isinstance(e, Bad) else meta_copy_error(e, c)
-    raise bad.exc_type(bad.render(root)) from bad.cause
-
-
-def located(err: Exception, step: str, container_id: int, c: Ctx) -> Bad:
-    """``err``, raised inside a container, as a :class:`Bad` with ``step`` added to its path."""
-    bad = err if isinstance(err, Bad) else meta_copy_error(err, c)
-    bad.add(step, container_id)
-    return bad
-
-
-class Cycle(Bad):
-    """Internal: a container was reached again while it was still being traversed."""
-
-    def __init__(self, container: object) -> None:
-        super().__init__(ValueError, "")
-        self.container_id = id(container)
-        self.kind = type(container).__name__
-        self.depth: int | None = None  # len(path) once the repeated container added its step
-
-    def add(self, step: str, container_id: int) -> None:
-        self.path.append(step)
-        if self.depth is None and container_id == self.container_id:
-            self.depth = len(self.path)
-
-    def render(self, root: str) -> str:
-        steps = list(reversed(self.path))
-        head = root + "".join(steps[: len(steps) - (self.depth or 0)])
-        return (
-            f"on_device() found a reference cycle: {self.where(root)} refers back to {head} "
-            f"(a {self.kind} that contains itself), which cannot be copied. Break the cycle "
-            "(e.g. store an index or key instead of the container), or move the tensors "
-            "inside it yourself."
-        )
-
-
-def busy_or_done(x: object, c: Ctx) -> Any:
-    hit = c.memo.get(id(x))
-    if hit is None:
-        c.memo[id(x)] = BUSY
-        return BUSY
-    if hit is BUSY:
-        raise Cycle(x)
-    return hit

@@ -1,22 +1,23 @@
-"""The one walker over user data: shape-preserving moves of nested containers.
+"""The walk over user data: one dispatch table and the handlers of containers.
 
 :func:`move_root` walks tensors, containers (dict, list, tuple, namedtuple, deque,
 set, dataclass, mappings), objects with ``.to()`` (on a shallow copy) and types
 registered with :func:`register`, with
 
 * one dispatch table (``_DISPATCH``), keyed by exact type and filled lazily by
-  ``_handler_for``, and one table of leaves (:data:`LEAVES`);
+  ``_handler_for``, and one table of leaves (:data:`~cudakit._tree.leaves.LEAVES`);
 * a memo that keeps aliasing (a tensor found twice is moved once) and guards
   against cycles;
 * errors that name the path (``obj['a'][1]``);
 * a fast path: plain tensors inside plain dicts and lists are handled inline, and
-  a flat batch already on the CPU is answered before any walk (:func:`all_on_cpu`).
+  a flat batch already on the CPU is answered before any walk
+  (:func:`~cudakit._tree.scans.all_on_cpu`).
 
 An unknown object holding tensors is left alone with a
 :class:`~cudakit.exceptions.TensorsLeftBehindWarning`, once per type. prefetch uses
-the same walk with a :class:`Staging`: it pins, copies and lists the tensors it made.
-Handlers for torch objects moved in place (modules, optimizers) are added by
-``cudakit.device.handlers`` through :func:`add_special`.
+the same walk with a :class:`~cudakit._tree.context.Staging`: it pins, copies and lists
+the tensors it made. Handlers for torch objects moved in place (modules, optimizers)
+are added by ``cudakit.device.handlers`` through :func:`add_special`.
 """
 
 from __future__ import annotations
@@ -34,44 +35,37 @@ from typing import Any
 
 import torch
 
-from ._objects import LEAVES, Flatten, Unflatten, all_on_cpu, device_tensors_in
-from ._objects import SOLE_IN_DICT as _SOLE_IN_DICT
-from ._objects import SOLE_IN_SEQ as _SOLE_IN_SEQ
-from ._objects import Registered as _Registered
-from ._objects import attributes as _attributes
-from ._objects import copy_attributes as _copy_attributes
-from ._objects import has_attributes as _has_attributes
-from ._objects import move_duck as _move_duck
-from ._objects import move_param as _param
-from ._objects import move_tensor as _tensor
-from ._objects import rebuilt as _rebuilt
-from ._objects import reject_iterator as _reject_iterator
-from ._objects import reject_loader as _reject_loader
-from ._objects import set_attributes as _set_attributes
-from ._objects import shallow_copy as _shallow_copy
-from ._objects import unchanged as _unchanged
-from ._objects import warn_left_behind as _warn_left_behind
-from ._walk import BUSY as _BUSY
-from ._walk import Bad, Ctx, Handler, Staging, located
-from ._walk import Cycle as _Cycle
-from ._walk import busy_or_done as _busy_or_done
-from ._walk import device_kind as _device_kind
-from ._walk import user_error as _user_error
+from .context import Ctx, Handler, Staging
+from .context import device_kind as _device_kind
+from .duck_typed import move_duck as _move_duck
+from .errors import BUSY as _BUSY
+from .errors import Bad, located
+from .errors import Cycle as _Cycle
+from .errors import busy_or_done as _busy_or_done
+from .errors import user_error as _user_error
+from .leaves import LEAVES
+from .probe import warn_left_behind as _warn_left_behind
+from .rebuild import attributes as _attributes
+from .rebuild import copy_attributes as _copy_attributes
+from .rebuild import has_attributes as _has_attributes
+from .rebuild import rebuilt as _rebuilt
+from .rebuild import set_attributes as _set_attributes
+from .rebuild import shallow_copy as _shallow_copy
+from .rebuild import unchanged as _unchanged
+from .refusals import reject_iterator as _reject_iterator
+from .refusals import reject_loader as _reject_loader
+from .registered import Flatten, Unflatten
+from .registered import Registered as _Registered
+from .scans import all_on_cpu
+from .tensors import SOLE_IN_DICT as _SOLE_IN_DICT
+from .tensors import SOLE_IN_SEQ as _SOLE_IN_SEQ
+from .tensors import move_param as _param
+from .tensors import move_tensor as _tensor
 
 __all__ = [
-    "LEAVES",
-    "Bad",
-    "Ctx",
-    "Flatten",
-    "Handler",
-    "Staging",
-    "Unflatten",
     "add_special",
-    "all_on_cpu",
-    "device_tensors_in",
     "finish",
     "forget_warnings",
-    "located",
     "move",
     "move_root",
     "register",

@@ -1,0 +1,111 @@
+"""Types registered with :func:`cudakit.register_container`: taken apart by their flatten,
+rebuilt by their unflatten, and checked for tensors the flatten missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import probe
+from .context import Ctx, Handler
+from .errors import BUSY as _BUSY
+from .errors import Bad, located
+from .errors import busy_or_done as _busy_or_done
+from .rebuild import attributes, rebuilt, unchanged
+
+__all__ = [
+    "Flatten",
+    "Registered",
+    "Unflatten",
+]
+
+Flatten = Callable[[Any], Mapping[Any, Any]]
+
+
+Unflatten = Callable[[Any, dict[Any, Any]], Any]
+
+
+class Registered:
+    """The handler of a type registered with :func:`register`.
+
+    A ``flatten`` of the user's own may miss a field (a typo, a forgotten key): until it
+    has warned once, each object it takes apart is checked for attributes that hold
+    tensors away from the target and that flatten did not return (:meth:`left_behind`).
+    The default flatten returns every attribute, so it is never checked.
+    """
+
+    __slots__ = ("check", "flatten", "unflatten", "walk")
+
+    def __init__(
+        self, flatten: Flatten, unflatten: Unflatten, walk: Handler, *, check: bool
+    ) -> None:
+        self.flatten = flatten
+        self.unflatten = unflatten
+        self.walk = walk  # the walker's dispatch, for the children
+        self.check = check  # look for tensors flatten missed (until warned once)
+
+    def __call__(self, x: Any, c: Ctx) -> Any:
+        hit = _busy_or_done(x, c)
+        if hit is not _BUSY:
+            return hit
+        name = type(x).__name__
+        try:
+            children = self.flatten(x)
+            items = list(children.items())
+            # flatten may build new objects (a list, a .detach()); keep them alive until
+            # the walk ends, or their ids could be reused by the next object's and the
+            # memo would hand back the wrong moved value.
+            c.kept().append(children)
+        except Exception as err:
+            raise Bad(
+                TypeError,
+                f"on_device() cannot take apart the {name} at {{where}}: the flatten "
+                f"registered for it raised {type(err).__name__}: {err}. flatten(obj) must "
+                "return a dict of the values to move, e.g. {'x': obj.x}.",
+            ) from None
+        moved: dict[Any, Any] = {}
+        changed = False
+        key: Any = None
+        try:
+            for key, v in items:
+                nv = moved[key] = self.walk(v, c)
+                changed = changed or nv is not v
+        except (Bad, NotImplementedError) as e:
+            step = f".{key}" if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+            raise located(e, step, id(x), c) from None
+        if not changed:
+            res = unchanged(x, c)
+        else:
+            res = rebuilt(x, c, "the unflatten registered for it", lambda: self.unflatten(x, moved))
+            if res is None:
+                raise Bad(
+                    TypeError,
+                    f"on_device() moved the tensors inside the {name} at {{where}} but the "
+                    f"unflatten registered for {name} returned None. unflatten(obj, moved) must "
+                    "return the new object, e.g. `return copy` at the end of a function that "
+                    f"sets the moved values on a copy, or `lambda obj, moved: {name}(**moved)`.",
+                )
+        if self.check:
+            self.left_behind(type(x), res, moved, c)
+        return res
+
+    def left_behind(self, tp: type, res: Any, moved: Mapping[Any, Any], c: Ctx) -> None:
+        """Warn (once per registration) when ``res`` holds tensors flatten did not return.
+
+        Only attributes that are not among the moved values are probed, for a tensor
+        that is not on the target: the ones the walk moved, or kept as themselves
+        (modules moved in place), do not count.
+        """
+        done = {id(v) for v in moved.values()}
+        seen = c.memo
+        device = c.device
+        missed = sorted(
+            str(name)
+            for name, v in attributes(res).items()
+            if id(v) not in done
+            and probe.holds_tensor(v, probe.PROBE_DEPTH, seen, away_from=device)
+        )
+        if missed:
+            self.check = False
+            c.defer(lambda: probe.warn_missed(tp, missed))
