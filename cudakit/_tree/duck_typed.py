@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from .context import Ctx
-from .errors import BUSY as _BUSY
+from .errors import BUSY
 
 __all__ = [
     "move_duck",
@@ -16,7 +16,7 @@ __all__ = [
 def move_duck(x: Any, c: Ctx) -> Any:
     """An object with its own ``.to()``: called on a shallow copy, memoised."""
     hit = c.memo.get(id(x))
-    if hit is not None and hit is not _BUSY:
+    if hit is not None and hit is not BUSY:
         return hit
     # .to() is called on a shallow copy, so an object that moves in place (PyG's Data)
     # leaves the caller's object as it was; a .to() that returns None moved the copy.

@@ -9,9 +9,7 @@ from typing import Any
 
 from . import probe
 from .context import Ctx, Handler
-from .errors import BUSY as _BUSY
-from .errors import Bad, located
-from .errors import busy_or_done as _busy_or_done
+from .errors import BUSY, Bad, busy_or_done, located
 from .rebuild import attributes, rebuilt, unchanged
 
 __all__ = [
@@ -46,8 +44,8 @@ class Registered:
         self.check = check  # look for tensors flatten missed (until warned once)
 
     def __call__(self, x: Any, c: Ctx) -> Any:
-        hit = _busy_or_done(x, c)
-        if hit is not _BUSY:
+        hit = busy_or_done(x, c)
+        if hit is not BUSY:
             return hit
         name = type(x).__name__
         try:

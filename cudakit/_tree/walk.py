@@ -35,32 +35,24 @@ from typing import Any
 
 import torch
 
-from .context import Ctx, Handler, Staging
-from .context import device_kind as _device_kind
-from .duck_typed import move_duck as _move_duck
-from .errors import BUSY as _BUSY
-from .errors import Bad, located
-from .errors import Cycle as _Cycle
-from .errors import busy_or_done as _busy_or_done
-from .errors import user_error as _user_error
+from .context import Ctx, Handler, Staging, device_kind
+from .duck_typed import move_duck
+from .errors import BUSY, Bad, Cycle, busy_or_done, located, user_error
 from .leaves import LEAVES
-from .probe import warn_left_behind as _warn_left_behind
-from .rebuild import attributes as _attributes
-from .rebuild import copy_attributes as _copy_attributes
-from .rebuild import has_attributes as _has_attributes
-from .rebuild import rebuilt as _rebuilt
-from .rebuild import set_attributes as _set_attributes
-from .rebuild import shallow_copy as _shallow_copy
-from .rebuild import unchanged as _unchanged
-from .refusals import reject_iterator as _reject_iterator
-from .refusals import reject_loader as _reject_loader
-from .registered import Flatten, Unflatten
-from .registered import Registered as _Registered
+from .probe import warn_left_behind
+from .rebuild import (
+    attributes,
+    copy_attributes,
+    has_attributes,
+    rebuilt,
+    set_attributes,
+    shallow_copy,
+    unchanged,
+)
+from .refusals import reject_iterator, reject_loader
+from .registered import Flatten, Registered, Unflatten
 from .scans import all_on_cpu
-from .tensors import SOLE_IN_DICT as _SOLE_IN_DICT
-from .tensors import SOLE_IN_SEQ as _SOLE_IN_SEQ
-from .tensors import move_param as _param
-from .tensors import move_tensor as _tensor
+from .tensors import SOLE_IN_DICT, SOLE_IN_SEQ, move_param, move_tensor
 
 __all__ = [
     "add_special",
@@ -95,10 +87,10 @@ def _dict(x: dict[Any, Any], c: Ctx, held_once: bool = False) -> Any:
         i = id(x)
         hit = memo.get(i)
         if hit is not None:
-            if hit is _BUSY:
-                raise _Cycle(x)
+            if hit is BUSY:
+                raise Cycle(x)
             return hit
-        memo[i] = _BUSY
+        memo[i] = BUSY
     out = {}
     changed = False
     get = _get
@@ -107,7 +99,7 @@ def _dict(x: dict[Any, Any], c: Ctx, held_once: bool = False) -> Any:
     plain_dict = _dict
     seq = _seq
     refs = sys.getrefcount
-    sole = _SOLE_IN_DICT
+    sole = SOLE_IN_DICT
     loose = c.loose
     stay = c.stay
     try:
@@ -169,7 +161,7 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
       ``Tensor.to``; once they move, straight to ``Tensor.to`` (which returns the tensor
       itself when it is already there). The guess carries over between containers;
     * aliasing: a tensor held once by the input (its reference count says so: see
-      ``_objects.sole_references``) cannot appear again, so it needs no memo lookup or
+      ``cudakit._tree.tensors.sole_references``) cannot appear again, so it needs no memo lookup or
       write; one held more than once is looked up and remembered. Once another path has
       put a tensor in the memo (a Parameter's ``.grad``, ``c.loose``), every tensor is
       looked up;
@@ -185,7 +177,7 @@ def _seq(x: Iterable[Any], c: Ctx) -> list[Any] | None:
     seq = _seq
     memo, dev, nb, track, inline = c.hot
     refs = sys.getrefcount
-    sole = _SOLE_IN_SEQ
+    sole = SOLE_IN_SEQ
     loose = c.loose
     stay = c.stay
     changed = False
@@ -241,10 +233,10 @@ def _list(x: list[Any], c: Ctx) -> Any:
     memo = c.memo
     hit = memo.get(i)
     if hit is not None:
-        if hit is _BUSY:
-            raise _Cycle(x)
+        if hit is BUSY:
+            raise Cycle(x)
         return hit
-    memo[i] = _BUSY
+    memo[i] = BUSY
     out = _seq(x, c)
     res = x if out is None else out
     memo[i] = res
@@ -255,7 +247,7 @@ def _tuple(x: tuple[Any, ...], c: Ctx) -> Any:
     # A tuple cannot contain itself without a mutable container in between, so the
     # cycle guard of that container is enough; tuples are still memoised for aliasing.
     hit = c.memo.get(id(x))
-    if hit is not None and hit is not _BUSY:
+    if hit is not None and hit is not BUSY:
         return hit
     out = _seq(x, c)
     res = x if out is None else tuple(out)
@@ -266,35 +258,35 @@ def _tuple(x: tuple[Any, ...], c: Ctx) -> Any:
 def _tuple_subclass(x: tuple[Any, ...], c: Ctx) -> Any:
     # namedtuples are rebuilt from their fields, other tuple subclasses from an iterable
     hit = c.memo.get(id(x))
-    if hit is not None and hit is not _BUSY:
+    if hit is not None and hit is not BUSY:
         return hit
     out = _seq(x, c)
     if out is None:
-        return _unchanged(x, c)
+        return unchanged(x, c)
     tp = type(x)
     if hasattr(tp, "_fields"):
-        return _rebuilt(x, c, f"{tp.__name__}(*fields)", lambda: tp(*out))
+        return rebuilt(x, c, f"{tp.__name__}(*fields)", lambda: tp(*out))
 
     def build() -> Any:
         res = tp(out)  # its own constructor (a refusal is reported), then its attributes
-        _copy_attributes(x, res)
+        copy_attributes(x, res)
         return res
 
-    return _rebuilt(x, c, f"{tp.__name__}(items)", build)
+    return rebuilt(x, c, f"{tp.__name__}(items)", build)
 
 
 def _list_subclass(x: list[Any], c: Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     out = _seq(x, c)
     if out is None:
-        return _unchanged(x, c)
+        return unchanged(x, c)
 
     def assign(res: list[Any]) -> None:
         res[:] = out
 
-    return _rebuilt(x, c, "copy.copy(obj)[:] = items", lambda: _shallow_copy(x, assign))
+    return rebuilt(x, c, "copy.copy(obj)[:] = items", lambda: shallow_copy(x, assign))
 
 
 def _mapping_items(x: Mapping[Any, Any], c: Ctx) -> dict[Any, Any] | None:
@@ -318,12 +310,12 @@ def _mapping_items(x: Mapping[Any, Any], c: Ctx) -> dict[Any, Any] | None:
 def _dict_subclass(x: dict[Any, Any], c: Ctx) -> Any:
     # OrderedDict, defaultdict (keeps default_factory), and user dict subclasses (keeps
     # their instance attributes): a shallow copy with the moved values written back.
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     changed = _mapping_items(x, c)
     if changed is None:
-        return _unchanged(x, c)
+        return unchanged(x, c)
 
     def assign(res: dict[Any, Any]) -> None:
         for k, nv in changed.items():
@@ -331,44 +323,44 @@ def _dict_subclass(x: dict[Any, Any], c: Ctx) -> Any:
 
     def build() -> Any:
         try:
-            return _shallow_copy(x, assign)
+            return shallow_copy(x, assign)
         except TypeError:  # an immutable mapping: built from a dict, as the peers do
             res = type(x)({k: changed.get(k, v) for k, v in x.items()})
             with contextlib.suppress(Exception):  # its attributes, where it takes them
-                _copy_attributes(x, res)
+                copy_attributes(x, res)
             return res
 
     how = "copy.copy(obj)[key] = value, or type(obj)(dict)"
-    return _rebuilt(x, c, how, build)
+    return rebuilt(x, c, how, build)
 
 
 def _mapping(x: Mapping[Any, Any], c: Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     changed = _mapping_items(x, c)
     if changed is None:
-        return _unchanged(x, c)
+        return unchanged(x, c)
     items = {k: changed.get(k, v) for k, v in x.items()}
-    return _rebuilt(x, c, f"{type(x).__name__}(dict)", lambda: type(x)(items))  # type: ignore[call-arg]
+    return rebuilt(x, c, f"{type(x).__name__}(dict)", lambda: type(x)(items))  # type: ignore[call-arg]
 
 
 def _set(x: set[Any] | frozenset[Any], c: Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     try:
         out = [move(v, c) for v in x]
     except (Bad, NotImplementedError) as e:
         raise located(e, "{...}", id(x), c) from None
     if all(map(operator.is_, out, x)):
-        return _unchanged(x, c)
-    return _rebuilt(x, c, f"{type(x).__name__}(items)", lambda: type(x)(out))
+        return unchanged(x, c)
+    return rebuilt(x, c, f"{type(x).__name__}(items)", lambda: type(x)(out))
 
 
 def _dataclass(x: Any, c: Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     updates: list[tuple[str, Any]] = []
     name = ""
@@ -385,7 +377,7 @@ def _dataclass(x: Any, c: Ctx) -> Any:
     except (Bad, NotImplementedError) as e:
         raise located(e, f".{name}", id(x), c) from None
     if not updates:
-        return _unchanged(x, c)
+        return unchanged(x, c)
 
     def assign(res: Any) -> None:
         # object.__setattr__ also works for frozen and slotted dataclasses
@@ -393,30 +385,30 @@ def _dataclass(x: Any, c: Ctx) -> Any:
             object.__setattr__(res, field, nv)
 
     how = "copy.copy(obj) and setting its fields"
-    return _rebuilt(x, c, how, lambda: _shallow_copy(x, assign))
+    return rebuilt(x, c, how, lambda: shallow_copy(x, assign))
 
 
 def _deque(x: collections.deque[Any], c: Ctx) -> Any:
-    hit = _busy_or_done(x, c)
-    if hit is not _BUSY:
+    hit = busy_or_done(x, c)
+    if hit is not BUSY:
         return hit
     out = _seq(x, c)
     if out is None:
-        return _unchanged(x, c)
+        return unchanged(x, c)
     if type(x) is collections.deque:
-        return _rebuilt(x, c, "deque(items, maxlen)", lambda: collections.deque(out, x.maxlen))
+        return rebuilt(x, c, "deque(items, maxlen)", lambda: collections.deque(out, x.maxlen))
 
     def build() -> Any:
         tp = type(x)
         res = tp.__new__(tp)
         collections.deque.__init__(res, out, x.maxlen)
-        _copy_attributes(x, res)
+        copy_attributes(x, res)
         return res
 
-    return _rebuilt(x, c, f"{type(x).__name__}.__new__ and deque.__init__", build)
+    return rebuilt(x, c, f"{type(x).__name__}.__new__ and deque.__init__", build)
 
 
-_REGISTERED: dict[type, _Registered] = {}
+_REGISTERED: dict[type, Registered] = {}
 
 
 def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> None:
@@ -425,8 +417,8 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
     Defaults: the instance attributes (``__dict__`` and ``__slots__``) in, a shallow
     copy with the moved attributes set out.
     """
-    _REGISTERED[tp] = _Registered(
-        flatten or _attributes, unflatten or _set_attributes, move, check=flatten is not None
+    _REGISTERED[tp] = Registered(
+        flatten or attributes, unflatten or set_attributes, move, check=flatten is not None
     )
     _WARNED.discard(tp)
     _forget_cached_handlers()
@@ -439,7 +431,7 @@ def forget_warnings() -> None:
     """Warn again for every type (tests: each starts as a fresh process would)."""
     _WARNED.clear()
     for registered in _REGISTERED.values():
-        registered.check = registered.flatten is not _attributes
+        registered.check = registered.flatten is not attributes
     _forget_cached_handlers()
 
 
@@ -455,9 +447,9 @@ def _handler_for(tp: type) -> Handler:
     from torch.utils.data import DataLoader
 
     if issubclass(tp, torch.nn.Parameter):
-        return _param
+        return move_param
     if issubclass(tp, torch.Tensor):
-        return _tensor
+        return move_tensor
     for base, handler in _SPECIAL:
         if issubclass(tp, base):
             return handler
@@ -468,15 +460,15 @@ def _handler_for(tp: type) -> Handler:
     if issubclass(tp, LEAVES):
         return _leaf
     if issubclass(tp, DataLoader):
-        return _reject_loader
+        return reject_loader
     if issubclass(tp, (types.GeneratorType, types.AsyncGeneratorType)) or (
         issubclass(tp, Iterator) and not issubclass(tp, io.IOBase)
     ):
-        return _reject_iterator
+        return reject_iterator
     if issubclass(tp, collections.UserDict):
         return _dict_subclass  # transformers' BatchEncoding: walked, not moved in place
     if callable(getattr(tp, "to", None)):
-        return _move_duck
+        return move_duck
     if issubclass(tp, tuple):
         return _tuple_subclass
     if issubclass(tp, dict):
@@ -491,7 +483,7 @@ def _handler_for(tp: type) -> Handler:
         return _deque
     if dataclasses.is_dataclass(tp):
         return _dataclass
-    return _unknown if _has_attributes(tp) else _leaf
+    return _unknown if has_attributes(tp) else _leaf
 
 
 _SPECIAL: list[tuple[type, Handler]] = []
@@ -521,8 +513,8 @@ def _slow(x: Any, c: Ctx) -> Any:
 #: a container, even though it has attributes.
 
 _DISPATCH: dict[type, Handler] = {
-    torch.Tensor: _tensor,
-    torch.nn.Parameter: _param,
+    torch.Tensor: move_tensor,
+    torch.nn.Parameter: move_param,
     dict: _dict,
     list: _list,
     tuple: _tuple,
@@ -542,7 +534,7 @@ _get = _DISPATCH.get  # the dict is only ever changed in place
 def finish(c: Ctx) -> None:
     """What a walk does once it succeeded: warnings, deferred in-place moves, waits."""
     if c.unknown is not None:
-        for tp in _warn_left_behind(c.unknown, c.memo, _WARNED):
+        for tp in warn_left_behind(c.unknown, c.memo, _WARNED):
             _DISPATCH[tp] = _leaf  # warned once: from now on a plain leaf
     if c.pending is not None:
         for action in c.pending:
@@ -559,7 +551,7 @@ def traverse(x: Any, c: Ctx, root: str) -> Any:
     try:
         return move(x, c)
     except (Bad, NotImplementedError, RecursionError) as e:
-        _user_error(e, c, root)
+        user_error(e, c, root)
 
 
 def move_root(
@@ -570,7 +562,7 @@ def move_root(
     staging: Staging | None = None,
 ) -> Any:
     """Move ``x`` (called ``root`` in error messages) to ``device``: one whole walk."""
-    kind = _device_kind(device)
+    kind = device_kind(device)
     if staging is None:
         if type(x) is _Tensor:  # one plain tensor: no walk (forced async to the CPU waits)
             if x.device == device:
@@ -585,7 +577,7 @@ def move_root(
         h = _get(type(x))
         out = h(x, c) if h is not None else _slow(x, c)
     except (Bad, NotImplementedError, RecursionError) as e:
-        _user_error(e, c, root)
+        user_error(e, c, root)
     if c.pending is not None or c.unknown is not None or c.sync:
         finish(c)
     return out
