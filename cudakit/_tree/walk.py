@@ -17,7 +17,7 @@ An unknown object holding tensors is left alone with a
 :class:`~cudakit.exceptions.TensorsLeftBehindWarning`, once per type. prefetch uses
 the same walk with a :class:`~cudakit._tree.context.Staging`: it pins, copies and lists
 the tensors it made. Handlers for torch objects moved in place (modules, optimizers)
-are added by ``cudakit.device.handlers`` through :func:`add_special`.
+are added by ``cudakit.device._handlers`` through :func:`add_special`.
 """
 
 from __future__ import annotations

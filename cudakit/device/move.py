@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec
 
 from .._check import check_optional, check_type
 from .._tree import Ctx, finish, move_root, traverse
-from . import handlers as _handlers  # noqa: F401  (registers the module and optimizer handlers)
+from . import _handlers  # noqa: F401  (registers the module and optimizer handlers)
 from .resolve import DeviceLike, resolve_cached, resolve_for
 
 __all__ = ["OnDeviceDecorator", "on_device"]

@@ -3,7 +3,7 @@
 The parent holds a ``TCPStore`` on port 0 for a race-free port, starts the ranks
 with ``torch.multiprocessing``, collects each rank's result or traceback over a
 queue and watches every process end (exit code or signal, when), and lets
-:func:`~cudakit.parallel.failures.explain` turn that into a
+:func:`~cudakit.parallel._failures.explain` turn that into a
 :class:`~cudakit.exceptions.LaunchError` that names the cause, not its victims.
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import torch.distributed as dist
 
 from .._check import describe, is_int, is_real
-from .failures import RankEnd, explain, shutdown_notes
+from ._failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def launch(
     rank cannot hang the launch, and the parent raises
     :class:`~cudakit.exceptions.LaunchError`. It names the rank that caused the
     failure and how, from how every rank ended
-    (``cudakit.parallel.failures``): the first rank that raised an exception of its
+    (``cudakit.parallel._failures``): the first rank that raised an exception of its
     own or died without one (a signal, an exit code), else a rank that hung while its
     peers' collectives timed out waiting for it; a rank that only saw its peer vanish
     ("Connection reset by peer") is listed as a consequence, never blamed.

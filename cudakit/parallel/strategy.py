@@ -32,7 +32,7 @@ from .._dist import (
 from ..device import DeviceLike, resolve_device
 from ..device.resolve import resolve_spec
 from ..exceptions import DeviceError, DistributedSetupError
-from .options import check_options, cuda_index
+from ._args import check_options, cuda_index
 
 __all__ = [
     "REQUESTS",

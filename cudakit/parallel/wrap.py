@@ -23,6 +23,7 @@ from .._accel import current_cuda_index
 from .._check import check_bool
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
+from ._args import WRAPPER_NAMES, check_option_names, fully_shard
 from .group import (
     ProcessGroupInfo,
     check_backend,
@@ -30,7 +31,6 @@ from .group import (
     ensure_group,
     teardown_owned_group,
 )
-from .options import WRAPPER_NAMES, check_option_names, fully_shard
 from .ranks import is_main_process
 from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, make_plan
 

@@ -2,7 +2,7 @@
 
 A meter is a ``with`` block, a decorator, and an object reused across a loop, as
 :func:`~cudakit.memory_report` is. Each call adds a record to the meter's
-:class:`~cudakit.speed.recorder.Recorder` (shared by its clones and the functions it
+:class:`~cudakit.speed._recorder.Recorder` (shared by its clones and the functions it
 decorates) and reads nothing from the device; the figures
 are read at the log interval (``every=``) or when an attribute is, and combined
 across ranks only at the log interval.
@@ -24,12 +24,12 @@ from .._contextlib import ContextDecorator, reject_deferred_body
 from .._output import STDERR, LogTarget, Stderr
 from ..device import DeviceLike
 from ._args import Settings, settle, step_of
-from .clock import WallClock
+from ._clock import WallClock
+from ._recorder import Recorder
 from .counts import Count, CountSpec, FlopSpec, check_count
 from .figures import SpeedFigures, SpeedSummary
 from .flops import batch_of, batch_position
 from .peaks import Peak
-from .recorder import Recorder
 
 __all__ = ["SpeedReport", "SpeedReported", "speed_report"]
 

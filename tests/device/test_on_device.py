@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from strategies import Frozen, Pair, Record, nested, nested_with_pool
 
 import cudakit._tree as tree
-import cudakit.device.handlers as handlers
+import cudakit.device._handlers as handlers
 from cudakit.device import OnDeviceDecorator, on_device, resolve_device
 from cudakit.exceptions import DeviceError
 

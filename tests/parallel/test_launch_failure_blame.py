@@ -1,4 +1,4 @@
-"""Which rank a failed ``launch()`` blames (``cudakit.parallel.failures.explain``): the rank
+"""Which rank a failed ``launch()`` blames (``cudakit.parallel._failures.explain``): the rank
 that died or hung, and how, never a rank that only suffered it ("Connection reset by
 peer", a collective timeout), whatever order the parent saw the ranks end in."""
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudakit.exceptions import LaunchError
-from cudakit.parallel.failures import RankEnd, describe_exit, explain, is_victim
+from cudakit.parallel._failures import RankEnd, describe_exit, explain, is_victim
 
 RESET = (
     "Traceback (most recent call last):\n  ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:537]"

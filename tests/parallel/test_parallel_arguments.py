@@ -30,7 +30,7 @@ from cudakit._dist import (
 )
 from cudakit.exceptions import DeviceError, DistributedSetupError
 from cudakit.parallel import group as cp_group
-from cudakit.parallel.failures import RankEnd, explain
+from cudakit.parallel._failures import RankEnd, explain
 from cudakit.parallel.strategy import (
     ParallelFacts,
     gather_facts,

@@ -22,7 +22,7 @@ import cudakit.parallel as cp
 from cudakit.exceptions import CudakitError, DeviceError, DistributedSetupError
 from cudakit.parallel import group as cp_group
 from cudakit.parallel import wrap as cp_wrap
-from cudakit.parallel.failures import RankEnd, explain, shutdown_notes
+from cudakit.parallel._failures import RankEnd, explain, shutdown_notes
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudakit.speed._probes as probes
-import cudakit.speed.recorder as recorder_mod
+import cudakit.speed._recorder as recorder_mod
 from cudakit.amp import autocast_step
 from cudakit.speed import count_flops, lookup_peak, speed_report
 

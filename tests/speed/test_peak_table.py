@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import cudakit.speed._probes as probes
 from cudakit.speed import PEAKS, lookup_peak, speed_report
-from cudakit.speed.recorder import Recorder
+from cudakit.speed._recorder import Recorder
 
 NAMES = {
     "NVIDIA A100-SXM4-40GB": ("A100", 312.0),

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import cudakit.speed.recorder as recorder_mod
+import cudakit.speed._recorder as recorder_mod
 from cudakit.amp import autocast_step
 from cudakit.speed import speed_report
-from cudakit.speed.clock import EventClock
-from cudakit.speed.tally import BATCH
+from cudakit.speed._clock import EventClock
+from cudakit.speed._tally import BATCH
 
 
 class HostReads(TorchFunctionMode):

@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudakit.speed.clock import WallClock
-from cudakit.speed.tally import BATCH, Tally
+from cudakit.speed._clock import WallClock
+from cudakit.speed._tally import BATCH, Tally
 
 # An action: ("call", seconds, samples, ends, ready, tensor), ("flush",) or ("read",);
 # ready: the call's device mark has passed; tensor: its count is a tensor (read later).

@@ -18,12 +18,12 @@ from .._output import write_line
 from ..amp import AutocastStep, StepResult
 from . import _probes
 from ._args import Settings
-from .clock import clock_for
-from .combine import combine, group_ranks
+from ._clock import clock_for
+from ._combine import combine, group_ranks
+from ._tally import Sums, Tally
 from .counts import Count
 from .figures import SpeedFigures, SpeedSummary
 from .peaks import Peak, dtype_key, lookup_peak
-from .tally import Sums, Tally
 
 __all__ = ["Recorder"]
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from .._dist import group_world_size, is_group_running
-from .tally import Sums
+from ._tally import Sums
 
 __all__ = ["Combined", "combine", "group_ranks"]
 

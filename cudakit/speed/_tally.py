@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .clock import Clock
+from ._clock import Clock
 from .counts import Count
 
 __all__ = ["BATCH", "Sums", "Tally"]
