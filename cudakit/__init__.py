@@ -10,6 +10,7 @@ Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 ``cudakit.checkpoint``, ``cudakit.speed``.
 """
 
+from . import _deprecated
 from ._version import __version__
 from .amp import AutocastStep, StepResult, autocast_step
 from .checkpoint import Checkpointer, Position, find_latest
@@ -44,7 +45,7 @@ from .parallel import (
     unwrap,
     world_size,
 )
-from .speed import SpeedReport, speed_report
+from .speed import SpeedMeter, speed_report
 from .warmup import WarmupReport, find_batch_size, preserve_state, warmed, warmup
 
 __all__ = [
@@ -67,7 +68,7 @@ __all__ = [
     "NonFiniteStepsError",
     "Position",
     "ReserveIgnoredWarning",
-    "SpeedReport",
+    "SpeedMeter",
     "StepResult",
     "TensorsLeftBehindWarning",
     "WarmupReport",
@@ -99,3 +100,5 @@ __all__ = [
     "warmup",
     "world_size",
 ]
+
+__getattr__ = _deprecated.renamed(__name__, {"SpeedReport": SpeedMeter})

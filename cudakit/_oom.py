@@ -31,7 +31,7 @@ def is_oom_error(exc: BaseException) -> bool:
     cuSOLVER, cuFFT and cuDNN allocation failures, and the CPU allocator running out.
 
     >>> import torch
-    >>> from cudakit.warmup import is_oom_error
+    >>> from cudakit._oom import is_oom_error
     >>> is_oom_error(
     ...     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     ... )

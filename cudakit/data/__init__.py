@@ -11,14 +11,12 @@ On every other device it is a plain moving iterator: no threads, no look-ahead,
 nothing beyond :func:`~cudakit.device.on_device` per batch.
 """
 
-from .loaders import MAX_AUTO_WORKERS, LoaderKwargs, loader_kwargs
-from .prefetcher import Prefetcher, SizedIterable, SizedPrefetcher, prefetch
+from .loaders import LoaderKwargs, loader_kwargs
+from .prefetcher import Prefetcher, SizedPrefetcher, prefetch
 
 __all__ = [
-    "MAX_AUTO_WORKERS",
     "LoaderKwargs",
     "Prefetcher",
-    "SizedIterable",
     "SizedPrefetcher",
     "loader_kwargs",
     "prefetch",

@@ -17,27 +17,26 @@ Design notes:
 """
 
 # Modules: results (the report types and their one renderer), reporter
-# (memory_report), snapshot (memory_snapshot); private: _frames (the peaks of nested
-# reports), _probes, _targets, _throttle, _notes.
+# (memory_report and its MemoryMeter), snapshot (memory_snapshot); private: _frames
+# (the peaks of nested reports), _probes, _targets, _throttle, _notes.
 
 # Private modules: _probes (every read of torch.cuda or /proc; tests replace its
 # objects with fakes), _frames (open reports), _targets (device=), _throttle
 # (aggregate output), _notes (out-of-memory notes).
 
-from .._output import STDERR, LogTarget, Stderr
-from .reporter import MemoryReported, MemoryReporter, memory_report
+from .. import _deprecated
+from .reporter import MemoryMeter, MemoryReported, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot
 from .snapshot import memory_snapshot
 
 __all__ = [
-    "STDERR",
     "DeviceMemory",
-    "LogTarget",
+    "MemoryMeter",
     "MemoryReport",
     "MemoryReported",
-    "MemoryReporter",
     "MemorySnapshot",
-    "Stderr",
     "memory_report",
     "memory_snapshot",
 ]
+
+__getattr__ = _deprecated.renamed(__name__, {"MemoryReporter": MemoryMeter})

@@ -1,4 +1,4 @@
-"""Measure a block or every call of a function: :func:`memory_report` and :class:`MemoryReporter`.
+"""Measure a block or every call of a function: :func:`memory_report` and :class:`MemoryMeter`.
 
 Nesting is safe (see ``_frames``). All bookkeeping is under one lock. Allocator
 counters are global per device, so when reports on different threads overlap on
@@ -17,6 +17,7 @@ from typing import IO, Any, Literal, Protocol, TypeVar, overload
 
 from typing_extensions import ParamSpec, Self
 
+from .. import _deprecated
 from .._accel import follows_current_device
 from .._check import describe, is_int
 from .._contextlib import ContextDecorator
@@ -40,7 +41,7 @@ from ._targets import targets as resolve_targets
 from ._throttle import Throttle
 from .results import DeviceMemory, MemoryReport, ReportFigures
 
-__all__ = ["LogTarget", "MemoryReported", "MemoryReporter", "memory_report"]
+__all__ = ["STDERR", "LogTarget", "MemoryMeter", "MemoryReported", "Stderr", "memory_report"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,7 +51,7 @@ R_co = TypeVar("R_co", covariant=True)
 class MemoryReported(Protocol[P, R_co]):
     """A function decorated with :func:`memory_report`.
 
-    ``fn.memory_report`` is the :class:`MemoryReporter`: ``.last`` is the most
+    ``fn.memory_report`` is the :class:`MemoryMeter`: ``.last`` is the most
     recent call's report, ``.calls`` the number of calls and ``.flush()``
     writes the pending aggregate line.
 
@@ -64,14 +65,14 @@ class MemoryReported(Protocol[P, R_co]):
     .. versionadded:: 0.1
     """
 
-    memory_report: MemoryReporter
+    memory_report: MemoryMeter
     __name__: str
     __qualname__: str
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
 
-class MemoryReporter(ContextDecorator, ReportFigures):
+class MemoryMeter(ContextDecorator, ReportFigures):
     """Measures a block (``with``) or every call of a function (``@``); see :func:`memory_report`.
 
     One object may be entered many times one after the other (a ``with`` inside a
@@ -198,7 +199,7 @@ class MemoryReporter(ContextDecorator, ReportFigures):
         """
         if label is not None and not isinstance(label, str | EllipsisType):
             raise TypeError(
-                "MemoryReporter.clone(label=...) takes a string naming the block, or None, got "
+                "MemoryMeter.clone(label=...) takes a string naming the block, or None, got "
                 f"{describe(label)}. For example: rep.clone('eval_step')."
             )
         twin = copy.copy(self)  # the settings, the resolved targets, the throttle
@@ -369,7 +370,7 @@ def memory_report(
     every: int | None = None,
     record_history: str | os.PathLike[str] | None = None,
     stacks: Literal["python", "all"] = "python",
-) -> MemoryReporter: ...
+) -> MemoryMeter: ...
 
 
 def memory_report(
@@ -381,7 +382,7 @@ def memory_report(
     every: int | None = None,
     record_history: str | os.PathLike[str] | None = None,
     stacks: Literal["python", "all"] = "python",
-) -> MemoryReporter | MemoryReported[P, R]:
+) -> MemoryMeter | MemoryReported[P, R]:
     """Measure the memory a block or a function uses: peaks, deltas, free memory, time.
 
     >>> import torch
@@ -432,7 +433,7 @@ def memory_report(
             dump can then take minutes).
 
     Returns:
-        A ``MemoryReporter`` (``with`` yields a ``MemoryReport``), or the
+        A ``MemoryMeter`` (``with`` yields a ``MemoryReport``), or the
         decorated function when used as bare ``@memory_report``.
 
     Raises:
@@ -486,5 +487,8 @@ def memory_report(
             "was not given; pass record_history='step.pickle' too, or drop stacks=."
         )
     if callable(label):  # bare @memory_report: every other argument checked above
-        return MemoryReporter(None, device, file, log, every, record_history, stacks)(label)
-    return MemoryReporter(label, device, file, log, every, record_history, stacks)
+        return MemoryMeter(None, device, file, log, every, record_history, stacks)(label)
+    return MemoryMeter(label, device, file, log, every, record_history, stacks)
+
+
+__getattr__ = _deprecated.renamed(__name__, {"MemoryReporter": MemoryMeter})

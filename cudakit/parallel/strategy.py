@@ -2,7 +2,7 @@
 
 :func:`gather_facts` is the one function here that looks at the process (the
 launcher's variables, a running group, the GPUs, the requested device); it reads
-each fact once. :func:`plan_parallel` turns those facts into a :class:`ParallelPlan`
+each fact once. :func:`choose_plan` turns those facts into a :class:`ParallelPlan`
 (strategy, device, backend, DataParallel's devices, the options the wrapper gets
 and the ones it ignores) without touching anything, so every combination is
 tested on a CPU. :func:`choose_strategy` is its public core.
@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
 
+from .. import _deprecated
 from .._accel import current_cuda_index
 from .._check import check_bool, describe, fail_type, fail_value, is_int
 from .._dist import (
@@ -42,12 +43,11 @@ __all__ = [
     "StrategyRequest",
     "check_backend_serves",
     "check_strategy",
+    "choose_plan",
+    "choose_plan_for",
     "choose_strategy",
-    "decide_strategy",
     "default_backend",
     "gather_facts",
-    "make_plan",
-    "plan_parallel",
     "rank_device",
     "requested_device",
 ]
@@ -91,7 +91,7 @@ def check_strategy(strategy: object, *, func: str = "parallelize") -> str:
     return strategy
 
 
-def decide_strategy(
+def _choose_strategy(
     request: str, *, world: int | None, device_count: int, device_type: str
 ) -> Strategy:
     """The rules of :func:`choose_strategy`, given the processes (``None``: no launcher)."""
@@ -231,7 +231,9 @@ def choose_strategy(
     else:
         launcher = read_launcher_env(env, strict=request in ("ddp", "fsdp"))
         world = None if launcher is None else launcher.world_size
-    return decide_strategy(request, world=world, device_count=device_count, device_type=device_type)
+    return _choose_strategy(
+        request, world=world, device_count=device_count, device_type=device_type
+    )
 
 
 # --------------------------------------------------------------------------- facts
@@ -239,7 +241,7 @@ def choose_strategy(
 
 @dataclasses.dataclass(frozen=True)
 class ParallelFacts:
-    """What :func:`plan_parallel` needs to know about this process, read once.
+    """What :func:`choose_plan` needs to know about this process, read once.
 
     .. versionadded:: 0.1
     """
@@ -415,7 +417,7 @@ class ParallelPlan:
     ignored: Mapping[str, Any]  # options the chosen strategy does not use (logged)
 
 
-def plan_parallel(
+def choose_plan(
     request: str,
     facts: ParallelFacts,
     *,
@@ -427,15 +429,15 @@ def plan_parallel(
     >>> facts = ParallelFacts(env=None, group_world_size=None, cuda_available=False,
     ...     device_count=0, current_cuda_index=0, requested_device=None,
     ...     best_device=torch.device("cpu"))
-    >>> plan = plan_parallel(
+    >>> plan = choose_plan(
     ...     "auto", facts, options={"find_unused_parameters": True}
     ... )
     >>> plan.strategy, plan.device, plan.ignored
     ('none', device(type='cpu'), {'find_unused_parameters': True})
-    >>> plan_parallel("DDP", facts)
+    >>> choose_plan("DDP", facts)
     Traceback (most recent call last):
     ...
-    ValueError: plan_parallel(): unknown strategy 'DDP'; did you mean 'ddp'? ...
+    ValueError: choose_plan(): unknown strategy 'DDP'; did you mean 'ddp'? ...
 
     Every argument gets the door :func:`~cudakit.parallel.parallelize` has: the
     request, the kind of ``facts``, the backend (``"nccl"`` for a CPU plan is refused)
@@ -457,10 +459,10 @@ def plan_parallel(
 
     .. versionadded:: 0.1
     """
-    return make_plan(request, facts, backend=backend, options=options, func="plan_parallel")
+    return choose_plan_for(request, facts, backend=backend, options=options, func="choose_plan")
 
 
-def make_plan(
+def choose_plan_for(
     request: object,
     facts: object,
     *,
@@ -468,7 +470,7 @@ def make_plan(
     options: object,
     func: str,
 ) -> ParallelPlan:
-    """:func:`plan_parallel`, its errors naming ``func`` (``parallelize`` calls it too)."""
+    """:func:`choose_plan`, its errors naming ``func`` (``parallelize`` calls it too)."""
     request = check_strategy(request, func=func)
     if not isinstance(facts, ParallelFacts):
         fail_type(
@@ -477,7 +479,7 @@ def make_plan(
             "a ParallelFacts",
             facts,
             "Read them with cudakit.parallel.strategy.gather_facts(device, strict_env=False, "
-            "func='plan_parallel'), or build them by hand: ParallelFacts(env=..., "
+            "func='choose_plan'), or build them by hand: ParallelFacts(env=..., "
             "group_world_size=..., cuda_available=..., device_count=..., current_cuda_index=..., "
             "requested_device=..., best_device=...) (a dict d: ParallelFacts(**d)).",
         )
@@ -502,7 +504,7 @@ def make_plan(
         if facts.group_world_size is not None
         else (None if facts.env is None else facts.env.world_size)
     )
-    chosen = decide_strategy(
+    chosen = _choose_strategy(
         request, world=world, device_count=facts.device_count, device_type=device.type
     )
     if chosen in ("ddp", "fsdp"):
@@ -554,3 +556,6 @@ def make_plan(
         wrapper_kwargs={},
         ignored=opts,
     )
+
+
+__getattr__ = _deprecated.renamed(__name__, {"plan_parallel": choose_plan})

@@ -2,7 +2,7 @@
 
 :func:`parallelize` checks its arguments, gathers the facts once
 (:func:`~cudakit.parallel.strategy.gather_facts`), lets the pure
-:func:`~cudakit.parallel.strategy.plan_parallel` decide, then acts: creates the
+:func:`~cudakit.parallel.strategy.choose_plan` decide, then acts: creates the
 group if the plan says so, moves the model, wraps it and logs the decision once.
 """
 
@@ -32,7 +32,7 @@ from .group import (
     teardown_owned_group,
 )
 from .ranks import is_main_process
-from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, make_plan
+from .strategy import ParallelFacts, ParallelPlan, check_strategy, choose_plan_for, gather_facts
 
 __all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
@@ -317,7 +317,7 @@ def _check_not_meta(model: nn.Module, device: torch.device) -> None:
 
 def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
-    # The options' names and values were checked by the plan (make_plan).
+    # The options' names and values were checked by the plan (choose_plan_for).
     _check_not_meta(model, plan.device)
     if plan.strategy == "ddp" and plan.device.type == "meta":
         raise ValueError(
@@ -555,7 +555,7 @@ def parallelize(
     td = check_timeout("parallelize", timeout)
     backend = check_backend("parallelize", backend)
     facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
-    plan = make_plan(request, facts, backend=backend, options=ddp_kwargs, func="parallelize")
+    plan = choose_plan_for(request, facts, backend=backend, options=ddp_kwargs, func="parallelize")
     kind = _wrapped_kind(model)
     if kind is not None:
         # A wrapped model is no reason to accept typos, nor a second wrapper.

@@ -10,7 +10,7 @@ every rank when a process group runs, with no read of the device per step.
 * **Peaks are dense:** :data:`PEAKS` holds NVIDIA's dense figures per GPU and dtype,
   each with its datasheet; :func:`lookup_peak` matches a device name on whole words
   and never lends one GPU's peak to another.
-* **Figures you can read:** a :class:`SpeedReport` gives :class:`SpeedFigures` for the
+* **Figures you can read:** a :class:`SpeedMeter` gives :class:`SpeedFigures` for the
   rolling window and since the start, and a :class:`SpeedSummary`; a decorated
   function is a :class:`SpeedReported`.
 """
@@ -21,10 +21,11 @@ every rank when a process group runs, with no read of the device per step.
 # line), meter (speed_report); private: _args (argument checks), _probes (the device
 # reads tests replace).
 
+from .. import _deprecated
 from .counts import Count, CountSpec, FlopSpec
 from .figures import SpeedFigures, SpeedSummary
 from .flops import FlopCount, count_flops
-from .meter import SpeedReport, SpeedReported, speed_report
+from .meter import SpeedMeter, SpeedReported, speed_report
 from .peaks import PEAKS, DevicePeak, Peak, lookup_peak
 
 __all__ = [
@@ -36,10 +37,12 @@ __all__ = [
     "FlopSpec",
     "Peak",
     "SpeedFigures",
-    "SpeedReport",
+    "SpeedMeter",
     "SpeedReported",
     "SpeedSummary",
     "count_flops",
     "lookup_peak",
     "speed_report",
 ]
+
+__getattr__ = _deprecated.renamed(__name__, {"SpeedReport": SpeedMeter})

@@ -1,4 +1,4 @@
-"""The throughput meter: :func:`speed_report` and :class:`SpeedReport`.
+"""The throughput meter: :func:`speed_report` and :class:`SpeedMeter`.
 
 A meter is a ``with`` block, a decorator, and an object reused across a loop, as
 :func:`~cudakit.memory_report` is. Each call adds a record to the meter's
@@ -19,6 +19,7 @@ from typing import IO, Any, Protocol, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec, Self
 
+from .. import _deprecated
 from .._check import describe
 from .._contextlib import ContextDecorator, reject_deferred_body
 from .._output import STDERR, LogTarget, Stderr
@@ -31,7 +32,7 @@ from .figures import SpeedFigures, SpeedSummary
 from .flops import batch_of, batch_position
 from .peaks import Peak
 
-__all__ = ["SpeedReport", "SpeedReported", "speed_report"]
+__all__ = ["SpeedMeter", "SpeedReported", "speed_report"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -44,14 +45,14 @@ class SpeedReported(Protocol[P, R_co]):
     .. versionadded:: 0.1
     """
 
-    speed_report: SpeedReport
+    speed_report: SpeedMeter
     __name__: str
     __qualname__: str
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
 
-class SpeedReport(ContextDecorator):
+class SpeedMeter(ContextDecorator):
     """Measures the calls of a step (``with``, ``@``); see :func:`speed_report`.
 
     One object measures one call at a time; it may be entered again and again (a
@@ -369,7 +370,7 @@ def speed_report(
     file: IO[str] | None = ...,
     log: LogTarget | None = None,
     combine: bool = True,
-) -> SpeedReport: ...
+) -> SpeedMeter: ...
 
 
 def speed_report(
@@ -388,7 +389,7 @@ def speed_report(
     file: IO[str] | Stderr | None = STDERR,
     log: LogTarget | None = None,
     combine: bool = True,
-) -> SpeedReport | SpeedReported[P, R]:
+) -> SpeedMeter | SpeedReported[P, R]:
     """Measure a training step's throughput: time per step, samples/s, tokens/s, TFLOP/s, MFU.
 
     >>> import torch
@@ -426,7 +427,7 @@ def speed_report(
     every rank's figures combined (summed samples, tokens and FLOPs over the
     slowest rank's time, against the sum of the ranks' peaks): one small
     all-gather at the log step, which every rank reaches together. The figures
-    are attributes too (:attr:`SpeedReport.recent`, ``.total``, ``.mfu``...).
+    are attributes too (:attr:`SpeedMeter.recent`, ``.total``, ``.mfu``...).
 
     The FLOPs of a call: ``flops=`` a function of the batch gives them exactly; a
     number is the same for every call; a :class:`~cudakit.speed.FlopCount` (from
@@ -435,7 +436,7 @@ def speed_report(
     is, else used as it is. MFU is achieved over peak FLOP/s: the dense peak of the
     GPU for the step's dtype from :data:`~cudakit.speed.PEAKS`, or ``peak_tflops=``.
     An unknown device, the CPU, or a missing FLOP count gives no MFU, and
-    :attr:`SpeedReport.mfu_reason` (and the line) says why.
+    :attr:`SpeedMeter.mfu_reason` (and the line) says why.
 
     Args:
         label: a name for the line (a decorator's default: the function's name).
@@ -453,7 +454,7 @@ def speed_report(
         device: the device the step runs on; default: the step's, else
             :func:`~cudakit.device.resolve_device`'s.
         every: write a line every ``every`` optimizer steps; ``None`` writes none
-            (:meth:`SpeedReport.flush` writes one on demand).
+            (:meth:`SpeedMeter.flush` writes one on demand).
         window: optimizer steps in the rolling window.
         file: where the line goes; defaults to ``sys.stderr`` (or nowhere when
             ``log`` is given); ``None`` silences it.
@@ -461,7 +462,7 @@ def speed_report(
         combine: combine the ranks' figures at each line when a process group runs.
 
     Returns:
-        The meter, a ``SpeedReport`` (``with`` yields it), or the decorated function when
+        The meter, a ``SpeedMeter`` (``with`` yields it), or the decorated function when
         used as bare ``@speed_report``.
 
     Raises:
@@ -491,7 +492,10 @@ def speed_report(
         log=log,
         combine=combine,
     )
-    meter = SpeedReport(settings)
+    meter = SpeedMeter(settings)
     if callable(label):  # bare @speed_report
         return meter(label)
     return meter
+
+
+__getattr__ = _deprecated.renamed(__name__, {"SpeedReport": SpeedMeter})

@@ -16,15 +16,14 @@ Public names:
   :class:`WarmedDecorator`).
 * :func:`example_batch` takes a warm-up batch from a loader and leaves the RNG as it was.
 * :func:`find_batch_size` grows the batch size geometrically, then bisects (without
-  ``trial_fn`` it returns a :class:`FindBatchSizeDecorator`); :func:`is_oom_error` is
-  the out-of-memory test it uses.
+  ``trial_fn`` it returns a :class:`FindBatchSizeDecorator`); an out-of-memory error
+  marks a size as too big.
 """
 
 # Modules: preserve (state rollback), passes (warmup), report, warmed, example
 # (example_batch), batch_size; private: _args (shared argument checks), _loss (the two
 # forms of loss_fn), _reserve.
 
-from .._oom import is_oom_error
 from ..exceptions import MemoryReserveError, ReserveIgnoredWarning
 from ._reserve import ReserveSpec
 from .batch_size import FindBatchSizeDecorator, find_batch_size
@@ -43,7 +42,6 @@ __all__ = [
     "WarmupReport",
     "example_batch",
     "find_batch_size",
-    "is_oom_error",
     "preserve_state",
     "warmed",
     "warmup",

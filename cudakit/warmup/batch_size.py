@@ -223,7 +223,7 @@ def find_batch_size(
     fail), then bisects between the last success and the first failure, so the
     number of trials is logarithmic. Only sizes that are multiples of
     ``multiple_of`` within ``[lower, upper]`` are tried. Out-of-memory failures
-    (:func:`is_oom_error`) mark a size as too big; garbage collection and
+    (``torch.OutOfMemoryError`` and its messages) mark a size as too big; garbage collection and
     ``torch.cuda.empty_cache()`` run between trials; every other exception
     propagates unchanged. Memory use is assumed to grow with the batch size.
 

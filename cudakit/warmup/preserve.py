@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import random
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -16,7 +16,23 @@ from typing_extensions import Self
 from .._contextlib import ContextDecorator
 from ._args import check_extra, check_model, check_optimizer
 
-__all__ = ["RngState", "preserve_state"]
+__all__ = ["ExactRestore", "RngState", "preserve_state"]
+
+
+@runtime_checkable
+class ExactRestore(Protocol):
+    """An ``extra`` that :class:`preserve_state` puts back with more than ``load_state_dict``.
+
+    ``load_state_dict`` restores what a resume needs; an object that must come back
+    exactly as it was (an ``AutocastStep`` also puts back its ``accumulate``) defines
+    ``_cudakit_restore(state)``, which :meth:`preserve_state.restore` calls instead with
+    the ``state_dict()`` saved on entry.
+
+    .. versionadded:: 0.1
+    """
+
+    def _cudakit_restore(self, state: Mapping[str, Any]) -> None:
+        """Put the object back exactly as ``state`` (its own ``state_dict()``) was saved."""
 
 
 def _clone_value(value: Any) -> Any:
@@ -158,7 +174,9 @@ class _Snapshot:
             failed: BaseException | None = None
             for obj, state in self.extra:
                 # An AutocastStep puts its accumulate back too (a resume would not).
-                load = getattr(obj, "_cudakit_restore", None) or obj.load_state_dict
+                load = (
+                    obj._cudakit_restore if isinstance(obj, ExactRestore) else obj.load_state_dict
+                )
                 try:
                     load(state)
                 except BaseException as exc:  # restore the rest, then raise the first

@@ -27,13 +27,12 @@ from torch.utils.data import (
 
 from cudakit._tree import Staging, move_root
 from cudakit.data import (
-    MAX_AUTO_WORKERS,
     Prefetcher,
     SizedPrefetcher,
     loader_kwargs,
     prefetch,
 )
-from cudakit.data.loaders import _choose_loader_kwargs
+from cudakit.data.loaders import MAX_AUTO_WORKERS, _choose_loader_kwargs
 from cudakit.data.prefetcher import _LookaheadIterator
 from cudakit.exceptions import DeviceError
 

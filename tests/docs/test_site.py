@@ -235,7 +235,7 @@ def test_inherited_members_are_described(site: Site) -> None:
     ids = {obj for obj, _ in _api_objects(site)}
     for member in (
         "cudakit.memory.MemoryReport.peak_allocated",
-        "cudakit.memory.MemoryReporter.peak_allocated",
+        "cudakit.memory.MemoryMeter.peak_allocated",
         "cudakit.amp.AutocastStep.spike_steps",
     ):
         assert member in ids, f"{member} is not on the API pages"

@@ -27,8 +27,8 @@ from cudakit.device import resolve_device
 from cudakit.exceptions import DeviceError
 from cudakit.memory import (
     DeviceMemory,
+    MemoryMeter,
     MemoryReport,
-    MemoryReporter,
     MemorySnapshot,
     _frames,
     _probes,
@@ -290,7 +290,7 @@ def test_nested_peaks_match_a_brute_force_model(program: list[tuple[str, int]]) 
     _probes.cuda = f
     _targets.resolve_device = _fake_resolve(f)  # type: ignore[assignment]
     try:
-        stack: list[tuple[MemoryReporter, MemoryReport, int]] = []
+        stack: list[tuple[MemoryMeter, MemoryReport, int]] = []
         history: list[int] = [0]  # allocated after every event
         results: list[tuple[MemoryReport, int]] = []
         for op, n in program:
@@ -446,7 +446,7 @@ def test_unsupported_device_is_a_clear_error() -> None:
 # --------------------------------------------------------------------------- exceptions
 
 
-def _run_in(reporter: MemoryReporter, body: Callable[[], object], reps: list[MemoryReport]) -> None:
+def _run_in(reporter: MemoryMeter, body: Callable[[], object], reps: list[MemoryReport]) -> None:
     """Run ``body`` inside ``reporter``, keeping the yielded report even if ``body`` raises."""
     with reporter as rep:
         reps.append(rep)
@@ -823,7 +823,7 @@ def test_bare_decorator_uses_function_name(
     assert evaluate(3, scale=3) == 9
     assert evaluate.__name__ == "evaluate"
     assert evaluate.__doc__ == "Doc."
-    assert isinstance(evaluate.memory_report, MemoryReporter)
+    assert isinstance(evaluate.memory_report, MemoryMeter)
     last = evaluate.memory_report.last
     assert last is not None
     assert last.label == "evaluate"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cudakit.exceptions import DeviceError
-from cudakit.memory import MemoryReporter, memory_report, memory_snapshot
+from cudakit.memory import MemoryMeter, memory_report, memory_snapshot
 from cudakit.warmup import warmup
 
 FIGURES = (
@@ -70,7 +70,7 @@ def test_reading_a_reporter_inside_its_block_says_it_is_still_open() -> None:
 
 
 def test_reporter_is_a_memory_reporter() -> None:
-    assert isinstance(memory_report(device="cpu"), MemoryReporter)
+    assert isinstance(memory_report(device="cpu"), MemoryMeter)
 
 
 # --------------------------------------------------------------------------- device= at the door

@@ -27,6 +27,7 @@ import cudakit
 from cudakit import amp, checkpoint, data, device, memory, parallel, speed
 
 warmup_pkg = importlib.import_module("cudakit.warmup")
+oom = importlib.import_module("cudakit._oom")
 policy = importlib.import_module("cudakit.amp.policy")
 info = importlib.import_module("cudakit.info")
 demo = importlib.import_module("cudakit.demo")
@@ -463,7 +464,7 @@ ROWS: list[Bad] = [
         for v in (3, None, [])
     ],
     *[
-        _one("MemoryReporter.clone(", "label", v, lambda w, v=v: _memory_reporter(w).clone(v))
+        _one("MemoryMeter.clone(", "label", v, lambda w, v=v: _memory_reporter(w).clone(v))
         for v in (3, b"x")
     ],
     *[
@@ -754,7 +755,7 @@ ROWS: list[Bad] = [
         for v in (3, "data/train", torch.ones(3), {"train": [1]}, None)
     ],
     *[
-        _one("is_oom_error(", "exc", v, lambda w, v=v: warmup_pkg.is_oom_error(v))
+        _one("is_oom_error(", "exc", v, lambda w, v=v: oom.is_oom_error(v))
         for v in (3, "CUDA out of memory", None)
     ],
     # ------------------------------------------------------------------------ demo
@@ -869,7 +870,7 @@ def test_the_sweep_covers_every_public_callable() -> None:
     covered = {row_id(r.values[0] if hasattr(r, "values") else r).split("-")[0] for r in ROWS}
     covered = {c.split(".")[0] for c in covered}
     # Checked through the rows of the function that makes them (their messages name it).
-    covered |= {"AutocastStep", "SpeedReport", "parse_dtype"}
+    covered |= {"AutocastStep", "SpeedMeter", "parse_dtype"}
     records = {
         # Results and records cudakit builds and returns; their fields are not user input.
         "CudaDeviceInfo", "DeviceInfo", "MemoryReport", "MemorySnapshot", "Position",

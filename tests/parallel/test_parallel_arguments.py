@@ -33,8 +33,8 @@ from cudakit.parallel import group as cp_group
 from cudakit.parallel._failures import RankEnd, explain
 from cudakit.parallel.strategy import (
     ParallelFacts,
+    choose_plan,
     gather_facts,
-    plan_parallel,
     rank_device,
 )
 
@@ -352,7 +352,7 @@ def test_dist_reads_the_launcher_variables(monkeypatch: pytest.MonkeyPatch) -> N
     assert (current_rank(), current_world_size(), cp.rank(), cp.world_size()) == (2, 3, 2, 3)
 
 
-# --------------------------------------------------------------------------- plan_parallel
+# --------------------------------------------------------------------------- choose_plan
 
 _ENVS: dict[str, cp.DistributedEnv | None] = {
     "none": None,
@@ -394,7 +394,7 @@ def test_plan_parallel_every_combination() -> None:
             continue  # resolve_device refuses it before any plan is made
         facts = _facts(env, group, count, requested)
         try:
-            plan = plan_parallel(request, facts, backend=backend, options=options)
+            plan = choose_plan(request, facts, backend=backend, options=options)
         except (DeviceError, DistributedSetupError, TypeError) as err:
             seen.add(type(err).__name__)
             continue
@@ -426,7 +426,7 @@ def test_plan_parallel_every_combination() -> None:
             assert plan.wrapper_kwargs == {}
             assert not plan.create_group
         # the same facts always give the same plan: nothing else is read
-        assert plan_parallel(request, facts, backend=backend, options=options) == plan
+        assert choose_plan(request, facts, backend=backend, options=options) == plan
     assert {"none", "dp", "ddp", "fsdp", "DeviceError", "DistributedSetupError"} <= seen
     assert "TypeError" in seen  # options for an explicit strategy='none'
 

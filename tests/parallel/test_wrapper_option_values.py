@@ -15,7 +15,7 @@ from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F4
 from torch import nn
 
 import cudakit.parallel as cp
-from cudakit.parallel.strategy import ParallelFacts, plan_parallel
+from cudakit.parallel.strategy import ParallelFacts, choose_plan
 
 FOUR_GPUS = ParallelFacts(
     env=None,
@@ -78,8 +78,8 @@ def test_a_mesh_that_is_not_a_device_mesh_is_refused_before_sharding(one_rank: N
 def test_empty_device_ids_are_a_clear_error(
     request_: str, facts: ParallelFacts, error: type[Exception], match: str
 ) -> None:
-    with pytest.raises(error, match=r"plan_parallel\(device_ids=\.\.\.\) " + match) as info:
-        plan_parallel(request_, facts, options={"device_ids": []})
+    with pytest.raises(error, match=r"choose_plan\(device_ids=\.\.\.\) " + match) as info:
+        choose_plan(request_, facts, options={"device_ids": []})
     assert "[] names no device. Pass device_ids=None (the default" in str(info.value)
 
 
@@ -102,14 +102,12 @@ def test_empty_device_ids_through_parallelize() -> None:
     ],
 )
 def test_dataparallel_option_values(options: dict[str, Any], match: str) -> None:
-    with pytest.raises((TypeError, ValueError), match=r"plan_parallel\(" + match):
-        plan_parallel("dp", FOUR_GPUS, options=options)
+    with pytest.raises((TypeError, ValueError), match=r"choose_plan\(" + match):
+        choose_plan("dp", FOUR_GPUS, options=options)
 
 
 def test_dataparallel_device_ids_name_its_devices() -> None:
-    plan = plan_parallel(
-        "dp", FOUR_GPUS, options={"device_ids": [torch.device("cuda", 2), "cuda:3"]}
-    )
+    plan = choose_plan("dp", FOUR_GPUS, options={"device_ids": [torch.device("cuda", 2), "cuda:3"]})
     assert plan.device_ids == (2, 3)
     assert plan.device == torch.device("cuda", 2)
 
@@ -136,24 +134,24 @@ def test_ddp_option_values(
     request_: str, options: dict[str, Any], error: type[Exception], match: str
 ) -> None:
     # Under "auto" the options are DDP's, checked even where this run picks no DDP.
-    with pytest.raises(error, match=r"plan_parallel\(" + match):
-        plan_parallel(request_, TORCHRUN_CPU, options=options)
-    with pytest.raises(error, match=r"plan_parallel\(" + match):
-        plan_parallel("auto", CPU, options=options)
+    with pytest.raises(error, match=r"choose_plan\(" + match):
+        choose_plan(request_, TORCHRUN_CPU, options=options)
+    with pytest.raises(error, match=r"choose_plan\(" + match):
+        choose_plan("auto", CPU, options=options)
 
 
 def test_good_ddp_options_pass_through() -> None:
     options = {"bucket_cap_mb": 0.5, "broadcast_buffers": None, "find_unused_parameters": True}
-    plan = plan_parallel("ddp", TORCHRUN_CPU, options=options)
+    plan = choose_plan("ddp", TORCHRUN_CPU, options=options)
     assert plan.wrapper_kwargs == options
-    assert plan_parallel("auto", CPU, options=options).ignored == options
+    assert choose_plan("auto", CPU, options=options).ignored == options
 
 
 def test_options_of_the_wrong_kind() -> None:
-    with pytest.raises(TypeError, match=r"plan_parallel\(options=\.\.\.\) expects a mapping"):
-        plan_parallel("auto", CPU, options=[("bucket_cap_mb", 25)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"choose_plan\(options=\.\.\.\) expects a mapping"):
+        choose_plan("auto", CPU, options=[("bucket_cap_mb", 25)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"option names must be strings, got int 1"):
-        plan_parallel("auto", CPU, options={1: 2})
+        choose_plan("auto", CPU, options={1: 2})
 
 
 def test_a_bucket_cap_refused_through_parallelize_changes_nothing(one_rank: None) -> None:
@@ -167,5 +165,5 @@ def test_a_bucket_cap_refused_through_parallelize_changes_nothing(one_rank: None
 
 def test_the_options_mapping_is_not_changed() -> None:
     options = {"find_unused_parameters": True}
-    plan_parallel("ddp", dataclasses.replace(TORCHRUN_CPU), options=options)
+    choose_plan("ddp", dataclasses.replace(TORCHRUN_CPU), options=options)
     assert options == {"find_unused_parameters": True}

@@ -18,7 +18,7 @@ from torch import nn
 
 import cudakit.parallel as cp
 from cudakit.exceptions import DeviceError, DistributedSetupError
-from cudakit.parallel.strategy import ParallelFacts, plan_parallel
+from cudakit.parallel.strategy import ParallelFacts, choose_plan
 
 TORCHRUN = torchrun_env(2)
 
@@ -90,7 +90,7 @@ def test_ddp_process_group_backend(backend: str | None, cuda: bool, expected: st
         requested_device=None,
         best_device=torch.device("cuda", 0) if cuda else torch.device("cpu"),
     )
-    plan = plan_parallel("auto", facts, backend=backend)
+    plan = choose_plan("auto", facts, backend=backend)
     assert plan.strategy == "ddp"
     assert plan.backend == expected
     if cuda:

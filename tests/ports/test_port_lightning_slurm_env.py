@@ -2,7 +2,7 @@
 Lightning's SLURMEnvironment/TorchElasticEnvironment tests and submitit's node-list
 tests to cudakit's reading (``cudakit._dist``, through the public ``read_env``,
 ``rank``/``world_size``/``local_rank``/``is_main_process``, ``choose_strategy`` and
-``plan_parallel``).
+``choose_plan``).
 
 Lightning's behaviour, held here: the attributes come from SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID (and the node's task count); the rendezvous host is the node list's
@@ -30,7 +30,7 @@ import cudakit
 import cudakit.parallel as cp
 from cudakit._dist import expand_hostlist
 from cudakit.exceptions import DistributedSetupError
-from cudakit.parallel.strategy import ParallelFacts, plan_parallel
+from cudakit.parallel.strategy import ParallelFacts, choose_plan
 
 __all__ = ["clean_launcher_env"]  # the autouse fixture: no launcher or SLURM variables leak in
 
@@ -355,9 +355,9 @@ def _facts(env: cp.DistributedEnv, device_count: int) -> ParallelFacts:
 def test_each_task_trains_on_its_local_gpu_or_on_its_only_one() -> None:
     env = cp.read_env(_task(3, 4, SLURM_NTASKS_PER_NODE="4"))
     assert env is not None
-    assert plan_parallel("auto", _facts(env, 4)).device == torch.device("cuda", 3)
+    assert choose_plan("auto", _facts(env, 4)).device == torch.device("cuda", 3)
     # --gpus-per-task=1: each task sees one GPU, its own
-    assert plan_parallel("auto", _facts(env, 1)).device == torch.device("cuda", 0)
+    assert choose_plan("auto", _facts(env, 1)).device == torch.device("cuda", 0)
 
 
 def test_more_tasks_per_node_than_gpus_is_refused_with_slurms_fix() -> None:
@@ -365,7 +365,7 @@ def test_more_tasks_per_node_than_gpus_is_refused_with_slurms_fix() -> None:
     env = cp.read_env(_task(3, 4, SLURM_NTASKS_PER_NODE="4"))
     assert env is not None
     with pytest.raises(DistributedSetupError) as info:
-        plan_parallel("auto", _facts(env, 2))
+        choose_plan("auto", _facts(env, 2))
     message = str(info.value)
     assert "LOCAL_RANK=3" in message
     assert "2 CUDA device(s)" in message

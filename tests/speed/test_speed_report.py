@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.speed import SpeedFigures, SpeedReport, speed_report
+from cudakit.speed import SpeedFigures, SpeedMeter, speed_report
 
 
 def test_exported_beside_memory_report() -> None:
@@ -27,7 +27,7 @@ def test_bare_decorator_names_the_function_and_counts_calls(
 
     assert [train_step(i) for i in range(3)] == [1, 2, 3]
     meter = train_step.speed_report
-    assert isinstance(meter, SpeedReport)
+    assert isinstance(meter, SpeedMeter)
     assert (meter.label, meter.calls, meter.steps) == ("train_step", 3, 3)
     assert train_step.__name__ == "train_step"
     assert capsys.readouterr().err == ""  # every=100: no line yet

@@ -21,13 +21,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from cudakit._oom import is_oom_error
 from cudakit.exceptions import BatchSizeSearchError, CudakitError
 from cudakit.warmup import (
     MemoryReserveError,
     ReserveIgnoredWarning,
     WarmupReport,
     find_batch_size,
-    is_oom_error,
     preserve_state,
     warmed,
     warmup,

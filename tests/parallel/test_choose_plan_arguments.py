@@ -1,4 +1,4 @@
-"""``plan_parallel`` and ``ParallelFacts`` (offered in docs/parallel.md) get the same door as
+"""``choose_plan`` and ``ParallelFacts`` (offered in docs/parallel.md) get the same door as
 ``parallelize``: an unknown request, a backend the plan's device cannot use, or facts of
 the wrong kind are clear errors, never a silent ``'none'`` or an ``AttributeError``."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudakit.parallel as cp
-from cudakit.parallel.strategy import ParallelFacts, plan_parallel
+from cudakit.parallel.strategy import ParallelFacts, choose_plan
 
 CPU = ParallelFacts(
     env=None,
@@ -35,20 +35,20 @@ TORCHRUN_GPUS = dataclasses.replace(
 def test_an_unknown_request_is_refused_with_a_suggestion(request_: str, guess: str) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"plan_parallel\(\): unknown strategy {request_!r}; did you mean {guess!r}\? "
+        match=rf"choose_plan\(\): unknown strategy {request_!r}; did you mean {guess!r}\? "
         r"Valid strategies: 'auto', 'none', 'dp', 'ddp', 'fsdp'\.",
     ):
-        plan_parallel(request_, TORCHRUN_CPU)
+        choose_plan(request_, TORCHRUN_CPU)
 
 
 @pytest.mark.parametrize("request_", [3, None, b"ddp", ["ddp"]])
 def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
     with pytest.raises(
         TypeError,
-        match=r"plan_parallel\(\): strategy must be one of 'auto', 'none', 'dp', 'ddp', 'fsdp', "
+        match=r"choose_plan\(\): strategy must be one of 'auto', 'none', 'dp', 'ddp', 'fsdp', "
         r"got .*Pass strategy='auto'",
     ):
-        plan_parallel(request_, CPU)
+        choose_plan(request_, CPU)
 
 
 @pytest.mark.parametrize("facts", [CPU, TORCHRUN_CPU])
@@ -63,25 +63,25 @@ def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
 def test_nccl_on_a_cpu_plan_is_refused(facts: ParallelFacts, backend: str, reason: str) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"plan_parallel\(backend=\.\.\.\): {backend!r} gives the device cpu no "
+        match=rf"choose_plan\(backend=\.\.\.\): {backend!r} gives the device cpu no "
         rf"backend it can run collectives with: {reason}\. Pass backend='gloo' \(or None, "
         r"which picks gloo on the CPU\)",
     ):
-        plan_parallel("auto", facts, backend=backend)
+        choose_plan("auto", facts, backend=backend)
 
 
 def test_backends_that_serve_the_device_are_planned() -> None:
-    assert plan_parallel("ddp", TORCHRUN_CPU, backend="gloo").backend == "gloo"
-    mapped = plan_parallel("ddp", TORCHRUN_CPU, backend="cpu:gloo,cuda:nccl")
+    assert choose_plan("ddp", TORCHRUN_CPU, backend="gloo").backend == "gloo"
+    mapped = choose_plan("ddp", TORCHRUN_CPU, backend="cpu:gloo,cuda:nccl")
     assert mapped.backend == "cpu:gloo,cuda:nccl"
-    assert plan_parallel("ddp", TORCHRUN_GPUS, backend="nccl").backend == "nccl"
-    assert plan_parallel("ddp", TORCHRUN_GPUS).backend == "nccl"
-    assert plan_parallel("ddp", TORCHRUN_CPU).backend == "gloo"
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend="nccl").backend == "nccl"
+    assert choose_plan("ddp", TORCHRUN_GPUS).backend == "nccl"
+    assert choose_plan("ddp", TORCHRUN_CPU).backend == "gloo"
 
 
 def test_a_backend_of_the_wrong_kind_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match=r"plan_parallel\(backend=\.\.\.\) expects a string"):
-        plan_parallel("auto", CPU, backend=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"choose_plan\(backend=\.\.\.\) expects a string"):
+        choose_plan("auto", CPU, backend=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -94,9 +94,9 @@ def test_a_backend_of_the_wrong_kind_is_a_type_error() -> None:
 )
 def test_facts_of_the_wrong_kind_are_a_type_error(facts: Any, shown: str) -> None:
     with pytest.raises(TypeError) as info:
-        plan_parallel("auto", facts)
+        choose_plan("auto", facts)
     text = str(info.value)
-    assert text.startswith("plan_parallel(facts=...) expects a ParallelFacts")
+    assert text.startswith("choose_plan(facts=...) expects a ParallelFacts")
     assert shown in text
     assert "gather_facts(device" in text  # the fix: read them, or build them by hand
     assert "ParallelFacts(env=" in text
@@ -124,7 +124,7 @@ def test_parallel_facts_check_their_fields(
 
 
 def test_the_documented_facts_still_plan() -> None:
-    plan = plan_parallel("auto", CPU, options={"find_unused_parameters": True})
+    plan = choose_plan("auto", CPU, options={"find_unused_parameters": True})
     assert (plan.strategy, plan.device, plan.ignored) == (
         "none",
         torch.device("cpu"),
