@@ -69,6 +69,7 @@ _MAX_CACHED_TYPES = 1024
 
 
 def move(x: Any, c: Ctx) -> Any:
+    """Move ``x`` within the walk ``c``: the handler of its exact type, found once."""
     h = _DISPATCH.get(type(x))
     return h(x, c) if h is not None else _slow(x, c)
 
