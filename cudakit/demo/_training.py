@@ -33,15 +33,18 @@ ACCUMULATE = 2
 MAX_GRAD_NORM = 1.0
 
 
-def _schedule(total_steps: int) -> Any:
-    """Linear warm-up over 10% of the steps, then cosine decay to 5%."""
-    warm = max(1, total_steps // 10)
+def _schedule(steps_per_epoch: int) -> Any:
+    """Linear warm-up over half an epoch, then inverse-square-root decay.
+
+    The schedule does not depend on ``--epochs``: a run resumed with more epochs follows
+    the learning rates of a run that had asked for them from the start.
+    """
+    warm = max(1, steps_per_epoch // 2)
 
     def factor(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
-        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+        return math.sqrt(warm / (step + 1))
 
     return factor
 
@@ -135,8 +138,8 @@ def _train_loop(
         **loader_kwargs(device, num_workers=0),
     )
     micro_steps = len(loader)
-    total_steps = args.epochs * math.ceil(micro_steps / ACCUMULATE)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(total_steps))
+    steps_per_epoch = math.ceil(micro_steps / ACCUMULATE)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(steps_per_epoch))
     step = autocast_step(
         optimizer,
         model=model,

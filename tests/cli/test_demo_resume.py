@@ -41,3 +41,17 @@ def test_an_unwritable_resume_directory_is_refused(
         main(["--train-size", "128", "--epochs", "1", "--resume", str(blocker / "ck")])
     assert info.value.code == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_run_resumed_with_more_epochs_equals_one_that_never_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--epochs 2`` then ``--epochs 3 --resume``: the learning-rate schedule does not
+    depend on --epochs, so epoch 3 is the plain 3-epoch run's, bit for bit."""
+    _run(capsys, "--epochs", "2", "--resume", str(tmp_path / "a"))
+    resumed = _run(capsys, "--epochs", "3", "--resume", str(tmp_path / "a"))
+    plain = _run(capsys, "--epochs", "3")
+    assert resumed["resumed_from"] is not None
+    last, expected = resumed["epochs"][-1], plain["epochs"][-1]
+    for key in ("train_loss", "val_loss", "val_accuracy"):
+        assert last[key] == expected[key], key
