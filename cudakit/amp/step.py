@@ -37,12 +37,6 @@ __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
 
 P = ParamSpec("P")
 
-#: Default ``max_skipped``: fp16's scaler may legitimately skip a run of early
-#: steps while it lowers an over-large initial scale (2**16 halves to 1 in 16 steps);
-#: bf16 and fp32 have no scale to adjust, so a streak of bad steps means trouble.
-_DEFAULT_MAX_SKIPPED_FP16 = 20
-_DEFAULT_MAX_SKIPPED = 10
-
 _ACTIVE = ACTIVE  # (step, form) of the autocast_step call running here, if any
 
 
@@ -85,7 +79,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         compile: bool | Mapping[str, Any] = False,
         **watch: Unpack[WatchOptions],
     ) -> None:
-        options = resolve_options(
+        config = resolve_options(
             optimizer,
             model=model,
             dtype=dtype,
@@ -97,55 +91,40 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
             skip_nonfinite=skip_nonfinite,
             max_skipped=max_skipped,
             compile=compile,
-        )
-        optimizers, schedulers, scaler = options.optimizers, options.schedulers, options.scaler
-        precision, device_type = options.precision, options.device_type
-        clip, compile_options = options.max_grad_norm, options.compile_options
-        #: The optimizers this step steps, in order.
-        self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
-        #: The (first) optimizer: the one optimizer of a single-optimizer step.
-        self.optimizer: torch.optim.Optimizer = optimizers[0]
-        #: The schedulers stepped after every real optimizer step, in order.
-        self.schedulers: tuple[Any, ...] = schedulers
-        #: The scheduler as given (one, a list, or None).
-        self.scheduler: Any = scheduler
-        self.model = model
-        #: The GradScaler in use (fp16 only), else None.
-        self.scaler: torch.amp.GradScaler | None = scaler
-        #: The resolved autocast dtype (``torch.float32`` when autocast is off).
-        self.dtype: torch.dtype = precision.dtype
-        #: The device type autocast runs on: that of the optimizers' parameters.
-        self.device_type: str = device_type
-        #: Whether autocast is on (False for ``enabled=False`` and for float32).
-        self.enabled: bool = precision.autocast
-        #: ``torch.compile`` options when ``compile=`` is on, else None.
-        self.compile_options: dict[str, Any] | None = compile_options
-        self._default_max_skipped = (
-            _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
-        )
-        max_skipped = options.max_skipped
-        self._counts = StepCounters(
-            max_skipped if max_skipped is not None else self._default_max_skipped
-        )
-        # Buffers (BatchNorm running stats...) as they were when the window opened,
-        # restored when the window's step is skipped: a NaN batch must not poison them.
-        self._buffers = BufferSnapshot(model) if model is not None and skip_nonfinite else None
-        self._stepper = OptimizerStep(
-            optimizers,
-            schedulers,
-            scaler,
-            max_grad_norm=clip,
-            skip_nonfinite=skip_nonfinite,
-            counters=self._counts,
-            dtype=precision.dtype,
-            device_type=device_type,
-            buffers=self._buffers,
-            compile_options=compile_options,
             **watch,
         )
+        self._config = config
+        #: The optimizers this step steps, in order.
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = config.optimizers
+        #: The (first) optimizer: the one optimizer of a single-optimizer step.
+        self.optimizer: torch.optim.Optimizer = config.optimizers[0]
+        #: The schedulers stepped after every real optimizer step, in order.
+        self.schedulers: tuple[Any, ...] = config.schedulers
+        #: The scheduler as given (one, a list, or None).
+        self.scheduler: Any = config.scheduler
+        self.model = config.model
+        #: The GradScaler in use (fp16 only), else None.
+        self.scaler: torch.amp.GradScaler | None = config.scaler
+        #: The resolved autocast dtype (``torch.float32`` when autocast is off).
+        self.dtype: torch.dtype = config.dtype
+        #: The device type autocast runs on: that of the optimizers' parameters.
+        self.device_type: str = config.device_type
+        #: Whether autocast is on (False for ``enabled=False`` and for float32).
+        self.enabled: bool = config.enabled
+        #: ``torch.compile`` options when ``compile=`` is on, else None.
+        self.compile_options: dict[str, Any] | None = config.compile_options
+        self._counts = StepCounters(config.max_skipped)
+        # Buffers (BatchNorm running stats...) as they were when the window opened,
+        # restored when the window's step is skipped: a NaN batch must not poison them.
+        self._buffers = (
+            BufferSnapshot(config.model)
+            if config.model is not None and config.skip_nonfinite
+            else None
+        )
+        self._stepper = OptimizerStep(config, self._counts, self._buffers)
         self._scaling = self._stepper.scaling
-        self._window = Window(options.accumulate)
-        self._sync = GradSync(model)
+        self._window = Window(config.accumulate)
+        self._sync = GradSync(config.model)
         # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
         self._block: BlockState | None = None
         self._warned_block_compile = False
@@ -179,7 +158,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
             checked = check_max_skipped("AutocastStep", value)
         except (TypeError, ValueError) as exc:
             raise for_attribute("AutocastStep", "max_skipped", exc) from None
-        self._counts.max_skipped = checked if checked is not None else self._default_max_skipped
+        self._counts.max_skipped = (
+            checked if checked is not None else self._config.default_max_skipped
+        )
 
     @property
     def accumulate(self) -> int:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from typing_extensions import Unpack
 
 from .._accel import host_read_waits
 from .buffers import BufferSnapshot
@@ -29,10 +28,10 @@ from .ops import (
     scaler_step,
     step_on_device,
 )
-from .options import captures_cuda_graphs, compile_fn
+from .options import StepConfig, captures_cuda_graphs, compile_fn
 from .result import SpikeVerdict, StepResult, Verdict
 from .spikes import SpikeWatch
-from .watch import Pending, PendingSource, Watch, WatchOptions, scaler_step_on_device
+from .watch import Pending, PendingSource, Watch, scaler_step_on_device
 from .window import Window
 
 __all__ = ["OptimizerStep"]
@@ -42,33 +41,23 @@ class OptimizerStep:
     """The end of a window: the verdict, the optimizers, the scaler and the schedulers."""
 
     def __init__(
-        self,
-        optimizers: tuple[torch.optim.Optimizer, ...],
-        schedulers: tuple[Any, ...],
-        scaler: torch.amp.GradScaler | None,
-        *,
-        max_grad_norm: float | None,
-        skip_nonfinite: bool,
-        counters: StepCounters,
-        dtype: torch.dtype,
-        device_type: str,
-        buffers: BufferSnapshot | None,
-        compile_options: dict[str, Any] | None,
-        **watch: Unpack[WatchOptions],
+        self, config: StepConfig, counters: StepCounters, buffers: BufferSnapshot | None
     ) -> None:
+        optimizers, compile_options = config.optimizers, config.compile_options
+        max_grad_norm = config.max_grad_norm
         #: Loss spikes (``skip_spikes=``) and the replay of skipped windows (``locate_nonfinite=``).
-        self.watch = Watch(skip_nonfinite=skip_nonfinite, **watch)
+        self.watch = Watch(config)
         self.optimizers = optimizers
-        self.schedulers = schedulers
-        self.scaler = scaler
-        self.scaling = scaler is not None and scaler.is_enabled()
+        self.schedulers = config.schedulers
+        self.scaler = config.scaler
+        self.scaling = config.scaling
         self.max_grad_norm = max_grad_norm
-        self.skip_nonfinite = skip_nonfinite
+        self.skip_nonfinite = config.skip_nonfinite
         self.counters = counters
         self.buffers = buffers
-        self._dtype = dtype
+        self._dtype = config.dtype
         self._single = optimizers[0] if len(optimizers) == 1 else None
-        self._guarded = skip_nonfinite or self.scaling
+        self._guarded = config.guarded
         #: Every optimizer skips on the device: a guarded step then reads nothing back.
         self.sync_free: bool = self._guarded and all(
             getattr(o, "_step_supports_amp_scaling", False) for o in optimizers
@@ -77,7 +66,7 @@ class OptimizerStep:
         #: host read waits: on the CPU every op has finished when it returns, so the
         #: verdict is read from memory at once (no op, no wait) and a bad step is skipped
         #: on the host, cheaper there than handing ``found_inf`` to the optimizer.
-        self.lazy: bool = self.sync_free and host_read_waits(device_type)
+        self.lazy: bool = self.sync_free and host_read_waits(config.device_type)
         self._guard = NonFiniteGuard()
         # A sync-free step on the CPU reads its verdict from memory, without a torch op;
         # other steps make their one read with .item() (measured a little faster there).

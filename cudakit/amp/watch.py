@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .._check import check_bool, describe
+from .._check import describe
 from .._dist import group_world_size
 from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
 from .ops import step_on_device
 from .spikes import (
     SpikeRule,
     SpikeWatch,
-    check_skip_spikes,
     check_state,
     read_float,
 )
 
 if TYPE_CHECKING:
     from .counters import StepCounters
+    from .options import StepConfig
     from .window import GradSync, Window
 
 __all__ = [
@@ -74,16 +74,6 @@ class WatchOptions(TypedDict, total=False):
 
     skip_spikes: bool | str | SpikeRule | None
     locate_nonfinite: bool
-
-
-def _refuse_unknown(options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
-    if unknown:
-        raise TypeError(
-            f"AutocastStep() got an unexpected keyword argument {unknown[0]!r}; the "
-            "options are those of cudakit.amp.autocast_step() (skip_spikes=..., "
-            "locate_nonfinite=..., max_grad_norm=..., ...)."
-        )
 
 
 class Pending:
@@ -148,22 +138,8 @@ class PendingSource:
 class Watch:
     """The stepper's spike rule and micro-batch record."""
 
-    def __init__(self, *, skip_nonfinite: bool, **options: Any) -> None:
-        _refuse_unknown(options)
-        rule = check_skip_spikes(options.get("skip_spikes"))
-        flag = options.get("locate_nonfinite", False)
-        locate = check_bool("autocast_step", "locate_nonfinite", flag)
-        if rule is not None and not skip_nonfinite:
-            raise ValueError(
-                "autocast_step(skip_spikes=...) needs skip_nonfinite=True: a window is judged "
-                "a spike only once its loss and gradients are known to be finite, and an "
-                "inf/NaN must never reach the running statistics. Drop skip_nonfinite=False."
-            )
-        if locate and not skip_nonfinite:
-            raise ValueError(
-                "autocast_step(locate_nonfinite=True) needs skip_nonfinite=True: it replays "
-                "the windows the non-finite guard skips. Drop skip_nonfinite=False."
-            )
+    def __init__(self, config: StepConfig) -> None:
+        rule, locate = config.skip_spikes, config.locate_nonfinite
         #: The spike rule and its statistics, or None (``skip_spikes`` off).
         self.spikes: SpikeWatch | None = SpikeWatch(rule) if rule is not None else None
         self.rule: SpikeRule | None = rule
