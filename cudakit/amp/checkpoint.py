@@ -83,6 +83,18 @@ def _scalar_tensor(value: object, field: str) -> torch.Tensor:
     return value
 
 
+def _real(value: torch.Tensor, field: str | tuple[str, object]) -> None:
+    """Refuse a tensor on the meta device: it holds no values to restore."""
+    if value.is_meta:
+        path = f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
+        raise ValueError(
+            f"{_WHERE}: state{path} is on the meta device, so it holds no values to "
+            "restore (was the checkpoint read with torch.load(..., map_location='meta')?). "
+            "Load it with map_location='cpu' (or the training device), or resume from a "
+            "state taken at a window boundary (step.position == 0). Nothing was changed."
+        )
+
+
 def _check_scaler(
     value: object, has_scaler: bool, dtype: torch.dtype, scaling: bool
 ) -> Mapping[str, Any] | None:
@@ -208,6 +220,8 @@ def validate(
             )
         if not g.is_floating_point():
             _fail(("grads", i), f"a floating-point tensor like its parameter ({p.dtype})", g)
+        if position:
+            _real(g, ("grads", i))
 
     raw_losses = state["window_losses"]
     if not isinstance(raw_losses, (list, tuple)):
@@ -215,9 +229,12 @@ def validate(
     losses = [_scalar_tensor(t, "window_losses") for t in raw_losses]
     if len(losses) > position:
         _fail("window_losses", f"at most position={position} losses", raw_losses)
+    for i, t in enumerate(losses):
+        _real(t, ("window_losses", i))
     weight = state.get("window_weight")
     if weight is not None:
         weight = _scalar_tensor(weight, "window_weight")
+        _real(weight, "window_weight")
         if not bool(torch.isfinite(weight).all() & (weight >= 0).all()):
             _fail("window_weight", "a finite count >= 0 (the window's summed weights)", weight)
     saved_buffers = state.get("window_buffers")  # their shapes are checked against the model
@@ -226,6 +243,9 @@ def validate(
         and all(isinstance(t, torch.Tensor) for t in saved_buffers)
     ):
         _fail("window_buffers", "a list of tensors or None", saved_buffers, TypeError)
+    if saved_buffers is not None and position:
+        for i, t in enumerate(saved_buffers):
+            _real(t, ("window_buffers", i))
     return Restored(
         position=position,
         steps=steps,
