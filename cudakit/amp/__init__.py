@@ -24,15 +24,30 @@ What it offers:
   capabilities (:func:`~cudakit.amp.policy.decide_precision`).
 """
 
-# The parts, each owning its state: policy (the pure precision decision), guard (the
-# non-finite check, its verdict across ranks and the mailbox that reads it back
-# lazily), window (the accumulation window and gradient sync), buffers (buffer
-# snapshots for skipped steps), counters, stepper (the one path that finishes a
-# window), checkpoint (validated state dicts), misuse (what misuse raises), options
-# and ops; step (AutocastStep, composing them into the decorator and the explicit
-# form) and factory (autocast_step). Besides inf/NaN a step watches: spikes
-# (loss-spike skipping), locate (find_nonfinite, with values: the inf/NaN check of
-# nested inputs and the batch copies of its replay) and watch (their part of the step).
+# How it is built. AutocastStep (step.py) is a thin composer: the option checks
+# (options.resolve_options) make one frozen StepConfig, handed to every part; each part
+# owns its state, and the parts call one another's methods, never their private state.
+#
+# - options: the checks and StepConfig; policy: the precision decision (pure).
+# - window: the window's position and contents, its Stage (closed, open, unsynced) and
+#   GradSync (DDP's no_sync, FSDP2's flag); buffers: the buffer snapshot; counters.
+# - block: `with step:` and its Turn; microstep: a micro-step's backward into the window;
+#   params: the parameters, their gradients, clipping.
+# - judge: the verdict on a closing window (guard: the non-finite check; spikes and
+#   watch: the spike rule and the replay's record; verdicts read lazily); stepper: the
+#   optimizer step on that verdict; ops: the optimizer and device ops.
+# - checkpoint: the state, checked whole, then applied; misuse: what misuse raises;
+#   locate and values: find_nonfinite's replay; result: StepResult and Verdict;
+#   factory: autocast_step.
+#
+# One decorated call: AutocastStep._run marks the step running (block.ACTIVE);
+# MicroSteps.before_forward opens the window (clears the gradients); the forward runs
+# under autocast, with gradient sync paused on a micro-step that does not close the
+# window; MicroSteps.backward scales and backpropagates; MicroSteps.after_backward counts
+# it and hands a full window to OptimizerStep.finish, which unscales, asks WindowJudge
+# for the verdict, clips, steps every optimizer and scheduler or none, and closes the
+# window. The explicit form does the same between Block.enter (`with step:`) and
+# AutocastStep.backward.
 
 from .factory import autocast_step
 from .locate import NonFiniteSource, NonFiniteWarning, Phase, find_nonfinite

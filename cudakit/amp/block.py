@@ -3,19 +3,21 @@
 Entering the block marks the step as running (:data:`ACTIVE`), pauses gradient sync on
 a micro-step that will not step (DDP's ``no_sync``, FSDP2's flag), enters autocast and
 snapshots the buffers when a window opens. Leaving it undoes each, innermost first,
-even if another raised. :data:`ACTIVE` is also what the step reads to refuse calls
-made at the wrong moment (a step inside a step, ``flush()`` inside one).
+even if another raised. :class:`Block` keeps where the micro-step is as one
+:class:`Turn`. :data:`ACTIVE` is also what the step reads to refuse calls made at the
+wrong moment (a step inside a step, ``flush()`` inside one).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
-from typing_extensions import Self
 
 from . import misuse
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from .buffers import BufferSnapshot
     from .window import GradSync, Window
 
-__all__ = ["ACTIVE", "Block", "BlockState"]
+__all__ = ["ACTIVE", "Block", "Turn"]
 
 #: (step, form) of the autocast_step call running in this thread/task, if any; form is
 #: ``"decorated"`` (inside the step function) or ``"block"`` (inside ``with step:``).
@@ -31,59 +33,105 @@ ACTIVE: ContextVar[tuple[Any, str] | None] = ContextVar(
     "cudakit_autocast_step_active", default=None
 )
 
-#: What ``with step:`` entered: (ACTIVE's token, autocast, paused sync or None).
-BlockState = tuple[
-    Token[tuple[Any, str] | None], torch.autocast, AbstractContextManager[Any] | None
-]
+
+class Turn(enum.Enum):
+    """Where the explicit form's micro-step is.
+
+    ``IDLE`` -> ``IN_BLOCK`` at ``with step:``; there ``step.backward(loss)`` makes it
+    ``BACKWARD_IN_BLOCK``, and leaving the block makes it ``BACKWARD_DUE`` (backward not
+    called yet) or ``IDLE``. ``step.backward(loss)`` after the block, or an exception
+    out of the block, ends it (``IDLE``).
+    """
+
+    IDLE = "idle"
+    IN_BLOCK = "in_block"
+    BACKWARD_IN_BLOCK = "backward_in_block"
+    BACKWARD_DUE = "backward_due"
 
 
 class Block:
-    """:class:`~cudakit.amp.AutocastStep`'s ``with step:``; ``step.backward(loss)`` follows."""
+    """``with step:`` of one :class:`~cudakit.amp.AutocastStep`: what it entered, and its turn."""
 
-    _sync: GradSync
-    _window: Window
-    _buffers: BufferSnapshot | None
-    _as_block: tuple[Any, str]
-    _block: BlockState | None
-    _awaiting_backward: bool
-    device_type: str
-    dtype: torch.dtype
-    enabled: bool
+    __slots__ = ("_autocast", "_buffers", "_entered", "_marker", "_sync", "_window", "turn")
 
-    def __enter__(self) -> Self:
+    def __init__(
+        self,
+        marker: tuple[Any, str],
+        autocast: Callable[[], torch.autocast],
+        sync: GradSync,
+        window: Window,
+        buffers: BufferSnapshot | None,
+    ) -> None:
+        self._marker = marker  # (step, "block"), set in ACTIVE while the block runs
+        self._autocast = autocast
+        self._sync = sync
+        self._window = window
+        self._buffers = buffers
+        # (ACTIVE's token, autocast, paused sync or None), from enter() to exit().
+        self._entered: (
+            tuple[Token[tuple[Any, str] | None], torch.autocast, AbstractContextManager[Any] | None]
+            | None
+        ) = None
+        #: Where the micro-step of the explicit form is.
+        self.turn = Turn.IDLE
+
+    @property
+    def awaiting_backward(self) -> bool:
+        """From ``with step:`` to its ``step.backward(loss)``: the micro-step's sync is decided."""
+        return self.turn is Turn.IN_BLOCK or self.turn is Turn.BACKWARD_DUE
+
+    @property
+    def inside(self) -> bool:
+        """Inside ``with step:``."""
+        return self._entered is not None
+
+    @property
+    def paused(self) -> bool:
+        """Inside ``with step:``, which paused gradient sync."""
+        entered = self._entered
+        return entered is not None and entered[2] is not None
+
+    def enter(self) -> None:
         """Enter autocast (and pause gradient sync when this micro-step will not step)."""
         active = ACTIVE.get()
         if active is not None:
-            raise misuse.nested_error(active[0] is self)
-        token = ACTIVE.set(self._as_block)
+            raise misuse.nested_error(active[0] is self._marker[0])
+        token = ACTIVE.set(self._marker)
         paused: AbstractContextManager[Any] | None = None
         autocast: torch.autocast | None = None
         try:
             if self._sync.active and not self._window.closes_next():
                 paused = self._sync.paused()
                 paused.__enter__()
-            autocast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+            autocast = self._autocast()
             autocast.__enter__()
-            if self._buffers is not None and not self._buffers.saved:
-                self._buffers.save()
+            buffers = self._buffers
+            if buffers is not None and not buffers.saved:
+                buffers.save()
         except BaseException:
             _unwind(token, autocast, paused, None, None, None)
             raise
-        self._block = (token, autocast, paused)
-        self._awaiting_backward = True
-        return self
+        self._entered = (token, autocast, paused)
+        self.turn = Turn.IN_BLOCK
 
-    def __exit__(
+    def backward_done(self) -> None:
+        """``step.backward(loss)`` ran: the micro-step is counted."""
+        self.turn = Turn.BACKWARD_IN_BLOCK if self._entered is not None else Turn.IDLE
+
+    def exit(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        block, self._block = self._block, None
-        if exc_type is not None:
-            self._awaiting_backward = False  # the micro-step was abandoned
-        if block is not None:
-            _unwind(*block, exc_type, exc, tb)
+        """Leave what :meth:`enter` entered; an exception abandons the micro-step."""
+        entered, self._entered = self._entered, None
+        if exc_type is not None or self.turn is Turn.BACKWARD_IN_BLOCK:
+            self.turn = Turn.IDLE
+        elif self.turn is Turn.IN_BLOCK:
+            self.turn = Turn.BACKWARD_DUE
+        if entered is not None:
+            _unwind(*entered, exc_type, exc, tb)
 
 
 def _unwind(
@@ -94,7 +142,7 @@ def _unwind(
     exc: BaseException | None,
     tb: TracebackType | None,
 ) -> None:
-    """Leave what ``__enter__`` entered, innermost first, each even if another raised."""
+    """Leave what :meth:`Block.enter` entered, innermost first, each even if another raised."""
     try:
         if autocast is not None:
             autocast.__exit__(exc_type, exc, tb)

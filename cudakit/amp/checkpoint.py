@@ -18,20 +18,12 @@ from .._check import describe
 from .._dist import group_world_size
 from .buffers import BufferSnapshot
 from .counters import StepCounters
-from .stepper import OptimizerStep
-from .window import GradSync, Window
+from .judge import WindowJudge
+from .options import StepConfig
+from .params import StepParams
+from .window import GradSync, Stage, Window
 
-__all__ = [
-    "KEYS",
-    "Restored",
-    "StepParts",
-    "apply",
-    "capture",
-    "load",
-    "restore_exact",
-    "save",
-    "validate",
-]
+__all__ = ["KEYS", "Restored", "StepCheckpoint", "apply", "capture", "validate"]
 
 KEYS = (
     "accumulate",
@@ -89,6 +81,18 @@ def _scalar_tensor(value: object, field: str) -> torch.Tensor:
     if value.numel() != 1 or value.is_complex():
         _fail(field, "a one-element real tensor", value)
     return value
+
+
+def _real(value: torch.Tensor, field: str | tuple[str, object]) -> None:
+    """Refuse a tensor on the meta device: it holds no values to restore."""
+    if value.is_meta:
+        path = f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
+        raise ValueError(
+            f"{_WHERE}: state{path} is on the meta device, so it holds no values to "
+            "restore (was the checkpoint read with torch.load(..., map_location='meta')?). "
+            "Load it with map_location='cpu' (or the training device), or resume from a "
+            "state taken at a window boundary (step.position == 0). Nothing was changed."
+        )
 
 
 def _check_scaler(
@@ -216,6 +220,8 @@ def validate(
             )
         if not g.is_floating_point():
             _fail(("grads", i), f"a floating-point tensor like its parameter ({p.dtype})", g)
+        if position:
+            _real(g, ("grads", i))
 
     raw_losses = state["window_losses"]
     if not isinstance(raw_losses, (list, tuple)):
@@ -223,9 +229,12 @@ def validate(
     losses = [_scalar_tensor(t, "window_losses") for t in raw_losses]
     if len(losses) > position:
         _fail("window_losses", f"at most position={position} losses", raw_losses)
+    for i, t in enumerate(losses):
+        _real(t, ("window_losses", i))
     weight = state.get("window_weight")
     if weight is not None:
         weight = _scalar_tensor(weight, "window_weight")
+        _real(weight, "window_weight")
         if not bool(torch.isfinite(weight).all() & (weight >= 0).all()):
             _fail("window_weight", "a finite count >= 0 (the window's summed weights)", weight)
     saved_buffers = state.get("window_buffers")  # their shapes are checked against the model
@@ -234,6 +243,9 @@ def validate(
         and all(isinstance(t, torch.Tensor) for t in saved_buffers)
     ):
         _fail("window_buffers", "a list of tensors or None", saved_buffers, TypeError)
+    if saved_buffers is not None and position:
+        for i, t in enumerate(saved_buffers):
+            _real(t, ("window_buffers", i))
     return Restored(
         position=position,
         steps=steps,
@@ -293,9 +305,9 @@ def apply(
             p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True)
     window.clear()
     window.position = restored.position
-    window.cleared = restored.position > 0  # mid-window: the restored gradients count
-    # Mid-window gradients were accumulated without gradient sync: flush() syncs them.
-    window.unsynced = restored.position > 0 and sync_active
+    if restored.position:  # mid-window: the restored gradients count
+        # Mid-window gradients were accumulated without gradient sync: flush() syncs them.
+        window.stage = Stage.UNSYNCED if sync_active else Stage.OPEN
     window.losses.extend(torch.as_tensor(t).detach().clone() for t in restored.window_losses)
     window.last_loss = window.losses[-1] if window.losses else None
     if restored.window_weight is not None:
@@ -312,129 +324,144 @@ def apply(
     counters.consecutive = restored.consecutive_skipped
 
 
-class StepParts(NamedTuple):
-    """The parts of an :class:`~cudakit.amp.AutocastStep` that its checkpoint covers."""
+class StepCheckpoint:
+    """The checkpoint part of an :class:`~cudakit.amp.AutocastStep`: its state, saved and loaded.
 
-    window: Window
-    counters: StepCounters
-    scaler: torch.amp.GradScaler | None
-    scaling: bool
-    dtype: torch.dtype
-    buffers: BufferSnapshot | None
-    stepper: OptimizerStep
-    sync: GradSync
+    Holds the parts the state covers: the window, the counters, the scaler, the
+    buffer snapshot, the parameters, the judge (whose unread verdicts a save settles and
+    a load forgets) and the gradient sync (a mid-window state is refused under FSDP2 and
+    multi-rank DDP).
+    """
 
+    def __init__(
+        self,
+        config: StepConfig,
+        window: Window,
+        counters: StepCounters,
+        buffers: BufferSnapshot | None,
+        params: StepParams,
+        judge: WindowJudge,
+        sync: GradSync,
+    ) -> None:
+        self._scaler = config.scaler
+        self._scaling = config.scaling
+        self._dtype = config.dtype
+        self._window = window
+        self._counters = counters
+        self._buffers = buffers
+        self._params = params
+        self._judge = judge
+        self._sync = sync
 
-def save(parts: StepParts) -> dict[str, Any]:
-    """The step's state dict (``AutocastStep.state_dict``)."""
-    parts.stepper.settle()
-    window = parts.window
-    if window.position and parts.sync.kind == "fsdp":
-        raise RuntimeError(
-            f"AutocastStep.state_dict() mid-window ({window.position} of "
-            f"{window.accumulate} micro-steps) under FSDP2: the window's gradients live "
-            "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
-            "cannot be checkpointed (preserve_state(extra=(step,)) and warmup(amp=step) "
-            "take this state too). Take it after the window's optimizer step "
-            "(step.position == 0), or call step.flush() first."
+    def save(self) -> dict[str, Any]:
+        """The step's state dict (``AutocastStep.state_dict``)."""
+        self._judge.settle()
+        window = self._window
+        if window.position and self._sync.kind == "fsdp":
+            raise RuntimeError(
+                f"AutocastStep.state_dict() mid-window ({window.position} of "
+                f"{window.accumulate} micro-steps) under FSDP2: the window's gradients live "
+                "inside FSDP2 (unsharded, not yet reduce-scattered), not in .grad, so they "
+                "cannot be checkpointed (preserve_state(extra=(step,)) and warmup(amp=step) "
+                "take this state too). Take it after the window's optimizer step "
+                "(step.position == 0), or call step.flush() first."
+            )
+        if window.position and _ddp_ranks(self._sync):
+            raise RuntimeError(
+                f"AutocastStep.state_dict() mid-window ({window.position} of "
+                f"{window.accumulate} micro-steps) under DDP: the window's micro-steps ran "
+                "without gradient sync, so each rank holds its own gradients, and the usual "
+                "save on rank 0 would lose the others' (preserve_state(extra=(step,)) and "
+                "warmup(amp=step) take this state too). Checkpoint at a window boundary "
+                "(step.position == 0), or call step.flush() first."
+            )
+        state = capture(
+            accumulate=window.accumulate,
+            window=window,
+            counters=self._counters,
+            scaler=self._scaler,
+            params=self._params.params(),
+            buffers=self._buffers,
         )
-    if window.position and _ddp_ranks(parts.sync):
-        raise RuntimeError(
-            f"AutocastStep.state_dict() mid-window ({window.position} of "
-            f"{window.accumulate} micro-steps) under DDP: the window's micro-steps ran "
-            "without gradient sync, so each rank holds its own gradients, and the usual "
-            "save on rank 0 would lose the others' (preserve_state(extra=(step,)) and "
-            "warmup(amp=step) take this state too). Checkpoint at a window boundary "
-            "(step.position == 0), or call step.flush() first."
-        )
-    state = capture(
-        accumulate=window.accumulate,
-        window=window,
-        counters=parts.counters,
-        scaler=parts.scaler,
-        params=parts.stepper.params(),
-        buffers=parts.buffers,
-    )
-    state.update(parts.stepper.watch.state(parts.counters))  # loss spikes (skip_spikes=)
-    return state
+        state.update(self._judge.watch.state(self._counters))  # loss spikes (skip_spikes=)
+        return state
 
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Check ``state`` whole, then apply it (``AutocastStep.load_state_dict``)."""
+        params = self._params.params()
+        restored = validate(
+            state,
+            accumulate=self._window.accumulate,
+            has_scaler=self._scaler is not None,
+            dtype=self._dtype,
+            params=params,
+            scaling=self._scaling,
+        )
+        if restored.position and self._sync.kind == "fsdp":
+            raise ValueError(
+                f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
+                "step trains an FSDP2 model, whose accumulated gradients cannot be restored. "
+                "Resume from a checkpoint taken at a window boundary (step.position == 0)."
+            )
+        if restored.position and _ddp_ranks(self._sync):
+            raise ValueError(
+                f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
+                "step trains a DDP model on several ranks, where each rank's window holds its "
+                "own unsynced gradients; one saved state cannot stand for all of them. Resume "
+                "from a checkpoint taken at a window boundary (step.position == 0)."
+            )
+        saved_buffers = state.get("window_buffers")
+        buffers = self._buffers
+        checked = (
+            buffers.check(saved_buffers)
+            if buffers is not None and saved_buffers is not None and restored.position
+            else None
+        )
+        watch = self._judge.watch
+        apply_watch = watch.check_state(state)  # loss spikes; older checkpoints lack them
+        self._judge.forget_pending()  # verdicts of windows the checkpoint replaces
+        apply(
+            restored,
+            window=self._window,
+            counters=self._counters,
+            scaler=self._scaler,
+            params=params,
+            buffers=buffers,
+            saved_buffers=checked,
+            sync_active=self._sync.active,
+        )
+        apply_watch(self._counters)
 
-def load(parts: StepParts, state: Mapping[str, Any]) -> None:
-    """Check ``state`` whole, then apply it (``AutocastStep.load_state_dict``)."""
-    params = parts.stepper.params()
-    restored = validate(
-        state,
-        accumulate=parts.window.accumulate,
-        has_scaler=parts.scaler is not None,
-        dtype=parts.dtype,
-        params=params,
-        scaling=parts.scaling,
-    )
-    if restored.position and parts.sync.kind == "fsdp":
-        raise ValueError(
-            f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
-            "step trains an FSDP2 model, whose accumulated gradients cannot be restored. "
-            "Resume from a checkpoint taken at a window boundary (step.position == 0)."
-        )
-    if restored.position and _ddp_ranks(parts.sync):
-        raise ValueError(
-            f"{_WHERE}: the state is mid-window (position {restored.position}), but this "
-            "step trains a DDP model on several ranks, where each rank's window holds its "
-            "own unsynced gradients; one saved state cannot stand for all of them. Resume "
-            "from a checkpoint taken at a window boundary (step.position == 0)."
-        )
-    saved_buffers = state.get("window_buffers")
-    buffers = parts.buffers
-    checked = (
-        buffers.check(saved_buffers)
-        if buffers is not None and saved_buffers is not None and restored.position
-        else None
-    )
-    apply_watch = parts.stepper.watch.check_state(state)  # loss spikes; older checkpoints lack them
-    parts.stepper.forget_pending()  # verdicts of windows the checkpoint replaces
-    apply(
-        restored,
-        window=parts.window,
-        counters=parts.counters,
-        scaler=parts.scaler,
-        params=params,
-        buffers=buffers,
-        saved_buffers=checked,
-        sync_active=parts.sync.active,
-    )
-    apply_watch(parts.counters)
+    def restore_exact(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load` with the state's ``accumulate`` too (``preserve_state``'s restore).
+
+        A warm-up block may close a window and change ``accumulate``; putting the step back
+        exactly takes the saved value as well, which a resume does not (there the step's own
+        ``accumulate`` wins at a window boundary).
+        """
+        window = self._window
+        # Micro-steps of an FSDP2 step that ran without gradient sync left their gradients
+        # inside FSDP2, which a state cannot put back.
+        leaked = self._sync.kind == "fsdp" and window.stage is Stage.UNSYNCED
+        saved = state.get("accumulate") if isinstance(state, Mapping) else None
+        previous = window.accumulate
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+            window.accumulate = saved
+        try:
+            self.load(state)
+        except BaseException:
+            window.accumulate = previous
+            raise
+        if leaked:
+            raise RuntimeError(
+                "preserve_state(): the block ran micro-steps of an FSDP2 autocast_step "
+                "without finishing their window; FSDP2 keeps their gradients inside itself, "
+                "where nothing can put them back, so they would be added to the next window. "
+                "End the block's windows (a full window, or step.flush()), or run the "
+                "warm-up with warmup(model, batch, ...) instead."
+            )
 
 
 def _ddp_ranks(sync: GradSync) -> bool:
     """Whether the step trains a DDP model across more than one rank."""
     return sync.kind == "ddp" and group_world_size() > 1
-
-
-def restore_exact(parts: StepParts, state: Mapping[str, Any]) -> None:
-    """:func:`load` with the state's ``accumulate`` too (``preserve_state``'s restore).
-
-    A warm-up block may close a window and change ``accumulate``; putting the step back
-    exactly takes the saved value as well, which a resume does not (there the step's own
-    ``accumulate`` wins at a window boundary).
-    """
-    window = parts.window
-    # Micro-steps of an FSDP2 step that ran without gradient sync left their gradients
-    # inside FSDP2, which a state cannot put back.
-    leaked = parts.sync.kind == "fsdp" and window.unsynced
-    saved = state.get("accumulate") if isinstance(state, Mapping) else None
-    previous = window.accumulate
-    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
-        window.accumulate = saved
-    try:
-        load(parts, state)
-    except BaseException:
-        window.accumulate = previous
-        raise
-    if leaked:
-        raise RuntimeError(
-            "preserve_state(): the block ran micro-steps of an FSDP2 autocast_step "
-            "without finishing their window; FSDP2 keeps their gradients inside itself, "
-            "where nothing can put them back, so they would be added to the next window. "
-            "End the block's windows (a full window, or step.flush()), or run the "
-            "warm-up with warmup(model, batch, ...) instead."
-        )

@@ -3,15 +3,18 @@
 The checks particular to it: optimizers and schedulers (one or a list), the device type
 of their parameters, and ``compile=``; plain kinds and ranges go through
 :mod:`cudakit._check`. :func:`resolve_options` runs every check and decides the
-precision, before the step builds anything (configuration apart from per-call state).
+precision, before the step builds anything, and returns one frozen :class:`StepConfig`
+that every part of the step is handed (configuration apart from per-call state, as
+torch's ``StateDictOptions`` is).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -25,9 +28,11 @@ from .policy import (
     parse_dtype,
     probe_capabilities,
 )
+from .spikes import SpikeRule, check_skip_spikes
 
 __all__ = [
-    "StepOptions",
+    "WATCH_OPTIONS",
+    "StepConfig",
     "captures_cuda_graphs",
     "check_compile",
     "check_fp16_weights",
@@ -347,18 +352,59 @@ def compile_forward(
     return compile_fn(functools.wraps(func)(forward), options)
 
 
-class StepOptions(NamedTuple):
-    """The checked, resolved configuration of one :func:`~cudakit.amp.autocast_step`."""
+#: The watching keywords of :class:`~cudakit.amp.AutocastStep` (``**watch``).
+WATCH_OPTIONS = ("skip_spikes", "locate_nonfinite")
 
+#: Default ``max_skipped``: fp16's scaler may legitimately skip a run of early
+#: steps while it lowers an over-large initial scale (2**16 halves to 1 in 16 steps);
+#: bf16 and fp32 have no scale to adjust, so a streak of bad steps means trouble.
+_DEFAULT_MAX_SKIPPED_FP16 = 20
+_DEFAULT_MAX_SKIPPED = 10
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepConfig:
+    """The checked, resolved configuration of one :func:`~cudakit.amp.autocast_step`.
+
+    Made once by :func:`resolve_options` and handed, as it is, to every part of the
+    step; what changes while the step runs (``accumulate``, ``max_skipped``) lives in
+    the part that owns it, which starts from the value here.
+    """
+
+    #: The optimizers the step steps, in order, and the schedulers (as given, and as a tuple).
     optimizers: tuple[torch.optim.Optimizer, ...]
+    scheduler: Any
     schedulers: tuple[Any, ...]
+    model: torch.nn.Module | None
+    #: The GradScaler in use (fp16 only), else None; ``scaling``: it is enabled.
     scaler: torch.amp.GradScaler | None
+    scaling: bool
     precision: Precision
     device_type: str
     max_grad_norm: float | None
-    compile_options: dict[str, Any] | None
     accumulate: int
-    max_skipped: int | None
+    skip_nonfinite: bool
+    #: ``max_skipped=`` with its default applied, and that default (for ``None`` later).
+    max_skipped: int
+    default_max_skipped: int
+    compile_options: dict[str, Any] | None
+    skip_spikes: SpikeRule | None
+    locate_nonfinite: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The autocast dtype (``torch.float32`` when autocast is off)."""
+        return self.precision.dtype
+
+    @property
+    def enabled(self) -> bool:
+        """Whether autocast is on."""
+        return self.precision.autocast
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a window's verdict is checked (the non-finite guard or the scaler's)."""
+        return self.skip_nonfinite or self.scaling
 
 
 #: What ``accumulate=`` is, for its error messages.
@@ -399,11 +445,13 @@ def resolve_options(
     skip_nonfinite: bool,
     max_skipped: int | None,
     compile: object,
-) -> StepOptions:
+    **watch: Any,
+) -> StepConfig:
     """Check every argument of :func:`~cudakit.amp.autocast_step` and decide the precision.
 
     Raises ``TypeError``/``ValueError`` naming the argument before anything is built;
     makes the GradScaler fp16 needs and logs an automatic precision choice once.
+    ``watch`` holds the watching keywords (:data:`WATCH_OPTIONS`), checked last.
     """
     where = "autocast_step"
     optimizers = check_optimizers(optimizer)
@@ -487,14 +535,50 @@ def resolve_options(
     if requested is None:
         log_choice(device_type, precision)
 
-    return StepOptions(
-        optimizers,
-        schedulers,
-        scaler,
-        precision,
-        device_type,
-        clip,
-        compile_options,
-        accumulate,
-        max_skipped,
+    rule, locate = _check_watch(watch, skip_nonfinite)
+    default_max_skipped = (
+        _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
     )
+    return StepConfig(
+        optimizers=optimizers,
+        scheduler=scheduler,
+        schedulers=schedulers,
+        model=model,
+        scaler=scaler,
+        scaling=scaler is not None and scaler.is_enabled(),
+        precision=precision,
+        device_type=device_type,
+        max_grad_norm=clip,
+        accumulate=accumulate,
+        skip_nonfinite=skip_nonfinite,
+        max_skipped=max_skipped if max_skipped is not None else default_max_skipped,
+        default_max_skipped=default_max_skipped,
+        compile_options=compile_options,
+        skip_spikes=rule,
+        locate_nonfinite=locate,
+    )
+
+
+def _check_watch(options: dict[str, Any], skip_nonfinite: bool) -> tuple[SpikeRule | None, bool]:
+    """``skip_spikes=`` and ``locate_nonfinite=``, which need ``skip_nonfinite=True``."""
+    unknown = sorted(set(options) - set(WATCH_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"AutocastStep() got an unexpected keyword argument {unknown[0]!r}; the "
+            "options are those of cudakit.amp.autocast_step() (skip_spikes=..., "
+            "locate_nonfinite=..., max_grad_norm=..., ...)."
+        )
+    rule = check_skip_spikes(options.get("skip_spikes"))
+    locate = check_bool("autocast_step", "locate_nonfinite", options.get("locate_nonfinite", False))
+    if rule is not None and not skip_nonfinite:
+        raise ValueError(
+            "autocast_step(skip_spikes=...) needs skip_nonfinite=True: a window is judged "
+            "a spike only once its loss and gradients are known to be finite, and an "
+            "inf/NaN must never reach the running statistics. Drop skip_nonfinite=False."
+        )
+    if locate and not skip_nonfinite:
+        raise ValueError(
+            "autocast_step(locate_nonfinite=True) needs skip_nonfinite=True: it replays "
+            "the windows the non-finite guard skips. Drop skip_nonfinite=False."
+        )
+    return rule, locate

@@ -1,52 +1,48 @@
 """The :class:`AutocastStep` that composes the parts of a mixed-precision step.
 
-The parts each own their state: the precision ``policy`` (decided once), the
-accumulation ``window`` and its gradient sync, the ``buffers`` snapshot, the
-``stepper`` that finishes a window, the ``checkpoint`` (validated, saved, loaded) and
-the ``misuse`` messages. This module
-runs a call: open the window (clear the gradients of the step's parameters, where a
-hand-written loop calls ``opt.zero_grad()``), forward under autocast, backward (divided
-by ``accumulate``, or summed for token-weighted losses; scaled for fp16), and hand a
-full window to the stepper. It also holds the two forms (decorator, ``with`` +
-``backward``; the block itself is in ``block``), ``flush`` and the checkpoints.
+The parts each own their state, and are handed the one frozen
+:class:`~cudakit.amp.options.StepConfig` the option checks made: the accumulation
+``window`` and its gradient sync, the ``buffers`` snapshot, the ``microstep`` part
+(a micro-step's backward into the window), the ``stepper`` that finishes a window on
+the ``judge``'s verdict, the explicit form's ``block``, the ``checkpoint`` (validated,
+saved, loaded) and the ``misuse`` messages. This module runs a call of either form
+through them: open the window, forward under autocast, backward, and hand a full
+window to the stepper.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any, cast
 
 import torch
-from typing_extensions import ParamSpec, Unpack
+from typing_extensions import ParamSpec, Self, Unpack
 
 from .._check import for_attribute
-from . import checkpoint, misuse
-from .block import ACTIVE, Block, BlockState
+from . import misuse
+from .block import ACTIVE, Block
 from .buffers import BufferSnapshot
+from .checkpoint import StepCheckpoint
 from .counters import StepCounters
-from .ops import zero_grad
+from .microstep import MicroSteps
 from .options import check_accumulate, check_max_skipped, compile_forward, resolve_options
-from .result import SteppedFunction, StepResult, extract_loss, weight_tensor
+from .params import StepParams
+from .result import SteppedFunction, StepResult, extract_loss
+from .spikes import SpikeRule
 from .stepper import OptimizerStep
-from .watch import Watching, WatchOptions
-from .window import GradSync, Window, backward_in_window, reached_any
+from .watch import WatchOptions
+from .window import GradSync, Window
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
 
 P = ParamSpec("P")
 
-#: Default ``max_skipped``: fp16's scaler may legitimately skip a run of early
-#: steps while it lowers an over-large initial scale (2**16 halves to 1 in 16 steps);
-#: bf16 and fp32 have no scale to adjust, so a streak of bad steps means trouble.
-_DEFAULT_MAX_SKIPPED_FP16 = 20
-_DEFAULT_MAX_SKIPPED = 10
-
 _ACTIVE = ACTIVE  # (step, form) of the autocast_step call running here, if any
 
 
-class AutocastStep(Block, Watching, misuse.AttributeGuard):
+class AutocastStep(misuse.AttributeGuard):
     """A mixed-precision training step: build it with :func:`autocast_step`.
 
     Use it as a decorator over the loss function (``@step``), or explicitly with
@@ -85,7 +81,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         compile: bool | Mapping[str, Any] = False,
         **watch: Unpack[WatchOptions],
     ) -> None:
-        options = resolve_options(
+        config = resolve_options(
             optimizer,
             model=model,
             dtype=dtype,
@@ -97,63 +93,85 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
             skip_nonfinite=skip_nonfinite,
             max_skipped=max_skipped,
             compile=compile,
-        )
-        optimizers, schedulers, scaler = options.optimizers, options.schedulers, options.scaler
-        precision, device_type = options.precision, options.device_type
-        clip, compile_options = options.max_grad_norm, options.compile_options
-        #: The optimizers this step steps, in order.
-        self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
-        #: The (first) optimizer: the one optimizer of a single-optimizer step.
-        self.optimizer: torch.optim.Optimizer = optimizers[0]
-        #: The schedulers stepped after every real optimizer step, in order.
-        self.schedulers: tuple[Any, ...] = schedulers
-        #: The scheduler as given (one, a list, or None).
-        self.scheduler: Any = scheduler
-        self.model = model
-        #: The GradScaler in use (fp16 only), else None.
-        self.scaler: torch.amp.GradScaler | None = scaler
-        #: The resolved autocast dtype (``torch.float32`` when autocast is off).
-        self.dtype: torch.dtype = precision.dtype
-        #: The device type autocast runs on: that of the optimizers' parameters.
-        self.device_type: str = device_type
-        #: Whether autocast is on (False for ``enabled=False`` and for float32).
-        self.enabled: bool = precision.autocast
-        #: ``torch.compile`` options when ``compile=`` is on, else None.
-        self.compile_options: dict[str, Any] | None = compile_options
-        self._default_max_skipped = (
-            _DEFAULT_MAX_SKIPPED_FP16 if precision.dtype == torch.float16 else _DEFAULT_MAX_SKIPPED
-        )
-        max_skipped = options.max_skipped
-        self._counts = StepCounters(
-            max_skipped if max_skipped is not None else self._default_max_skipped
-        )
-        # Buffers (BatchNorm running stats...) as they were when the window opened,
-        # restored when the window's step is skipped: a NaN batch must not poison them.
-        self._buffers = BufferSnapshot(model) if model is not None and skip_nonfinite else None
-        self._stepper = OptimizerStep(
-            optimizers,
-            schedulers,
-            scaler,
-            max_grad_norm=clip,
-            skip_nonfinite=skip_nonfinite,
-            counters=self._counts,
-            dtype=precision.dtype,
-            device_type=device_type,
-            buffers=self._buffers,
-            compile_options=compile_options,
             **watch,
         )
-        self._scaling = self._stepper.scaling
-        self._window = Window(options.accumulate)
-        self._sync = GradSync(model)
-        # (token, autocast, paused sync) entered by ``with step:``, left by __exit__.
-        self._block: BlockState | None = None
+        self._config = config
+        self._counts = StepCounters(config.max_skipped)
+        # Buffers (BatchNorm running stats...) as they were when the window opened,
+        # restored when the window's step is skipped: a NaN batch must not poison them.
+        model = config.model
+        buffers = BufferSnapshot(model) if model is not None and config.skip_nonfinite else None
+        params = StepParams(config.optimizers, config.max_grad_norm)
+        self._stepper = OptimizerStep(config, self._counts, params, buffers)
+        self._judge = judge = self._stepper.judge
+        self._window = window = Window(config.accumulate)
+        self._sync = sync = GradSync(model)
+        self._micro = MicroSteps(
+            config, window, sync, buffers, self._counts, params, self._stepper, judge
+        )
+        # A fresh torch.autocast with the step's device type, dtype and enabled flag.
+        self._autocast = functools.partial(
+            torch.autocast, config.device_type, dtype=config.dtype, enabled=config.enabled
+        )
+        self._block = Block((self, "block"), self._autocast, sync, window, buffers)
+        self._checkpoint = StepCheckpoint(
+            config, window, self._counts, buffers, params, judge, sync
+        )
         self._warned_block_compile = False
-        # From `with step:` until its backward(): the micro-step's sync is decided.
-        self._awaiting_backward = False
         self._as_decorated = (self, "decorated")
-        self._as_block = (self, "block")
         self._sealed = True  # from here on, a public attribute is not set (a typo, read-only)
+
+    # ------------------------------------------------------------------ configuration
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers this step steps, in order."""
+        return self._config.optimizers
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The (first) optimizer: the one optimizer of a single-optimizer step."""
+        return self._config.optimizers[0]
+
+    @property
+    def schedulers(self) -> tuple[Any, ...]:
+        """The schedulers stepped after every real optimizer step, in order."""
+        return self._config.schedulers
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler as given (one, a list, or None)."""
+        return self._config.scheduler
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model given as ``model=`` (None if none)."""
+        return self._config.model
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use (fp16 only), else None."""
+        return self._config.scaler
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The resolved autocast dtype (``torch.float32`` when autocast is off)."""
+        return self._config.precision.dtype
+
+    @property
+    def device_type(self) -> str:
+        """The device type autocast runs on: that of the optimizers' parameters."""
+        return self._config.device_type
+
+    @property
+    def enabled(self) -> bool:
+        """Whether autocast is on (False for ``enabled=False`` and for float32)."""
+        return self._config.precision.autocast
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """``torch.compile`` options when ``compile=`` is on, else None."""
+        return self._config.compile_options
 
     # ------------------------------------------------------------------ read-only state
 
@@ -165,7 +183,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
     @property
     def steps(self) -> int:
         """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
-        self._stepper.settle()
+        self._judge.settle()
         return self._counts.steps
 
     @property
@@ -179,7 +197,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
             checked = check_max_skipped("AutocastStep", value)
         except (TypeError, ValueError) as exc:
             raise for_attribute("AutocastStep", "max_skipped", exc) from None
-        self._counts.max_skipped = checked if checked is not None else self._default_max_skipped
+        self._counts.max_skipped = (
+            checked if checked is not None else self._config.default_max_skipped
+        )
 
     @property
     def accumulate(self) -> int:
@@ -209,7 +229,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         if checked == self._window.accumulate:
             return
         active = _ACTIVE.get()
-        if self._awaiting_backward or (active is not None and active[0] is self):
+        if self._block.awaiting_backward or (active is not None and active[0] is self):
             raise misuse.accumulate_busy_error()  # this micro-step decided how it syncs
         window = self._window
         if window.position:
@@ -219,18 +239,18 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps dropped for an inf/NaN loss or gradient (reads pending verdicts)."""
-        self._stepper.settle()
+        self._judge.settle()
         return self._counts.skipped
 
     @property
     def max_grad_norm(self) -> float | None:
         """The clipping threshold (None: no clipping)."""
-        return self._stepper.max_grad_norm
+        return self._config.max_grad_norm
 
     @property
     def skip_nonfinite(self) -> bool:
         """Whether inf/NaN losses and gradients skip the step."""
-        return self._stepper.skip_nonfinite
+        return self._config.skip_nonfinite
 
     @property
     def sync_free(self) -> bool:
@@ -242,10 +262,29 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         """
         return self._stepper.sync_free
 
+    @property
+    def spike_steps(self) -> int:
+        """Optimizer steps skipped for a loss spike (reads pending verdicts).
+
+        They are counted in ``skipped_steps`` too.
+        """
+        self._judge.settle()
+        return self._counts.spikes
+
+    @property
+    def skip_spikes(self) -> SpikeRule | None:
+        """The loss-spike rule in force, or None."""
+        return self._judge.watch.rule
+
+    @property
+    def locate_nonfinite(self) -> bool:
+        """Whether a window skipped for an inf/NaN is replayed to name its producer."""
+        return self._judge.watch.locate
+
     def __repr__(self) -> str:
         return (
             f"AutocastStep(dtype={self.dtype}, device_type={self.device_type!r}, "
-            f"enabled={self.enabled}, scaler={'on' if self._scaling else 'off'}, "
+            f"enabled={self.enabled}, scaler={'on' if self._config.scaling else 'off'}, "
             f"optimizers={len(self.optimizers)}, accumulate={self._window.accumulate}, "
             f"max_grad_norm={self.max_grad_norm}, skip_nonfinite={self.skip_nonfinite}, "
             f"steps={self._counts.steps}, skipped_steps={self._counts.skipped}, "
@@ -268,7 +307,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
         torch.bfloat16
         """
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        return self._autocast()
 
     # ------------------------------------------------------------------ decorator form
 
@@ -282,7 +321,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> StepResult:
             return self._run(func, compiled, args, kwargs)
 
-        w = cast(Any, self._watched(func, wrapper))
+        w = cast(Any, self._judge.watch.wrap(func, wrapper, self._sync, self.autocast))
         w.autocast_step = self
         w.flush = self.flush
         w.state_dict = self.state_dict
@@ -302,7 +341,7 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
     ) -> Any:
         if compiled is not None:
             return compiled(*args, **kwargs)
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+        with self._autocast():
             return func(*args, **kwargs)
 
     def _run(
@@ -318,31 +357,37 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         if not torch.is_grad_enabled():
             raise misuse.no_grad_error()
         token = _ACTIVE.set(self._as_decorated)
-        window = self._window
+        micro = self._micro
         try:
-            if not window.cleared:
-                # Before the forward, where a hand-written loop calls zero_grad(): the
-                # forward's activations can then reuse the gradients' memory.
-                self._clear_grads()
-            elif window.position:  # a zero_grad() left in the loop: refused before the forward
-                window.check_grads()
-            if self._buffers is not None and not self._buffers.saved:
-                self._buffers.save()
-            if self._sync.active and not window.closes_next():
+            micro.before_forward()
+            if micro.pauses():
                 with self._sync.paused():
                     output = self._forward(func, compiled, args, kwargs)
                     loss, weight = extract_loss(output)
-                    weight = self._backward(loss, weight)
-                    window.unsynced = True
+                    weight = micro.backward(loss, weight, decorated=True)
+                    self._window.mark_unsynced()
             else:
                 output = self._forward(func, compiled, args, kwargs)
                 loss, weight = extract_loss(output)
-                weight = self._backward(loss, weight)
-            return self._after_backward(loss.detach(), output, weight)
+                weight = micro.backward(loss, weight, decorated=True)
+            return micro.after_backward(loss.detach(), output, weight)
         finally:
             _ACTIVE.reset(token)
 
     # ------------------------------------------------------------------ explicit form
+
+    def __enter__(self) -> Self:
+        """Enter autocast (and pause gradient sync when this micro-step will not step)."""
+        self._block.enter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._block.exit(exc_type, exc, tb)
 
     def backward(self, loss: object) -> StepResult:
         """Backpropagate ``loss`` and, when the window is full, step the optimizers.
@@ -390,97 +435,18 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         if self.compile_options is not None and not self._warned_block_compile:
             self._warned_block_compile = True
             misuse.warn_block_compile()
-        block = self._block
-        if block is None and self._sync.active and not self._window.closes_next():
+        block, micro = self._block, self._micro
+        if not block.inside and micro.pauses():
             # backward() after the block closed: pause the sync around backward itself.
             with self._sync.paused():
-                weight = self._backward(tensor, weight)
-                self._window.unsynced = True
+                weight = micro.backward(tensor, weight, decorated=False)
+                self._window.mark_unsynced()
         else:
-            weight = self._backward(tensor, weight)
-            if block is not None and block[2] is not None:
-                self._window.unsynced = True
-        self._awaiting_backward = False  # the micro-step is counted below
-        return self._after_backward(tensor.detach(), loss, weight)
-
-    # ------------------------------------------------------------------ shared machinery
-
-    def _backward(self, loss: torch.Tensor, weight: object) -> torch.Tensor | None:
-        """Open the window if needed (clear the step's gradients), then backward.
-
-        Returns the token weight as a tensor (None: unweighted). A failed backward leaves
-        the window as it was before this micro-step (:func:`.window.backward_in_window`).
-        """
-        window = self._window
-        seen, given = window.backwarded, loss
-        if seen is not None and seen() is loss:
-            raise misuse.same_loss_error(_ACTIVE.get() == self._as_decorated)
-        weight_t: torch.Tensor | None = None
-        if weight is not None:
-            if window.weighted is False:
-                raise misuse.mixed_weights_error()
-            weight_t = weight_tensor(weight, loss)
-        elif window.weighted:
-            raise misuse.mixed_weights_error()
-        if not window.cleared:
-            self._clear_grads()
-        if weight_t is None and window.accumulate != 1:
-            loss = loss / window.accumulate
-        if self._scaling:
-            scaler = cast(torch.amp.GradScaler, self.scaler)
-            loss = scaler.scale(loss)
-            if window.scale is None:
-                window.scale = cast(torch.Tensor, scaler._scale).clone()
-        if window.position:  # a failure puts the window's gradients back
-            backward_in_window(loss, window, self._sync, self._stepper.params(), self._drop_window)
-        else:
-            try:
-                loss.backward()
-            except BaseException:
-                self._clear_grads()  # the window's first micro-step: no gradient stays
-                raise
-        window.backwarded = weakref.ref(given)
-        # Counted only once its backward has run: a failed call adds no phantom weight.
-        if weight_t is not None:
-            window.add_weight(weight_t)
-            self._counts.weighted = True
-        window.weighted = weight_t is not None
-        return weight_t
-
-    def _clear_grads(self) -> None:
-        """Open the window: clear the gradients of the step's parameters (once per window)."""
-        for opt in self.optimizers:
-            zero_grad(opt)
-        self._window.cleared = True
-
-    def _drop_window(self) -> None:
-        """Drop the open window: its gradients cleared, its buffers put back, position 0."""
-        self._clear_grads()
-        if self._buffers is not None:
-            self._buffers.restore()
-            self._buffers.forget()
-        self._window.clear()
-
-    def _check_reached(self) -> None:
-        """Refuse (and drop) a full window whose losses reached none of the parameters."""
-        if not reached_any(self.optimizers):
-            self._drop_window()
-            raise misuse.no_parameter_reached_error(len(self._stepper.params()))
-
-    def _after_backward(
-        self, loss: torch.Tensor, output: object, weight: torch.Tensor | None = None
-    ) -> StepResult:
-        window = self._window
-        if self.skip_nonfinite:
-            # NaN where a token weight is negative (sqrt): the guard skips it, on the device.
-            window.losses.append(loss if weight is None else loss.add(weight.sqrt(), alpha=0))
-        window.last_loss = loss
-        window.position += 1
-        if window.position < window.accumulate:
-            window.record(self.optimizers)  # to notice a zero_grad() before the next
-            return StepResult(loss, output, False, False, window.scale, None)
-        self._check_reached()
-        return self._stepper.finish(window, loss, output, pending=None)
+            weight = micro.backward(tensor, weight, decorated=False)
+            if block.paused:
+                self._window.mark_unsynced()
+        block.backward_done()  # the micro-step is counted below
+        return micro.after_backward(tensor.detach(), loss, weight)
 
     # ------------------------------------------------------------------ epoch end, checkpoints
 
@@ -519,18 +485,9 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
         """
         if _ACTIVE.get() is not None:
             raise misuse.flush_inside_error()
-        if self._awaiting_backward:
+        if self._block.awaiting_backward:
             raise misuse.flush_before_backward_error()
-        self._stepper.settle()
-        window = self._window
-        if window.position == 0:
-            return None
-        pending = window.position
-        loss = window.last_loss if window.last_loss is not None else torch.zeros(())
-        if window.unsynced:
-            self._sync.sync_partial(self._stepper.grads)
-        self._check_reached()  # (after FSDP2 has put the pending gradients in .grad)
-        return self._stepper.finish(window, loss, None, pending=pending)
+        return self._micro.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """Return the step's checkpoint state: scaler, accumulation position, counters.
@@ -551,23 +508,11 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
                 rank's window holds its own gradients): checkpoint at a window boundary
                 (``step.position == 0``), or call :meth:`flush` first.
         """
-        return checkpoint.save(self._parts())
+        return self._checkpoint.save()
 
     def _cudakit_restore(self, state: Mapping[str, Any]) -> None:
         """:meth:`load_state_dict` with the state's ``accumulate`` too, for ``preserve_state``."""
-        checkpoint.restore_exact(self._parts(), state)
-
-    def _parts(self) -> checkpoint.StepParts:
-        return checkpoint.StepParts(
-            self._window,
-            self._counts,
-            self.scaler,
-            self._scaling,
-            self.dtype,
-            self._buffers,
-            self._stepper,
-            self._sync,
-        )
+        self._checkpoint.restore_exact(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the whole state is checked before anything changes.
@@ -585,5 +530,5 @@ class AutocastStep(Block, Watching, misuse.AttributeGuard):
             RuntimeError: called inside the step function or ``with step:``, or before
                 that block's ``step.backward(loss)``.
         """
-        misuse.check_idle(self, _ACTIVE.get(), self._awaiting_backward)
-        checkpoint.load(self._parts(), state)
+        misuse.check_idle(self, _ACTIVE.get(), self._block.awaiting_backward)
+        self._checkpoint.load(state)

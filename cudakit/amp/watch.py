@@ -1,11 +1,9 @@
 """What a step watches besides inf/NaN: loss spikes (``skip_spikes=``) and where an inf/NaN
 came from (``locate_nonfinite=True``).
 
-:class:`Watch` is the stepper's part: the spike rule's statistics of a window (as
-tensors, then as the host's numbers), and the micro-batches a skipped window replays.
-:class:`Watching` gives :class:`~cudakit.amp.AutocastStep` its public side
-(``spike_steps``, ``skip_spikes``, ``locate_nonfinite``) and records the micro-batches
-of a decorated step function.
+:class:`Watch` is the judge's part: the spike rule's statistics of a window (as
+tensors, then as the host's numbers), and the micro-batches a skipped window replays,
+recorded around a decorated step function (:meth:`Watch.wrap`).
 """
 
 from __future__ import annotations
@@ -14,54 +12,35 @@ import ctypes
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .._check import check_bool, describe
+from .._check import describe
 from .._dist import group_world_size
 from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
 from .ops import step_on_device
 from .spikes import (
     SpikeRule,
     SpikeWatch,
-    check_skip_spikes,
     check_state,
     read_float,
 )
 
 if TYPE_CHECKING:
     from .counters import StepCounters
+    from .options import StepConfig
+    from .params import StepParams
     from .window import GradSync, Window
 
 __all__ = [
-    "Owner",
     "Pending",
     "PendingSource",
-    "Stepper",
     "Watch",
     "WatchOptions",
-    "Watching",
     "scaler_step_on_device",
 ]
-
-
-class Stepper(Protocol):
-    """What this module needs of :class:`~cudakit.amp.stepper.OptimizerStep`."""
-
-    watch: Watch
-
-    @property
-    def world(self) -> int: ...
-
-    def params(self) -> list[torch.Tensor]: ...
-
-    def grads(self) -> list[torch.Tensor]: ...
-
-    def total_weight(self, window: Window) -> torch.Tensor: ...
-
-    def settle(self) -> None: ...
 
 
 class WatchOptions(TypedDict, total=False):
@@ -74,16 +53,6 @@ class WatchOptions(TypedDict, total=False):
 
     skip_spikes: bool | str | SpikeRule | None
     locate_nonfinite: bool
-
-
-def _refuse_unknown(options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - set(WatchOptions.__annotations__))
-    if unknown:
-        raise TypeError(
-            f"AutocastStep() got an unexpected keyword argument {unknown[0]!r}; the "
-            "options are those of cudakit.amp.autocast_step() (skip_spikes=..., "
-            "locate_nonfinite=..., max_grad_norm=..., ...)."
-        )
 
 
 class Pending:
@@ -146,24 +115,10 @@ class PendingSource:
 
 
 class Watch:
-    """The stepper's spike rule and micro-batch record."""
+    """The judge's spike rule and micro-batch record."""
 
-    def __init__(self, *, skip_nonfinite: bool, **options: Any) -> None:
-        _refuse_unknown(options)
-        rule = check_skip_spikes(options.get("skip_spikes"))
-        flag = options.get("locate_nonfinite", False)
-        locate = check_bool("autocast_step", "locate_nonfinite", flag)
-        if rule is not None and not skip_nonfinite:
-            raise ValueError(
-                "autocast_step(skip_spikes=...) needs skip_nonfinite=True: a window is judged "
-                "a spike only once its loss and gradients are known to be finite, and an "
-                "inf/NaN must never reach the running statistics. Drop skip_nonfinite=False."
-            )
-        if locate and not skip_nonfinite:
-            raise ValueError(
-                "autocast_step(locate_nonfinite=True) needs skip_nonfinite=True: it replays "
-                "the windows the non-finite guard skips. Drop skip_nonfinite=False."
-            )
+    def __init__(self, config: StepConfig) -> None:
+        rule, locate = config.skip_spikes, config.locate_nonfinite
         #: The spike rule and its statistics, or None (``skip_spikes`` off).
         self.spikes: SpikeWatch | None = SpikeWatch(rule) if rule is not None else None
         self.rule: SpikeRule | None = rule
@@ -189,13 +144,31 @@ class Watch:
 
         return recording
 
-    def bind(
-        self, autocast: Callable[[], Any], pause: Callable[[], Any] | None, root: Any = None
-    ) -> None:
-        """How a replay runs its forward: the step's autocast, DDP's ``no_sync``, and the
-        model (``model=``) whose qualified names name the modules."""
-        self._autocast, self._pause = autocast, pause
-        self._root = root if isinstance(root, torch.nn.Module) else None
+    def wrap(
+        self,
+        func: Callable[..., Any],
+        wrapper: Callable[..., Any],
+        sync: GradSync,
+        autocast: Callable[[], Any],
+    ) -> Callable[..., Any]:
+        """The decorated ``wrapper``, recording its calls when ``locate_nonfinite`` is on.
+
+        A replay runs its forward under the step's ``autocast`` and ``sync``'s pause
+        (DDP's ``no_sync``); the model (``model=``) names the modules.
+        """
+        if not self.locate:
+            return wrapper
+        if sync.kind == "fsdp":
+            raise ValueError(
+                "autocast_step(locate_nonfinite=True) cannot replay an FSDP2 model: its "
+                "forward and backward change state inside FSDP2 that nothing can put back. "
+                "Find the source on one process without FSDP2, or call "
+                "cudakit.amp.find_nonfinite(fn, *batch) on an unsharded copy."
+            )
+        self._autocast = autocast
+        self._pause = sync.paused if sync.active else None
+        self._root = sync.model if isinstance(sync.model, torch.nn.Module) else None
+        return self.record(func, wrapper)
 
     def take(self, window: Window) -> tuple[list[Call], Any]:
         """The window's micro-batches (the last ``position`` recorded calls) and what its
@@ -321,14 +294,14 @@ class Watch:
         return SpikeWatch.local_loss(losses, bool(window.weighted))
 
     def loss_statistic(
-        self, window: Window, ride: torch.Tensor | None, stepper: Stepper
+        self, window: Window, ride: torch.Tensor | None, params: StepParams, world: int
     ) -> torch.Tensor:
         """The window's loss as the rule watches it: over its micro-batches and ranks."""
-        x = ride if ride is not None else torch.zeros((), device=stepper.params()[0].device)
+        x = ride if ride is not None else torch.zeros((), device=params.params()[0].device)
         if window.weighted:
-            return x / stepper.total_weight(window)
-        if stepper.world > 1:
-            return x / stepper.world
+            return x / window.total_weight()
+        if world > 1:
+            return x / world
         return x
 
     def values(
@@ -336,15 +309,16 @@ class Watch:
         window: Window,
         ride: torch.Tensor | None,
         grad_norm: torch.Tensor | None,
-        stepper: Stepper,
+        params: StepParams,
+        world: int,
     ) -> list[torch.Tensor]:
         """The watched statistics of the window as float32 tensors, in rule order."""
         out: list[torch.Tensor] = []
         if self._loss:
-            out.append(self.loss_statistic(window, ride, stepper))
+            out.append(self.loss_statistic(window, ride, params, world))
         if self._norm:
             if grad_norm is None:
-                grad_norm = SpikeWatch.grad_norm(stepper.grads())
+                grad_norm = SpikeWatch.grad_norm(params.grads())
             out.append(grad_norm if grad_norm.dtype is torch.float32 else grad_norm.float())
         return out
 
@@ -353,7 +327,8 @@ class Watch:
         window: Window,
         ride: torch.Tensor | None,
         grad_norm: torch.Tensor | None,
-        stepper: Stepper,
+        params: StepParams,
+        world: int,
     ) -> list[float] | None:
         """Read the window's statistics (from memory on the CPU) and judge them.
 
@@ -367,7 +342,7 @@ class Watch:
             if len(losses) == 1 and ride is losses[0] and ride.is_cpu:
                 x = ctypes.c_float.from_address(ride.data_ptr()).value
                 return None if x > spikes._levels[0] else [x]
-        numbers = [read_float(x) for x in self.values(window, ride, grad_norm, stepper)]
+        numbers = [read_float(x) for x in self.values(window, ride, grad_norm, params, world)]
         return None if spikes.is_spike(numbers, spikes._levels) else numbers
 
     def judge_device(
@@ -400,59 +375,3 @@ def scaler_step_on_device(
     """``scaler.step(opt)`` of an unscaled fused optimizer, skipping on ``skip`` (spikes too)."""
     step_on_device(opt, skip)
     scaler._per_optimizer_states[id(opt)]["stage"] = OptState.STEPPED
-
-
-class Owner(Protocol):
-    """What :class:`Watching` needs of the :class:`~cudakit.amp.AutocastStep` it is part of."""
-
-    @property
-    def _stepper(self) -> Stepper: ...
-
-    @property
-    def _counts(self) -> StepCounters: ...
-
-    @property
-    def _sync(self) -> GradSync: ...
-
-    def autocast(self) -> torch.autocast: ...
-
-
-class Watching:
-    """:class:`~cudakit.amp.AutocastStep`'s side of ``skip_spikes=`` and ``locate_nonfinite=``."""
-
-    @property
-    def spike_steps(self: Owner) -> int:
-        """Optimizer steps skipped for a loss spike (reads pending verdicts).
-
-        They are counted in ``skipped_steps`` too.
-        """
-        self._stepper.settle()
-        return self._counts.spikes
-
-    @property
-    def skip_spikes(self: Owner) -> SpikeRule | None:
-        """The loss-spike rule in force, or None."""
-        return self._stepper.watch.rule
-
-    @property
-    def locate_nonfinite(self: Owner) -> bool:
-        """Whether a window skipped for an inf/NaN is replayed to name its producer."""
-        return self._stepper.watch.locate
-
-    def _watched(
-        self: Owner, func: Callable[..., Any], wrapper: Callable[..., Any]
-    ) -> Callable[..., Any]:
-        """The decorated ``wrapper``, recording its calls when ``locate_nonfinite`` is on."""
-        watch = self._stepper.watch
-        if not watch.locate:
-            return wrapper
-        if self._sync.kind == "fsdp":
-            raise ValueError(
-                "autocast_step(locate_nonfinite=True) cannot replay an FSDP2 model: its "
-                "forward and backward change state inside FSDP2 that nothing can put back. "
-                "Find the source on one process without FSDP2, or call "
-                "cudakit.amp.find_nonfinite(fn, *batch) on an unsharded copy."
-            )
-        sync = self._sync
-        watch.bind(self.autocast, sync.paused if sync.active else None, sync.model)
-        return watch.record(func, wrapper)

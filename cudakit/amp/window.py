@@ -3,7 +3,9 @@
 A window is ``accumulate`` micro-steps whose gradients are summed before one
 optimizer step. :class:`Window` counts them and keeps what the step needs at the
 end: the micro-batch losses (for the non-finite guard) and, for token-weighted
-losses, the running sum of the weights, on the device (no host sync).
+losses, the running sum of the weights, on the device (no host sync). Its life is
+one :class:`Stage` (as ``GradScaler`` keeps an optimizer's in one ``OptState``):
+closed, open (the step's gradients cleared), or open with unsynced micro-steps.
 
 Between micro-steps it remembers one of the window's gradient tensors per optimizer,
 so a ``zero_grad()`` left in the loop is noticed. :func:`backward_in_window` runs a
@@ -22,18 +24,33 @@ and brings a partial window's gradients in line across ranks for ``flush()``.
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .._dist import group_world_size
 from . import misuse
 
-__all__ = ["GradSync", "Window", "backward_in_window", "ddp_comm_hook", "reached_any"]
+__all__ = ["GradSync", "Stage", "Window", "backward_in_window", "ddp_comm_hook", "reached_any"]
 
 _STRIDED = torch.strided
+
+
+class Stage(enum.Enum):
+    """Where an accumulation window is in its life.
+
+    ``CLOSED`` -> ``OPEN`` when a micro-step clears the step's gradients (where a
+    hand-written loop calls ``zero_grad()``); ``OPEN`` -> ``UNSYNCED`` when a
+    micro-step's backward runs without gradient sync (``flush()`` then syncs the
+    window); back to ``CLOSED`` when the window steps, skips or is dropped.
+    """
+
+    CLOSED = "closed"
+    OPEN = "open"
+    UNSYNCED = "unsynced"
 
 
 class Window:
@@ -42,13 +59,13 @@ class Window:
     __slots__ = (
         "accumulate",
         "backwarded",
-        "cleared",
         "last_loss",
         "losses",
         "position",
         "recorded",
         "scale",
-        "unsynced",
+        "stage",
+        "total",
         "weight",
         "weighted",
     )
@@ -59,8 +76,9 @@ class Window:
         self.losses: list[torch.Tensor] = []  # detached, for the guard
         self.weight: torch.Tensor | None = None  # running sum of token weights (device)
         self.weighted: bool | None = None  # whether this window's losses carry weights
-        self.unsynced = False  # a micro-step of this window ran without gradient sync
-        self.cleared = False  # the step's gradients were cleared for this window
+        # The total weight over all ranks, once the closing window has summed it.
+        self.total: torch.Tensor | None = None
+        self.stage = Stage.CLOSED
         self.scale: torch.Tensor | None = None  # the loss scale this window's losses used
         self.last_loss: torch.Tensor | None = None  # the last micro-batch's loss, detached
         # (parameter, its gradient tensor) after the window's last micro-step, one per
@@ -78,6 +96,19 @@ class Window:
         """True when the next micro-step fills the window (and so steps)."""
         return self.position + 1 >= self.accumulate
 
+    def open(self) -> None:
+        """The step's gradients were cleared for this window: it is open."""
+        self.stage = Stage.OPEN
+
+    def mark_unsynced(self) -> None:
+        """A micro-step of this open window ran its backward without gradient sync."""
+        self.stage = Stage.UNSYNCED
+
+    def total_weight(self) -> torch.Tensor:
+        """A token-weighted window's total weight: over all ranks once summed, else its own."""
+        total = self.total
+        return total if total is not None else cast(torch.Tensor, self.weight)
+
     def add_weight(self, weight: torch.Tensor) -> None:
         """Add a micro-batch's weight to the window's total (on the device)."""
         self.weight = weight if self.weight is None else self.weight + weight
@@ -88,8 +119,8 @@ class Window:
         self.losses.clear()
         self.weight = None
         self.weighted = None
-        self.unsynced = False
-        self.cleared = False
+        self.total = None
+        self.stage = Stage.CLOSED
         self.scale = None
         self.last_loss = None
         self.recorded = None

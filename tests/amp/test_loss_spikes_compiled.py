@@ -104,8 +104,8 @@ def test_the_fused_region_needs_floats_dynamo_does_not_specialize(
         step = autocast_step(
             opt, dtype=torch.float32, max_grad_norm=1.0, skip_spikes=True, compile=True
         )
-    assert step._stepper._compiled_judge is None
-    assert step._stepper._compiled_check is not None
+    assert step._stepper.judge._compiled_judge is None
+    assert step._stepper.judge._compiled_check is not None
 
 
 @pytest.mark.cuda
@@ -124,7 +124,7 @@ def test_cuda_compiled_region_judges_without_a_sync() -> None:
         skip_spikes=SpikeRule(on=("loss", "grad_norm"), z=3.0, warmup=3),
         compile=True,
     )
-    assert step._stepper._compiled_judge is not None
+    assert step._stepper.judge._compiled_judge is not None
     fn = step(lambda x, y, k: F.mse_loss(model(x), y) * k)
     g = torch.Generator().manual_seed(1)
     data = [
@@ -166,5 +166,5 @@ def test_the_test_stays_eager_where_the_region_is_captured_in_graphs(
     step = autocast_step(
         opt, dtype=torch.float32, max_grad_norm=1.0, skip_spikes=True, compile=options
     )
-    assert step._stepper._compiled_judge is None
-    assert step._stepper._compiled_check is not None
+    assert step._stepper.judge._compiled_judge is None
+    assert step._stepper.judge._compiled_check is not None

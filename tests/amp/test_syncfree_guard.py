@@ -326,17 +326,17 @@ def test_compile_true_compiles_the_check_only_on_the_gpus_path(
         step = autocast_step(
             opt, model=model, dtype=torch.float32, max_grad_norm=clip, compile=compiled
         )
-        has_region = step._stepper._compiled_check is not None
+        has_region = step._stepper.judge._compiled_check is not None
         assert has_region == (compiled and skip_on == "device" and clip is not None)
         calls = []
         if has_region:
-            region = step._stepper._compiled_check
+            region = step._stepper.judge._compiled_check
 
             def counted(*args: Any, _region: Any = region, _calls: Any = calls) -> Any:
                 _calls.append(1)
                 return _region(*args)
 
-            step._stepper._compiled_check = counted
+            step._stepper.judge._compiled_check = counted
         fn = step(lambda x, y, m=model: _loss(m, x, y))
         out = [fn(x, y) for x, y in data]
         if has_region:  # used on every window but the first (which reads at once)

@@ -492,6 +492,72 @@ def test_impossible_checkpoint_fields_change_nothing(
     assert _same(_fingerprint(fresh, fresh_model), before)
 
 
+def _mid_window_with_buffers() -> tuple[Any, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    step = autocast_step(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        dtype=torch.float32,
+        accumulate=2,
+    )
+    step(lambda: model(torch.ones(2, 3)).pow(2).mean())()
+    return step, model
+
+
+def _on_meta(value: Any) -> Any:
+    """``value`` with every tensor on the meta device, as ``torch.load(map_location="meta")``."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, list):
+        return [_on_meta(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("field", "where"),
+    [
+        (None, r"state\['grads'\]\[0\]"),  # the whole state, through torch.load
+        ("grads", r"state\['grads'\]\[0\]"),
+        ("window_losses", r"state\['window_losses'\]\[0\]"),
+        ("window_buffers", r"state\['window_buffers'\]\[0\]"),
+        ("window_weight", r"state\['window_weight'\]"),
+    ],
+)
+def test_a_mid_window_state_on_the_meta_device_is_refused_and_changes_nothing(
+    field: str | None, where: str
+) -> None:
+    import io
+
+    step, _model = _mid_window_with_buffers()
+    state = step.state_dict()
+    if field is None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        bad = torch.load(buffer, map_location="meta")
+    else:
+        bad = dict(state)
+        bad[field] = _on_meta(state[field] if field != "window_weight" else torch.ones(()))
+    fresh, fresh_model = _mid_window_with_buffers()
+    fresh(lambda: fresh_model(torch.ones(2, 3)).pow(2).mean())()  # steps to 1, position 0
+    before = _fingerprint(fresh, fresh_model)
+    buffers = [b.clone() for b in fresh_model.buffers()]
+    saved = fresh.state_dict()
+    with pytest.raises(ValueError, match=rf"AutocastStep\.load_state_dict\(\): {where} is on "
+                       r"the meta device.*map_location=.*cpu"):  # fmt: skip
+        fresh.load_state_dict(bad)
+    assert _same(_fingerprint(fresh, fresh_model), before)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, fresh_model.buffers(), strict=True))
+    after = fresh.state_dict()
+    assert after.keys() == saved.keys()
+    assert all(torch.equal(a, b) for a, b in zip(after["window_losses"], saved["window_losses"],
+                                                 strict=True))  # fmt: skip
+    # The same state with real tensors (map_location="cpu") loads.
+    fresh.load_state_dict(state)
+    assert fresh.position == 1
+
+
 _JUNK = st.one_of(
     st.none(),
     st.integers(-3, 7),
