@@ -226,7 +226,7 @@ def check_safe_globals(value: object) -> tuple[Any, ...]:
     )
     if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
         fail_type(_FUNC, "safe_globals", "a list of classes or functions", value, fix)
-    for item in value:
+    for i, item in enumerate(value):
         named = (
             isinstance(item, tuple)
             and len(item) == 2
@@ -237,9 +237,10 @@ def check_safe_globals(value: object) -> tuple[Any, ...]:
             fail_type(
                 _FUNC,
                 "safe_globals",
-                "classes or functions (or (obj, 'module.name') pairs)",
-                item,
-                fix + " Pass the class itself, not an instance or its name.",
+                "a list of classes or functions (or (obj, 'module.name') pairs)",
+                value,
+                f"Item {i} is {type(item).__name__} {item!r:.40}: pass the class itself, not "
+                f"an instance or its name. {fix}",
             )
     return tuple(value)
 

@@ -249,8 +249,8 @@ def test_a_modules_extra_state_is_checked_at_save_and_allowed_by_safe_globals(
     ("kwargs", "match"),
     [
         ({"safe_globals": "Config"}, r"Checkpointer\(safe_globals=\.\.\.\) expects a list"),
-        ({"safe_globals": [Config("a", 1)]}, r"safe_globals.*not an instance or its name"),
-        ({"safe_globals": ["mod.Config"]}, r"safe_globals.*Pass the class itself"),
+        ({"safe_globals": [Config("a", 1)]}, r"safe_globals.*Item 0 is Config.*not an instance"),
+        ({"safe_globals": [Config, "m.C"]}, r"safe_globals.*Item 1 is str 'm\.C': pass the class"),
         ({"trust_pickles": "yes"}, r"trust_pickles.*only for checkpoints you wrote"),
     ],
 )
