@@ -258,8 +258,9 @@ class Checkpointer:
 
         A collective under a process group: rank 0 chooses the checkpoint (skipping
         incomplete and corrupted ones with a warning naming them, and removing saves a
-        crash left half-written), every rank loads it. Idempotent: a second call
-        returns the position without loading again.
+        crash left half-written), every rank loads it. A checkpoint whose files hold what
+        the safe loader refuses is skipped for the one before, with a warning.
+        Idempotent: a second call returns the position without loading again.
 
         Raises:
             CheckpointError: the newest complete checkpoint does not fit this run.
@@ -319,7 +320,8 @@ class Checkpointer:
         Raises:
             CheckpointError: a corrupted or incomplete checkpoint, or one that does not
                 fit (missing and unexpected keys, another optimizer count, a mid-epoch
-                data position at another world size), naming what differs.
+                data position at another world size), naming what differs; a file that
+                holds what the safe loader refuses, naming it and the refused global.
         """
         self._check_open("load")
         root = arguments.resolve_directory("Checkpointer.load", path)

@@ -5,6 +5,7 @@ refuse is refused at save(); checkpoints of an older host format only with trust
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 import shutil
 import sys
@@ -318,3 +319,40 @@ def test_trust_pickles_loads_an_older_checkpoint_and_saves_the_new_format(
     path = ckpt.save()
     ckpt.close()
     assert torch.load(path / "rank-00000.pt", weights_only=True)["format"] == 2
+
+
+# ---------------------------------------------------------------- the walkers
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_plain, where=st.integers(0, 3))
+def test_the_save_check_finds_a_users_object_anywhere_in_the_state(value: Any, where: int) -> None:
+    from cudakit.checkpoint import safe_load
+
+    assert list(safe_load._leaves({"model": {"w": torch.zeros(1), "v": value}}, "")) == []
+    nests: list[Any] = [Config("x", 1)]
+    for _ in range(where):
+        nests = [{"k": nests}, (0, nests)][where % 2 : where % 2 + 1]
+    state = {"optim": {"param_groups": [value, nests]}}
+    found = list(safe_load._leaves(state, ""))
+    assert [type(v) for _, v in found] == [Config]
+    assert found[0][0].startswith("optim.param_groups.1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_plain, protocol=st.integers(0, 5))
+def test_the_static_scan_finds_no_global_in_plain_values(value: Any, protocol: int) -> None:
+    from cudakit.checkpoint import safe_load
+
+    names = safe_load.refused_globals(pickle.dumps(value, protocol=protocol))
+    assert set(names) <= {"_codecs.encode", "copyreg._reconstructor", "builtins.bytes"}
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=200))
+def test_the_static_scan_never_raises_on_garbage(data: bytes) -> None:
+    from cudakit.checkpoint import safe_load
+
+    assert isinstance(safe_load.refused_globals(data), list)
+    found = safe_load._host_format(data)
+    assert found is None or isinstance(found, int)
