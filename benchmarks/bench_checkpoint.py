@@ -7,7 +7,10 @@ One process; the variants take turns in a rotating order for ``--rounds`` rounds
 machine noise hits them alike; the table shows the median wall time and its ratio to
 ``torch.save`` of the full state dicts (goals: a synchronous ``Checkpointer.save()``
 within 1.1x, a background save blocking the loop at most 10 % of a synchronous one; the
-background save timed is a loop's second, whose host buffers exist already).
+background save timed is a loop's second, whose host buffers exist already). The
+load of ``Checkpointer(trust_pickles=True)``, which reads with pickle's full loader,
+is the reference of the safe reader's; the parts the safe reader changes are also timed
+alone, repeated, and their sum compared with the load (goal: at most 2 % of it).
 
 The model is ~100M parameters (24 linear layers of 2048x2048, fp32) with AdamW state
 (1.2 GB in all). Every variant makes its file durable (``os.fsync``), as DCP does, so
@@ -91,12 +94,13 @@ def variants(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> 
         shutil.rmtree(path.parent)
         return {"save": saved, "load": loaded}
 
-    def checkpointer(background: bool) -> Callable[[], dict[str, float]]:
+    def checkpointer(background: bool, trust: bool = False) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
             path = fresh()
             ckpt = cudakit.Checkpointer(
-                path, model=model, optimizer=opt, async_save=background, preemption=False
-            )
+                path, model=model, optimizer=opt, async_save=background, preemption=False,
+                trust_pickles=trust,
+            )  # fmt: skip
             if background:  # a loop saves again and again: time a save after the first
                 ckpt.save()
                 ckpt.wait()
@@ -121,6 +125,7 @@ def variants(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> 
         "torch.save": torch_save,
         "Checkpointer": checkpointer(False),
         "Checkpointer async": checkpointer(True),
+        "Checkpointer, full pickle": checkpointer(False, trust=True),
     }
     try:
         import accelerate  # noqa: F401
@@ -148,6 +153,64 @@ def variants(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> 
 
     found["accelerate save_state"] = accelerate_state
     return found
+
+
+def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> dict[str, Any]:
+    """What the safe reader adds to a resume, each part timed alone (median of repeats,
+    so the noise of a whole load does not drown it): DCP's metadata (read twice: by the
+    checks and by DCP), the rank file, and the values DCP pickles, each read safely and
+    with pickle's full loader."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from cudakit.checkpoint import safe_load
+
+    ckpt = cudakit.Checkpointer(root / "reader", model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+    metadata = FileSystemReader(str(path)).read_metadata()
+    blobs = []
+    for index, info in metadata.storage_data.items():
+        if not hasattr(metadata.state_dict_metadata[index.fqn], "size"):
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                blobs.append(f.read(info.length))
+
+    def values(safe: bool) -> None:
+        for blob in blobs:
+            if safe:
+                with safe_load.allowed_globals():
+                    torch.load(io.BytesIO(blob), weights_only=True)
+            else:
+                torch.load(io.BytesIO(blob), weights_only=False)
+
+    host = path / "rank-00000.pt"
+    parts: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
+        "metadata": (
+            lambda: safe_load.dcp_reader(path).read_metadata(),
+            lambda: FileSystemReader(str(path)).read_metadata(),
+            2,
+        ),
+        "rank file": (
+            lambda: safe_load.load_host(host, trust=False),
+            lambda: torch.load(host, weights_only=False, map_location="cpu"),
+            1,
+        ),
+        "pickled values": (lambda: values(True), lambda: values(False), 1),
+    }
+    out: dict[str, Any] = {"values": len(blobs)}
+    for name, (safe, full, times) in parts.items():
+        runs: dict[str, list[float]] = {"safe": [], "full": []}
+        for _ in range(15):
+            for kind, fn in (("safe", safe), ("full", full)):
+                t0 = time.perf_counter()
+                fn()
+                runs[kind].append(time.perf_counter() - t0)
+        out[name] = {k: statistics.median(v) * times for k, v in runs.items()}
+    shutil.rmtree(path.parent)
+    return out
 
 
 def fsdp_worker(rank: int, port: int, width: int, layers: int, out: str) -> None:
@@ -268,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in order:
                 for key, value in impls[name]().items():
                     times[name].setdefault(key, []).append(value)
+        cost = reader_cost(model, opt, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     base = {k: statistics.median(v) for k, v in times["torch.save"].items()}
@@ -286,8 +350,24 @@ def main(argv: list[str] | None = None) -> None:
         f"\nbackground save: the loop was blocked {asynchronous['blocked']:.3f} s, "
         f"{blocked_ratio:.1%} of a synchronous Checkpointer.save() (goal <= 10 %)"
     )
+    safe, full = table["Checkpointer"]["load"], table["Checkpointer, full pickle"]["load"]
+    added = sum(v["safe"] - v["full"] for k, v in cost.items() if k != "values")
+    print(
+        f"safe reader: load {safe:.3f} s against {full:.3f} s with pickle's full loader "
+        f"(trust_pickles=True; whole loads, as noisy as the machine: {safe / full - 1:+.1%});"
+        f" its own parts timed alone add {added * 1e3:.1f} ms, {added / full:+.2%} of the "
+        "load (goal <= +2 %):"
+    )
+    for name, value in cost.items():
+        if name != "values":
+            print(
+                f"  {name:16} safe {value['safe'] * 1e3:7.2f} ms, full pickle "
+                f"{value['full'] * 1e3:7.2f} ms"
+            )
+    print(f"  ({cost['values']} values pickled by DCP; the metadata is read twice)")
     result: dict[str, Any] = {"params": params, "rounds": rounds, "table": table}
     result["async_blocked_ratio"] = blocked_ratio
+    result["safe_reader"] = {"parts": cost, "added_s": added, "of_load": added / full}
     if args.fsdp:
         ranks = fsdp_memory(width, layers)
         result["fsdp"] = ranks

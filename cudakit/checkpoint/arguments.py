@@ -25,6 +25,7 @@ __all__ = [
     "Options",
     "batches_loader",
     "check_loader",
+    "check_safe_globals",
     "describe_parts",
     "resolve",
     "resolve_directory",
@@ -46,6 +47,10 @@ class Options:
     preemption: tuple[signal.Signals, ...]
     exit_code: int | None
     requeue: bool | str
+    #: The user's types torch's safe loader admits in this run's checkpoints.
+    safe_globals: tuple[Any, ...] = ()
+    #: Read checkpoints with pickle's full loader (older checkpoints need it).
+    trust_pickles: bool = False
 
 
 def _steps(value: object) -> tuple[AutocastStep, ...]:
@@ -210,6 +215,36 @@ def check_loader(func: str, value: object) -> Any:
     return value
 
 
+def check_safe_globals(value: object) -> tuple[Any, ...]:
+    """``safe_globals=``: None, or a list of classes and functions (or ``(obj, "name")``
+    pairs, as ``torch.serialization.safe_globals`` takes them)."""
+    if value is None:
+        return ()
+    fix = (
+        "Pass the classes (or functions) your extras' values hold, e.g. "
+        "safe_globals=[MyConfig]; each is then trusted as the safe loader's own types are."
+    )
+    if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+        fail_type(_FUNC, "safe_globals", "a list of classes or functions", value, fix)
+    for i, item in enumerate(value):
+        named = (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and callable(item[0])
+            and isinstance(item[1], str)
+        )
+        if not (named or (callable(item) and hasattr(item, "__qualname__"))):
+            fail_type(
+                _FUNC,
+                "safe_globals",
+                "a list of classes or functions (or (obj, 'module.name') pairs)",
+                value,
+                f"Item {i} is {type(item).__name__} {item!r:.40}: pass the class itself, not "
+                f"an instance or its name. {fix}",
+            )
+    return tuple(value)
+
+
 def resolve_directory(func: str, value: object) -> Path:
     """``value`` as a ``Path`` if it is a non-empty str or ``os.PathLike``."""
     arg = "directory" if "." not in func else "path"
@@ -237,6 +272,8 @@ def resolve(
     preemption: object,
     exit_code: object,
     requeue: object,
+    safe_globals: object = None,
+    trust_pickles: object = False,
 ) -> Options:
     """Check every argument of :class:`Checkpointer`; nothing is touched on a refusal."""
     root = resolve_directory(_FUNC, directory)
@@ -261,6 +298,13 @@ def resolve(
             "(SIGUSR1, its --signal, by default); pass requeue=False to never requeue, or "
             "leave it out.",
         )
+    allowed = check_safe_globals(safe_globals)
+    trust = check_bool(
+        _FUNC,
+        "trust_pickles",
+        trust_pickles,
+        fix="Pass trust_pickles=True only for checkpoints you wrote, or leave it out.",
+    )
     return Options(
         root=root,
         parts=Parts(models, optimizers, owners, schedulers, steps, extras),
@@ -271,6 +315,8 @@ def resolve(
         preemption=watch,
         exit_code=code,
         requeue=requeue,
+        safe_globals=allowed,
+        trust_pickles=trust,
     )
 
 

@@ -121,6 +121,12 @@ class Checkpointer:
         requeue: after a watched signal other than SIGTERM and SIGINT (SIGUSR1 by
             default) under SLURM, ``scontrol requeue`` the job (``"auto"``: when
             ``scontrol`` exists); True also after SIGTERM; False never.
+        safe_globals: classes (or functions) of your own that extras may hold, admitted
+            by the safe loader that reads checkpoints back (see "What a checkpoint may
+            hold" in the docs); any other type is refused at ``save()``.
+        trust_pickles: read checkpoints with pickle's full loader, which runs any code a
+            file holds: only for checkpoints you wrote, such as those of an older
+            cudakit, which the safe loader refuses.
 
     Raises:
         TypeError, ValueError: a wrong argument (named, with the fix).
@@ -145,6 +151,8 @@ class Checkpointer:
         preemption: bool | str | signal.Signals | Collection[str | signal.Signals] = True,
         exit_code: int | None = None,
         requeue: bool | str = "auto",
+        safe_globals: Collection[Any] | None = None,
+        trust_pickles: bool = False,
     ) -> None:
         options = arguments.resolve(
             directory,
@@ -160,6 +168,8 @@ class Checkpointer:
             preemption=preemption,
             exit_code=exit_code,
             requeue=requeue,
+            safe_globals=safe_globals,
+            trust_pickles=trust_pickles,
         )
         self._options = options
         self._parts = options.parts
@@ -192,6 +202,7 @@ class Checkpointer:
             group=save_group,
             distributed=self._distributed,
             protect=self._protected,
+            safe_globals=options.safe_globals,
         )
         self._signals = SignalWatch(options.preemption)
         self._stop = StopAgreement(self._control, options.preemption)
@@ -247,8 +258,9 @@ class Checkpointer:
 
         A collective under a process group: rank 0 chooses the checkpoint (skipping
         incomplete and corrupted ones with a warning naming them, and removing saves a
-        crash left half-written), every rank loads it. Idempotent: a second call
-        returns the position without loading again.
+        crash left half-written), every rank loads it. A checkpoint whose files hold what
+        the safe loader refuses is skipped for the one before, with a warning.
+        Idempotent: a second call returns the position without loading again.
 
         Raises:
             CheckpointError: the newest complete checkpoint does not fit this run.
@@ -263,9 +275,13 @@ class Checkpointer:
             path = find_latest(self.directory)
         path = self._agree(path)
         self._resumed = True
-        if path is None:
-            return self._position
-        return self.load(path)
+        while path is not None:
+            try:
+                return self.load(path)
+            except reader.RefusedCheckpointError as exc:  # maybe tampered: the one before
+                warnings.warn(f"cudakit: skipping checkpoint {path}: {exc}", UserWarning, 2)
+            path = self._agree(reader.written_before(self.directory, path))
+        return self._position
 
     def _refuse_unresumed(self) -> None:
         """A loop with its own data that never resumed: fine in an empty directory only
@@ -304,7 +320,8 @@ class Checkpointer:
         Raises:
             CheckpointError: a corrupted or incomplete checkpoint, or one that does not
                 fit (missing and unexpected keys, another optimizer count, a mid-epoch
-                data position at another world size), naming what differs.
+                data position at another world size), naming what differs; a file that
+                holds what the safe loader refuses, naming it and the refused global.
         """
         self._check_open("load")
         root = arguments.resolve_directory("Checkpointer.load", path)
@@ -316,6 +333,9 @@ class Checkpointer:
             self._distributed,
             extras=self.extra,
             loader=self.loader,
+            group=self._control,
+            trust=self._options.trust_pickles,
+            safe_globals=self._options.safe_globals,
         )
         self._epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._rank)
         pos = Position(**host["position"])

@@ -30,6 +30,8 @@ __all__ = [
     "generators_of",
     "is_stateful",
     "loader_length",
+    "numpy_state_from_plain",
+    "numpy_state_to_plain",
     "restore_rng",
     "set_epoch",
 ]
@@ -110,15 +112,42 @@ def is_sharded(loader: object) -> bool:
 
 
 def capture_rng(generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
-    """Every generator's state now, as plain data that ``torch.save`` keeps."""
+    """Every generator's state now, as tensors and plain containers: what torch's safe
+    loader (``torch.load(weights_only=True)``) reads back, NumPy's state included."""
     state = RngState(generators)
     return {
         "cpu": state.cpu,
         "cuda": state.cuda,
         "python": state.py,
-        "numpy": state.np,
+        "numpy": numpy_state_to_plain(state.np),
         "generators": [s for _, s in state.generators],
     }
+
+
+def numpy_state_to_plain(state: Any) -> dict[str, Any] | None:
+    """``numpy.random.get_state()`` as a dict of a str, a tensor and numbers (no NumPy
+    type), so that loading it needs neither NumPy's pickles nor NumPy itself."""
+    if state is None:
+        return None
+    kind, keys, pos, has_gauss, gauss = state
+    np = sys.modules["numpy"]
+    return {
+        "kind": str(kind),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+
+
+def numpy_state_from_plain(saved: Any) -> Any:
+    """The tuple ``numpy.random.set_state`` takes, from :func:`numpy_state_to_plain`'s
+    dict (a tuple, as older checkpoints hold it, passes as it is)."""
+    if not isinstance(saved, dict):
+        return saved
+    np = sys.modules["numpy"]
+    keys = np.asarray(saved["keys"].numpy(), dtype=np.int64).astype(np.uint32)
+    return (saved["kind"], keys, saved["pos"], saved["has_gauss"], saved["gauss"])
 
 
 def restore_rng(saved: dict[str, Any], generators: tuple[torch.Generator, ...] = ()) -> None:
@@ -135,7 +164,7 @@ def restore_rng(saved: dict[str, Any], generators: tuple[torch.Generator, ...] =
     random.setstate(saved["python"])
     np = sys.modules.get("numpy")
     if np is not None and saved.get("numpy") is not None:
-        np.random.set_state(saved["numpy"])
+        np.random.set_state(numpy_state_from_plain(saved["numpy"]))
     states = saved.get("generators") or []
     if len(states) == len(generators):
         for gen, gen_state in zip(generators, states, strict=True):

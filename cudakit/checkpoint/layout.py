@@ -53,8 +53,9 @@ PARTIAL = ".partial"
 REMOVING = ".removing"
 #: Bumped when the layout changes in a way older code cannot read.
 FORMAT = 1
-#: The format of the rank files (``rank-NNNNN.pt``), bumped likewise.
-HOST_FORMAT = 1
+#: The format of the rank files (``rank-NNNNN.pt``), bumped likewise (2: read with
+#: torch's safe loader, NumPy's RNG state as a tensor).
+HOST_FORMAT = 2
 
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,10 @@ import torch
 
 from ..exceptions import CheckpointError
 from ..parallel import unwrap
-from . import layout
+from . import layout, safe_load
 from .arguments import describe_parts
 from .data import generators_of, is_stateful, restore_rng
+from .safe_load import RefusedCheckpointError
 from .state import (
     Parts,
     failure_cause,
@@ -38,7 +38,7 @@ from .state import (
     tensor_state,
 )
 
-__all__ = ["apply_host", "read"]
+__all__ = ["RefusedCheckpointError", "apply_host", "read", "written_before"]
 
 log = logging.getLogger("cudakit.checkpoint")
 
@@ -54,22 +54,36 @@ def read(
     *,
     extras: dict[str, Any],
     loader: Any,
+    group: Any = None,
+    trust: bool = False,
+    safe_globals: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], layout.Manifest]:
     """Check checkpoint ``root`` against ``parts``, then load its tensors, step and
     scheduler states, extras and loader state; returns this rank's host state and the
     manifest.
 
+    Every file is read through the safe loaders (:mod:`.safe_load`; ``trust``: pickle's
+    full loader). Under a process group (``distributed``; the checks agree over
+    ``group``), a check that fails on one rank stops every rank with its error, before
+    any of them loads.
+
     Raises:
         CheckpointError: a corrupted or incomplete checkpoint, or one that does not fit,
             naming what differs; nothing of ``parts``, ``extras`` or ``loader`` changed.
+        RefusedCheckpointError: a file holds what the safe loaders refuse.
     """
+    problem: CheckpointError | None = None
     try:
         manifest = layout.read_manifest(root)
-    except ValueError as exc:
-        raise CheckpointError(f"{_FUNC}: {exc}.") from None
-    _check_fits(root, manifest, parts, world)
-    host = _read_host(root, manifest, rank)
-    tensors, fresh_now = _check_tensors(root, parts)
+        _check_fits(root, manifest, parts, world)
+        host = _read_host(root, manifest, rank, trust, safe_globals)
+        metadata = _read_metadata(root, trust)
+    except CheckpointError as exc:
+        problem = exc
+    except ValueError as exc:  # the manifest's
+        problem = CheckpointError(f"{_FUNC}: {exc}.")
+    _agree(problem, group, distributed)
+    tensors, fresh_now = _check_tensors(root, parts, metadata, group, distributed)
     rollback: _Rollback | None = None
     try:
         rollback = _Rollback(parts, tensors, extras, loader, fresh_now)
@@ -77,7 +91,7 @@ def read(
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
             obj.load_state_dict(state)
-        _load_tensors(root, tensors, parts, distributed)
+        _load_tensors(root, tensors, parts, distributed, trust, safe_globals)
         _load_extras(host, extras, loader)
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
@@ -275,56 +289,127 @@ def _check_fits(root: Path, manifest: layout.Manifest, parts: Parts, world: int)
         )
 
 
-def _read_host(root: Path, manifest: layout.Manifest, rank: int) -> dict[str, Any]:
+def _read_host(
+    root: Path, manifest: layout.Manifest, rank: int, trust: bool, safe_globals: Sequence[Any]
+) -> dict[str, Any]:
     own = rank if rank < manifest.world_size else 0
     file = root / layout.rank_file(own)
     try:
-        # Host state holds Python and NumPy RNG states: load only checkpoints you trust.
-        host = torch.load(file, weights_only=False, map_location="cpu")
+        host = safe_load.load_host(file, trust=trust, safe_globals=safe_globals)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"{_FUNC}: {file} cannot be read ({type(exc).__name__}: {exc}); the checkpoint "
             "is corrupted. Remove it to resume from the one before."
         ) from None
-    if not isinstance(host, dict) or host.get("format") != layout.HOST_FORMAT:
+    if not _is_host(host):
         raise CheckpointError(
             f"{_FUNC}: {file} is not a cudakit rank file of format {layout.HOST_FORMAT}."
         )
     host["own"] = own == rank
-    return host
+    return dict(host)
 
 
-def _check_tensors(root: Path, parts: Parts) -> tuple[dict[str, Any], list[bool]]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+def _is_host(host: object) -> bool:
+    """Whether a rank file's contents have the fields and kinds a load reads."""
+    if not isinstance(host, dict) or host.get("format") not in (1, layout.HOST_FORMAT):
+        return False
+    kinds = {
+        "position": dict,
+        "rng": dict,
+        "steps": list,
+        "schedulers": list,
+        "fresh": list,
+        "extras": dict,
+    }
+    if not all(isinstance(host.get(k), kind) for k, kind in kinds.items()):
+        return False
+    rng = host["rng"]
+    return (
+        isinstance(rng.get("cpu"), torch.Tensor)
+        and isinstance(rng.get("python"), tuple)
+        and all(isinstance(v, tuple) and len(v) == 2 for v in host["extras"].values())
+    )
 
+
+def _read_metadata(root: Path, trust: bool) -> Any:
+    """DCP's metadata of ``root``, through the allowlist (``trust``: plain pickle)."""
     try:
-        metadata = FileSystemReader(str(root)).read_metadata()
+        return safe_load.dcp_reader(root, trust=trust).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
-            f"{_FUNC}: {root}/.metadata cannot be read ({exc}); the checkpoint is corrupted."
+            f"{_FUNC}: {root}/.metadata cannot be read ({type(exc).__name__}: {exc}); the "
+            "checkpoint is corrupted."
         ) from None
+
+
+def _agree(problem: CheckpointError | None, group: Any, distributed: bool) -> None:
+    """Raise the first rank's failed check on every rank (one rank alone: its own).
+
+    A collective under a process group: every rank calls it once per check, failed or
+    not, so no rank goes on into DCP's collectives while another has stopped.
+    """
+    if not distributed:
+        if problem is not None:
+            raise problem
+        return
+    import torch.distributed as dist
+
+    mine = None
+    if problem is not None:
+        refused = isinstance(problem, safe_load.RefusedCheckpointError)
+        fields = (getattr(problem, "file", ""), list(getattr(problem, "refused", ())))
+        mine = (refused, str(problem), *fields)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for r, item in enumerate(gathered):
+        if item is None:
+            continue
+        refused, message, file, names = item
+        text = f"{message} (found by rank {r}; every rank stopped before loading)"
+        if refused:
+            raise safe_load.RefusedCheckpointError(text, file=file, refused=names) from None
+        raise CheckpointError(text) from None
+
+
+def _check_tensors(
+    root: Path, parts: Parts, metadata: Any, group: Any, distributed: bool
+) -> tuple[dict[str, Any], list[bool]]:
     fresh_now = fresh_optimizers(parts)
     tensors = tensor_state(parts)
     problems = mismatch(tensors, metadata)
+    problem = None
     if problems:
         reset_fresh(parts, fresh_now)
-        raise CheckpointError(
+        problem = CheckpointError(
             f"{_FUNC}: {root} does not fit this run's models and optimizers: "
             + "; ".join(problems)
             + ". Load a checkpoint of the same model (and optimizer type)."
         )
+    try:
+        _agree(problem, group, distributed)
+    except CheckpointError:
+        reset_fresh(parts, fresh_now)
+        raise
     return tensors, fresh_now
 
 
-def _load_tensors(root: Path, tensors: dict[str, Any], parts: Parts, distributed: bool) -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+def _load_tensors(
+    root: Path,
+    tensors: dict[str, Any],
+    parts: Parts,
+    distributed: bool,
+    trust: bool,
+    safe_globals: Sequence[Any],
+) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    kwargs: dict[str, Any] = {} if distributed else {"no_dist": True}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        load(tensors, storage_reader=FileSystemReader(str(root)), **kwargs)
+    safe_load.dcp_load(
+        tensors, root, distributed=distributed, trust=trust, safe_globals=safe_globals
+    )
     for name, model in parts.models.items():
         set_state_dict(
             unwrap(model),
@@ -332,6 +417,13 @@ def _load_tensors(root: Path, tensors: dict[str, Any], parts: Parts, distributed
             model_state_dict=tensors["model"][name],
             optim_state_dict=tensors["optim"].get(name, {}),
         )
+
+
+def written_before(root: Path, path: Path) -> Path | None:
+    """The complete checkpoint of ``root`` written just before ``path`` (None: none)."""
+    complete = [p for p, _ in layout.list_checkpoints(root).complete]
+    older = complete[: complete.index(path)] if path in complete else []
+    return older[-1] if older else None
 
 
 def apply_host(

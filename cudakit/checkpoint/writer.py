@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..exceptions import CheckpointSaveError
-from . import layout
+from . import layout, safe_load
 from .state import failure_cause
 
 __all__ = ["Pending", "Writer", "drain_background"]
@@ -57,8 +57,10 @@ class Writer:
         group: Any,
         distributed: bool,
         protect: Callable[[], list[Path]],
+        safe_globals: tuple[Any, ...] = (),
     ) -> None:
         self.root = root
+        self.safe_globals = safe_globals  # the user's types the safe loader admits
         self.rank = rank
         self.keep = keep
         self.background = background
@@ -80,9 +82,11 @@ class Writer:
         try:
             pending.partial.mkdir(parents=True, exist_ok=True)
             try:
-                torch.save(host, pending.partial / layout.rank_file(self.rank))
-            except (TypeError, AttributeError, pickle.PicklingError) as exc:
-                self._failed(pending, exc, _unpicklable(host))
+                file = pending.partial / layout.rank_file(self.rank)
+                torch.save(host, file)
+                safe_load.check_saved(file, tensors, self.safe_globals)
+            except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
+                self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
             writer = FileSystemWriter(str(pending.partial), sync_files=True)
             if not self.background:
@@ -223,18 +227,40 @@ def _executor() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _unpicklable(host: dict[str, Any]) -> str:
-    """What to do when a rank file's state cannot be pickled: name the extras at fault."""
-    bad = []
+def _unpicklable(host: dict[str, Any], exc: BaseException, safe_globals: tuple[Any, ...]) -> str:
+    """What to do when a rank file's state cannot be pickled, or would not load with the
+    safe loader: name the extras at fault."""
+    bad, refused = [], []
     for name, (_, value) in host.get("extras", {}).items():
         try:
             pickle.dumps(value)
-        except Exception as exc:
-            bad.append(f"{name!r} ({type(value).__name__}: {exc})")
-    if not bad:
-        return "The host state (RNG, step or scheduler state) cannot be pickled."
-    return (
-        f"The extra(s) {', '.join(bad)} cannot be pickled: pass values that can (numbers, "
-        "strings, lists, tensors) or objects with state_dict()/load_state_dict() whose "
-        "state can, in Checkpointer(extra={...})."
+        except Exception as err:
+            bad.append(f"{name!r} ({type(value).__name__}: {err})")
+            continue
+        names = safe_load.refused_in(value, safe_globals)
+        if names:
+            refused.append(f"{name!r} ({type(value).__name__}: {', '.join(names)})")
+    allow = (
+        "Allow a type of your own with Checkpointer(..., safe_globals=[TheType]) if you "
+        "trust it, or save"
     )
+    if bad:
+        return (
+            f"The extra(s) {', '.join(bad)} cannot be pickled: pass values that can (numbers, "
+            "strings, lists, tensors) or objects with state_dict()/load_state_dict() whose "
+            "state can, in Checkpointer(extra={...})."
+        )
+    if refused:
+        return (
+            f"The extra(s) {', '.join(refused)} would not load back with "
+            f"torch.load(weights_only=True), which a resume uses so that a checkpoint "
+            f"cannot run code. {allow} plain values (numbers, strings, lists, dicts, "
+            "tensors, NumPy arrays) or objects with state_dict()/load_state_dict() whose "
+            "state is such values."
+        )
+    if isinstance(exc, safe_load.Unloadable):
+        return (
+            f"The host state (step, scheduler or loader state) or the model state holds "
+            f"what torch.load(weights_only=True) refuses: {exc}. {allow} plain values there."
+        )
+    return "The host state (RNG, step or scheduler state) cannot be pickled."

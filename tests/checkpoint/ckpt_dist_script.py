@@ -2,14 +2,15 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 ckpt_dist_script.py \
         train --dir D --out O --strategy fsdp [--kill-at K] [--sigterm-at K]
-    ... ckpt_dist_script.py load --dir D --out O --strategy fsdp
+    ... ckpt_dist_script.py load --dir D --out O --strategy fsdp [--path P]
 
 ``train`` runs 2 epochs of a small MLP (dropout, AdamW, a scheduler, accumulate=2,
 clipping) over ``distributed_loader`` with a ``Checkpointer`` (every 2 windows), and
 writes the full weights and optimizer state and every loss to ``O`` on rank 0.
 ``--kill-at K`` SIGKILLs rank 1 when batch K is handed out, on torchrun's first attempt
 only; ``--sigterm-at K`` sends rank 1 a SIGTERM there; ``--async-save`` writes in the
-background. ``load`` resumes a checkpoint and writes what it loaded.
+background. ``load`` resumes (or loads checkpoint ``--path``) and writes what it
+loaded; a CheckpointError is printed by each rank, which exits with status 3.
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ def train(args: argparse.Namespace) -> None:
 def load(args: argparse.Namespace) -> None:
     model, opt, _, step = build(args.strategy, lr=0.5)  # another lr: the checkpoint's wins
     ckpt = cudakit.Checkpointer(args.dir, step=step, preemption=False)
-    position = ckpt.resume()
+    try:
+        position = ckpt.load(args.path) if args.path else ckpt.resume()
+    except cudakit.CheckpointError as exc:
+        print(f"rank {cp.rank()} stopped: {type(exc).__name__}: {exc}", flush=True)
+        ckpt.close()
+        raise SystemExit(3) from None
     ckpt.close()
     state = full_state(model, opt)
     if cp.rank() == 0:
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--path", default=None, help="load: this checkpoint, not the newest")
     args = parser.parse_args()
     with cudakit.process_group(timeout=datetime.timedelta(seconds=60)):
         (train if args.mode == "train" else load)(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,3 +185,59 @@ def test_a_mid_epoch_checkpoint_of_2_ranks_is_refused_on_1(tmp_path: Path) -> No
         ckpt.resume()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     ckpt.close()
+
+
+def _tamper_rank_1(ckpt: Path, proof: Path) -> None:
+    """rank-00001.pt with a payload nested in its genuine state; sizes fixed to match."""
+    from tampered import Exec, fix_manifest
+
+    file = ckpt / "rank-00001.pt"
+    host = torch.load(file, weights_only=True)
+    host["extras"]["x"] = ("value", [Exec(proof)])
+    torch.save(host, file)
+    fix_manifest(ckpt)
+
+
+def test_one_ranks_refused_file_stops_every_rank_with_the_same_error(
+    tmp_path: Path, fsdp_reference: tuple[Path, Any]
+) -> None:
+    ckpt_dir, _ = fsdp_reference
+    run_dir, proof = tmp_path / "run", tmp_path / "payload-ran"
+    shutil.copytree(ckpt_dir, run_dir)
+    target = run_dir / "ckpt-0000000016"
+    _tamper_rank_1(target, proof)
+    code = torchrun(
+        "load", "--dir", str(run_dir), "--out", str(tmp_path / "o.pt"), "--strategy", "fsdp",
+        "--path", str(target), timeout=150,
+    )  # fmt: skip
+    log = torchrun.last_output  # type: ignore[attr-defined]
+    assert code != 0, log[-3000:]
+    lines = [line for line in log.splitlines() if " stopped: " in line]
+    assert len(lines) == 2, log[-3000:]
+    messages = {line.split(" stopped: ", 1)[1] for line in lines}
+    assert len(messages) == 1, lines  # the same error on both ranks
+    message = messages.pop()
+    assert message.startswith("RefusedCheckpointError")
+    assert "rank-00001.pt holds builtins.exec" in message
+    assert "found by rank 1" in message
+    assert not proof.exists()
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_resume_on_2_ranks_skips_a_checkpoint_one_rank_refuses(
+    tmp_path: Path, fsdp_reference: tuple[Path, Any]
+) -> None:
+    ckpt_dir, _ = fsdp_reference
+    run_dir, proof = tmp_path / "run", tmp_path / "payload-ran"
+    shutil.copytree(ckpt_dir, run_dir)
+    _tamper_rank_1(run_dir / "ckpt-0000000016", proof)
+    out = tmp_path / "o.pt"
+    code = torchrun(
+        "load", "--dir", str(run_dir), "--out", str(out), "--strategy", "fsdp", timeout=150
+    )
+    log = torchrun.last_output  # type: ignore[attr-defined]
+    assert code == 0, log[-3000:]
+    assert log.count("skipping checkpoint") >= 2, log[-3000:]  # a warning on each rank
+    got = torch.load(out, weights_only=False)
+    assert got["position"].total == 12
+    assert not proof.exists()

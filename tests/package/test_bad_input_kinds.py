@@ -336,6 +336,11 @@ ROWS: list[Bad] = [
             ("requeue", "yes"),
             ("requeue", None),
             ("requeue", 1),
+            ("safe_globals", "Config"),
+            ("safe_globals", 3),
+            ("safe_globals", [3]),
+            ("trust_pickles", "yes"),
+            ("trust_pickles", None),
         ],
     ),
     *[
