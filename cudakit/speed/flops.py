@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._check import check_callable, check_optional, check_type, describe
 from ..amp import AutocastStep, StepResult
 from ..warmup import preserve_state
+from ._formulas import formulas
 
 __all__ = ["FlopCount", "batch_of", "batch_position", "count_flops"]
 
@@ -57,38 +57,6 @@ class FlopCount:
 
     def __int__(self) -> int:
         return self.total
-
-
-def _cpu_attention(
-    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
-) -> int:
-    return int(flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape))
-
-
-def _cpu_attention_backward(
-    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *a: Any, **k: Any
-) -> int:
-    return int(
-        flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-    )
-
-
-def _formulas() -> dict[Any, Any]:
-    """FLOP formulas torch's counter lacks: the CPU's fused attention, forward and backward.
-
-    The same formulas torch uses for the CUDA attention kernels (causal attention is
-    counted as full attention there too).
-    """
-    aten = torch.ops.aten
-    out: dict[Any, Any] = {}
-    for name, formula in (
-        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward),
-    ):
-        op = getattr(aten, name, None)
-        if op is not None and op not in flop_counter.flop_registry:
-            out[op] = formula
-    return out
 
 
 def batch_position(func: Callable[..., Any]) -> int:
@@ -266,7 +234,7 @@ def count_flops(
         stack.enter_context(preserve_state(model, optimizer, extra=keep))
         for opt in optimizers:  # the step's other optimizers: their parameters and state
             stack.enter_context(preserve_state(None, opt))
-        with FlopCounterMode(display=False, custom_mapping=_formulas()) as counter:
+        with FlopCounterMode(display=False, custom_mapping=formulas()) as counter:
             out = fn(*args, **kwargs)
             forward: int | None = int(counter.get_total_flops())
             if isinstance(out, StepResult):
