@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
+import torch.distributed as dist
 
 from .._accel import current_cuda_index
 from .._check import check_bool, describe, fail_type, fail_value, is_int
@@ -40,6 +41,7 @@ __all__ = [
     "ParallelPlan",
     "Strategy",
     "StrategyRequest",
+    "check_backend",
     "check_backend_serves",
     "check_strategy",
     "choose_strategy",
@@ -369,6 +371,32 @@ def default_backend(backend: str | None, device: torch.device) -> str:
     if backend is not None:
         return backend
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_backend(func: str, backend: object) -> str | None:
+    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        fail_type(
+            func,
+            "backend",
+            "a string such as 'nccl' or 'gloo', or None",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
+    parts = [p.split(":", 1)[-1].strip() for p in backend.split(",")]
+    if not all(p.lower() in dist.Backend.backend_list for p in parts):
+        fail_value(
+            func,
+            "backend",
+            f"one of {', '.join(map(repr, known))} (or a map such as 'cpu:gloo,cuda:nccl')",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    return backend
 
 
 def check_backend_serves(func: str, backend: str | None, device: torch.device) -> None:

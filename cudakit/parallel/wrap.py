@@ -25,14 +25,20 @@ from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from .group import (
     ProcessGroupInfo,
-    check_backend,
     check_timeout,
     ensure_group,
     teardown_owned_group,
 )
 from .options import WRAPPER_NAMES, check_option_names, fully_shard
 from .ranks import is_main_process
-from .strategy import ParallelFacts, ParallelPlan, check_strategy, gather_facts, make_plan
+from .strategy import (
+    ParallelFacts,
+    ParallelPlan,
+    check_backend,
+    check_strategy,
+    gather_facts,
+    make_plan,
+)
 
 __all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
