@@ -387,14 +387,17 @@ def check_backend(func: str, backend: object) -> str | None:
         )
     known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
     # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
-    parts = [p.split(":", 1)[-1].strip() for p in backend.split(",")]
-    if not all(p.lower() in dist.Backend.backend_list for p in parts):
+    parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
+    unknown = [p for p in parts if p not in dist.Backend.backend_list]
+    if unknown:
+        guesses = difflib.get_close_matches(unknown[0], known, n=1)
+        guess = f"Did you mean {guesses[0]!r}? " if guesses else ""
         fail_value(
             func,
             "backend",
             f"one of {', '.join(map(repr, known))} (or a map such as 'cpu:gloo,cuda:nccl')",
             backend,
-            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+            f"{guess}Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
         )
     return backend
 
@@ -509,14 +512,7 @@ def make_plan(
             "group_world_size=..., cuda_available=..., device_count=..., current_cuda_index=..., "
             "requested_device=..., best_device=...) (a dict d: ParallelFacts(**d)).",
         )
-    if backend is not None and not isinstance(backend, str):
-        fail_type(
-            func,
-            "backend",
-            "a string such as 'nccl' or 'gloo', or None",
-            backend,
-            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
-        )
+    backend = check_backend(func, backend)
     # The options are checked before the decision: for an explicit request against its
     # wrapper, under "auto" against DDP's (a typo must not wait for the first torchrun).
     kind = "ddp" if request == "auto" else request
