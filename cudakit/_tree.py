@@ -432,7 +432,11 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
     copy with the moved attributes set out.
     """
     _REGISTERED[tp] = _Registered(
-        flatten or _attributes, unflatten or _set_attributes, move, check=flatten is not None
+        flatten or _attributes,
+        unflatten or _set_attributes,
+        move,
+        check=flatten is not None,
+        named=flatten is not None and unflatten is None,
     )
     _WARNED.discard(tp)
     _forget_cached_handlers()
