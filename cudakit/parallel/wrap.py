@@ -39,6 +39,7 @@ from .strategy import (
     gather_facts,
     make_plan,
 )
+from .unused import remember
 
 __all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
@@ -437,6 +438,7 @@ def _distribute(
             wrapped = _shard(model, plan.wrapper_kwargs)
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
+            remember(wrapped)  # to name the parameters of DDP's unused-parameter error
     except Exception as exc:
         # A refused call leaves the model where it was and no group behind it.
         try:
