@@ -41,8 +41,8 @@ def unused_parameters_hint(message: str) -> str:
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     >>> remember(net)
-    >>> print(unused_parameters_hint(
-    ...     "Parameter indices which did not receive grad for rank 0: 2 3"))  # doctest: +ELLIPSIS
+    >>> torch_says = "Parameter indices which did not receive grad for rank 0: 2 3"
+    >>> print(unused_parameters_hint(torch_says))  # doctest: +ELLIPSIS
     DDP's parameters '1.weight', '1.bias' received no gradient: ...
     """
     found = _INDICES.search(message)
