@@ -353,9 +353,19 @@ def check_env(func: str, env: object) -> None:
             env,
             "Pass env=os.environ for this process, or env={} for a process without a launcher.",
         )
-    for name in (*LAUNCHER_VARS, "LOCAL_WORLD_SIZE"):
-        value = env.get(name)
-        if value is not None and not isinstance(value, str):
+    for name, value in env.items():
+        read = name in LAUNCHER_VARS or name == "LOCAL_WORLD_SIZE"
+        if not (read or (isinstance(name, str) and name.startswith("SLURM_"))):
+            continue
+        if value is None:  # present but None: not "unset", which is leaving it out
+            fail_type(
+                func,
+                "env",
+                f"string values, as os.environ holds; {name} is None",
+                value,
+                f"Leave {name} out of env (an unset variable is absent), or give it a string.",
+            )
+        if not isinstance(value, str):
             fail_type(
                 func,
                 "env",

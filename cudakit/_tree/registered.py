@@ -4,7 +4,8 @@ rebuilt by their unflatten, and checked for tensors the flatten missed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import difflib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import probe
@@ -30,18 +31,27 @@ class Registered:
     A ``flatten`` of the user's own may miss a field (a typo, a forgotten key): until it
     has warned once, each object it takes apart is checked for attributes that hold
     tensors away from the target and that flatten did not return (:meth:`left_behind`).
-    The default flatten returns every attribute, so it is never checked.
+    The default flatten returns every attribute, so it is never checked. Under the
+    default unflatten (``named``), which sets each key as an attribute, a key that is
+    no attribute of the object would build a wrong one: refused before anything moves.
     """
 
-    __slots__ = ("check", "flatten", "unflatten", "walk")
+    __slots__ = ("check", "flatten", "named", "unflatten", "walk")
 
     def __init__(
-        self, flatten: Flatten, unflatten: Unflatten, walk: Handler, *, check: bool
+        self,
+        flatten: Flatten,
+        unflatten: Unflatten,
+        walk: Handler,
+        *,
+        check: bool,
+        named: bool = False,
     ) -> None:
         self.flatten = flatten
         self.unflatten = unflatten
         self.walk = walk  # the walker's dispatch, for the children
         self.check = check  # look for tensors flatten missed (until warned once)
+        self.named = named  # flatten's keys must be the object's attributes
 
     def __call__(self, x: Any, c: Ctx) -> Any:
         hit = busy_or_done(x, c)
@@ -62,6 +72,10 @@ class Registered:
                 f"registered for it raised {type(err).__name__}: {err}. flatten(obj) must "
                 "return a dict of the values to move, e.g. {'x': obj.x}.",
             ) from None
+        if self.named:
+            stray = stray_keys(x, children)
+            if stray:
+                raise Bad(ValueError, _stray_message(x, stray))
         moved: dict[Any, Any] = {}
         changed = False
         key: Any = None
@@ -107,3 +121,33 @@ class Registered:
         if missed:
             self.check = False
             c.defer(lambda: probe.warn_missed(tp, missed))
+
+
+def stray_keys(x: object, keys: Iterable[Any]) -> list[Any]:
+    """The keys that are no instance attribute of ``x`` (its ``__dict__`` or set slots)."""
+    state = getattr(x, "__dict__", None)
+    names: dict[str, Any] | None = None
+    out = []
+    for key in keys:
+        if isinstance(state, dict) and key in state:
+            continue
+        if names is None:
+            names = attributes(x)
+        if not (isinstance(key, str) and key in names):
+            out.append(key)
+    return out
+
+
+def _stray_message(x: object, stray: list[Any]) -> str:
+    name = type(x).__name__
+    keys = ", ".join(map(repr, stray))
+    which = "which is no attribute" if len(stray) == 1 else "which are no attributes"
+    have = ", ".join(map(repr, sorted(attributes(x)))) or "none"
+    close = difflib.get_close_matches(str(stray[0]), sorted(attributes(x)), n=1)
+    example = close[0] if close else next(iter(sorted(attributes(x))), "x")
+    return (
+        f"on_device() cannot rebuild the {name} at {{where}}: the flatten registered for it "
+        f"returned {keys}, {which} of it (its attributes: {have}), and the default "
+        "unflatten sets each key as an attribute. Return attribute names from flatten, e.g. "
+        f"{{{example!r}: obj.{example}}}, or register an unflatten of your own."
+    )

@@ -419,7 +419,11 @@ def register(tp: type, flatten: Flatten | None, unflatten: Unflatten | None) -> 
     copy with the moved attributes set out.
     """
     _REGISTERED[tp] = Registered(
-        flatten or attributes, unflatten or set_attributes, move, check=flatten is not None
+        flatten or attributes,
+        unflatten or set_attributes,
+        move,
+        check=flatten is not None,
+        named=flatten is not None and unflatten is None,
     )
     _WARNED.discard(tp)
     _forget_cached_handlers()

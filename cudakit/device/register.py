@@ -41,8 +41,12 @@ def register_container(
     another way.
 
     ``unflatten`` must return the new object: ``None`` is a ``TypeError`` from
-    ``on_device``. A ``flatten`` of your own that misses an attribute holding tensors
-    away from the target (a typo, a forgotten key) leaves them behind with a
+    ``on_device``. Under the default ``unflatten``, which sets each key as an
+    attribute, ``flatten``'s keys must be attribute names: a key that is no attribute
+    of the object (``{"pixel": s.pixels}``) is a ``ValueError`` from ``on_device``
+    before anything moves (registration has no instance to check it on). A
+    ``flatten`` of your own that misses an attribute holding tensors away from the
+    target (a typo, a forgotten key) leaves them behind with a
     :class:`~cudakit.exceptions.TensorsLeftBehindWarning` that names the attributes,
     once per type.
 

@@ -21,12 +21,25 @@ The other ranks are listed after the cause: independent failures, victims, ranks
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+import re
 import signal
+import sysconfig
 from collections.abc import Sequence
 
 from ..exceptions import LaunchError
 
-__all__ = ["RankEnd", "describe_exit", "explain", "is_victim", "shutdown_notes"]
+__all__ = [
+    "RankEnd",
+    "describe_exit",
+    "exception_line",
+    "explain",
+    "is_victim",
+    "last_seen",
+    "shutdown_notes",
+    "stack_frames",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +53,8 @@ class RankEnd:
     traceback: str = ""  # the exception it reported; "" when it reported none
     raised_at: float | None = None  # when it reported it (time.time())
     ended_at: float | None = None  # when the parent saw it end on its own; None: stopped
+    stack: str = ""  # its Python stack (faulthandler's dump) when launch() stopped it
+    hint: str = ""  # what cudakit knows of the failure (unused parameters, by name)
 
 
 #: The last lines of a rank that failed because a peer died, hung or left: a victim.
@@ -61,15 +76,45 @@ _VICTIM_MARKS = (
 )
 
 
-def _last_line(text: str) -> str:
+_CHAIN_LINES = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+def _exception_lines(text: str) -> list[str]:
+    """The lines of a traceback that are no frame: each exception's message and notes."""
+    return [
+        line
+        for line in text.strip().splitlines()
+        if line.strip() and not line[0].isspace() and not _chain(line)
+    ]
+
+
+def _chain(line: str) -> bool:
+    """A traceback's own line: its start, or the words between chained exceptions."""
+    return line.startswith("Traceback ") or line in _CHAIN_LINES
+
+
+def exception_line(text: str) -> str:
+    """The last exception's type and the first line of its message (``"ValueError: bad"``).
+
+    Torch's long messages end with advice, and notes come after the message: the gist
+    is the first line after the last traceback's frames.
+    """
     lines = text.strip().splitlines()
-    return lines[-1] if lines else "an exception"
+    start = max((i for i, line in enumerate(lines) if _chain(line)), default=-1)
+    head = next((ln for ln in lines[start + 1 :] if ln.strip() and not ln[0].isspace()), None)
+    return head or (lines[-1] if lines else "an exception")
 
 
 def is_victim(traceback: str) -> bool:
-    """Whether a traceback is a collective failing because a peer died, hung or left."""
-    lines = traceback.strip().splitlines()
-    return bool(lines) and any(mark in lines[-1] for mark in _VICTIM_MARKS)
+    """Whether a traceback is a collective failing because a peer died, hung or left.
+
+    Any exception of the chain counts, and any line of its message or notes: an error
+    re-raised or annotated on the way up (``autocast_step``'s note) is still a victim's.
+    """
+    return any(mark in line for line in _exception_lines(traceback) for mark in _VICTIM_MARKS)
 
 
 def _signal_name(number: int) -> str:
@@ -129,7 +174,8 @@ def _dead(end: RankEnd) -> bool:
 def _cause_line(end: RankEnd, n: int) -> str:
     head = f"rank {end.rank} of {n} (pid {end.pid})"
     if end.traceback:
-        return f"{head} failed: {_last_line(end.traceback)}"
+        hint = f"\n{end.hint}" if end.hint else ""
+        return f"{head} failed: {exception_line(end.traceback)}{hint}"
     if end.returned:
         return (
             f"{head} returned its result, then died while shutting down ({_how(end.exitcode)}). "
@@ -148,7 +194,7 @@ def _cause_line(end: RankEnd, n: int) -> str:
 
 def _others(cause: RankEnd, ends: Sequence[RankEnd], hung: Sequence[RankEnd]) -> str:
     """The lines about every rank but the cause: independent, victims, deaths, stopped."""
-    first = _last_line(cause.traceback) if cause.traceback else None
+    first = exception_line(cause.traceback) if cause.traceback else None
     own = [e for e in ends if e is not cause and e.traceback and not is_victim(e.traceback)]
     victims = [e for e in ends if e is not cause and e.traceback and is_victim(e.traceback)]
     deaths = [e for e in ends if e is not cause and _dead(e)]
@@ -163,7 +209,7 @@ def _others(cause: RankEnd, ends: Sequence[RankEnd], hung: Sequence[RankEnd]) ->
     ]
     out = ""
     if own:
-        if {_last_line(e.traceback) for e in own} == {first}:
+        if {exception_line(e.traceback) for e in own} == {first}:
             who = (
                 f"rank {own[0].rank}"
                 if len(own) == 1
@@ -171,13 +217,13 @@ def _others(cause: RankEnd, ends: Sequence[RankEnd], hung: Sequence[RankEnd]) ->
             )
             out += f"\n({who} failed too, independently, with the same error)"
         else:
-            listed = "; ".join(f"rank {e.rank}: {_last_line(e.traceback)}" for e in own)
+            listed = "; ".join(f"rank {e.rank}: {exception_line(e.traceback)}" for e in own)
             out += f"\n(also failed, independently: {listed})"
     if deaths:
         listed = "; ".join(f"rank {e.rank} {describe_exit(e.exitcode)}" for e in deaths)
         out += f"\n(also: {listed})"
     if victims:
-        listed = "; ".join(f"rank {e.rank}: {_last_line(e.traceback)}" for e in victims)
+        listed = "; ".join(f"rank {e.rank}: {exception_line(e.traceback)}" for e in victims)
         out += f"\n(then, probably as a consequence: {listed})"
     if stopped:
         ranks = ", ".join(str(e.rank) for e in stopped)
@@ -185,22 +231,91 @@ def _others(cause: RankEnd, ends: Sequence[RankEnd], hung: Sequence[RankEnd]) ->
     return out
 
 
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.+)$')
+_CUDAKIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+#: A frame of a faulthandler dump: (file, line, function).
+Frame = tuple[str, int, str]
+
+
+def _launched(frame: Frame) -> bool:
+    return frame[2] == "_child" and frame[0].endswith("launcher.py")
+
+
+def stack_frames(stack: str) -> list[Frame]:
+    """The launched function's frames in a faulthandler dump, most recent call first.
+
+    The thread that runs the launched function (``launch()``'s ``_child`` below it), cut
+    there; else the first thread.
+    """
+    threads: list[list[Frame]] = []
+    for line in stack.splitlines():
+        if "most recent call first" in line:
+            threads.append([])
+        elif threads and (m := _FRAME.match(line)):
+            threads[-1].append((m["file"], int(m["line"]), m["func"].strip()))
+    thread = next((t for t in threads if any(map(_launched, t))), threads[0] if threads else [])
+    return list(itertools.takewhile(lambda f: not _launched(f), thread))
+
+
+def _library(path: str) -> bool:
+    return "-packages" + os.sep in path or path.startswith(
+        ("<", _CUDAKIT + os.sep, _STDLIB + os.sep)
+    )
+
+
+def _at(frame: Frame) -> str:
+    return f"{frame[2]} ({os.path.basename(frame[0])}:{frame[1]})"
+
+
+def last_seen(stack: str) -> str:
+    """Where a rank was: ``"step (train.py:40)"``; inside a library, the caller of yours too."""
+    frames = stack_frames(stack)
+    if not frames:
+        return ""
+    where = _at(frames[0])
+    yours = next((f for f in frames if not _library(f[0])), None)
+    if yours is not None and yours is not frames[0]:
+        where += f", called from {_at(yours)}"
+    return where
+
+
+def _stack_text(end: RankEnd) -> str:
+    frames = stack_frames(end.stack)
+    if not frames:
+        return ""
+    lines = "\n".join(f'  File "{file}", line {line} in {func}' for file, line, func in frames)
+    return f"\n\nRank {end.rank}'s Python stack when last seen (most recent call first):\n{lines}"
+
+
 def _hung_error(hung: Sequence[RankEnd], ends: Sequence[RankEnd], pids: list[int]) -> LaunchError:
     n = len(ends)
     first = hung[0]
-    victims = [e for e in ends if e.traceback and is_victim(e.traceback)]
-    waited = "; ".join(f"rank {e.rank}: {_last_line(e.traceback)}" for e in victims)
+    victims = sorted(
+        (e for e in ends if e.traceback and is_victim(e.traceback)),
+        key=lambda e: (e.raised_at or 0.0, e.rank),
+    )
+    waited = "; ".join(f"rank {e.rank}: {exception_line(e.traceback)}" for e in victims)
     who = "rank" if len(victims) == 1 else "ranks"
     names = ", ".join(str(e.rank) for e in victims)
+    where = last_seen(first.stack)
+    seen = f"; last seen in: {where}" if where else " (its stack could not be read)"
     also = ""
     if len(hung) > 1:
-        also = f"\n(also still running, and stopped: {', '.join(str(e.rank) for e in hung[1:])})"
+        also = "\n(also still running, and stopped: " + ", ".join(
+            str(e.rank) + (f" (last seen in: {last_seen(e.stack)})" if e.stack else "")
+            for e in hung[1:]
+        )
+        also += ")"
     return LaunchError(
-        f"rank {first.rank} of {n} (pid {first.pid}) hung: it was still running when {who} "
-        f"{names} gave up waiting for it in a collective ({waited}); launch() stopped it. "
+        f"rank {first.rank} of {n} (pid {first.pid}) did not arrive{seen}. It was still "
+        f"running when {who} {names} gave up waiting for it in a collective, and launch() "
+        f"stopped it.\n(then, as a consequence: {waited}){also}\n"
         "Look for a rank stuck outside the collectives the others entered (a loop, a blocking "
         "read, a collective only some ranks call), or raise the process group's timeout if "
-        f"it was only slow.{also}",
+        f"it was only slow.{_stack_text(first)}\n\n"
+        f"Traceback from rank {victims[0].rank}:\n{victims[0].traceback}",
         rank=first.rank,
         pid=first.pid,
         exitcode=None,
@@ -219,13 +334,16 @@ def explain(ends: Sequence[RankEnd], *, timed_out: float | None = None) -> Launc
     n = len(ends)
     pids = [e.pid for e in ends]
     if timed_out is not None:
-        running = [e.rank for e in ends if e.ended_at is None and not e.returned]
+        running = [e for e in ends if e.ended_at is None and not e.returned]
         done = [e.rank for e in ends if e.returned]
         also = f" (rank(s) {done} had returned their results)" if done else ""
+        seen = "".join(
+            f"\nrank {e.rank} last seen in: {last_seen(e.stack)}" for e in running if e.stack
+        )
         return LaunchError(
-            f"launch() timed out after {timed_out:g}s with rank(s) {running} still running; all "
-            f"were killed{also}. Look for a rank waiting in a collective for one that never "
-            "arrived, or raise timeout=.",
+            f"launch() timed out after {timed_out:g}s with rank(s) {[e.rank for e in running]} "
+            f"still running; all were killed{also}. Look for a rank waiting in a collective for "
+            f"one that never arrived, or raise timeout=.{seen}",
             rank=None,
             pid=None,
             exitcode=None,

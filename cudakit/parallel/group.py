@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from .._check import describe, fail_type, fail_value, is_real
+from .._check import describe, is_real
 from .._contextlib import ContextDecorator
 from .._dist import (
     LAUNCHER_VARS,
@@ -38,6 +38,7 @@ from ..exceptions import DistributedSetupError
 from .ranks import barrier
 from .strategy import (
     ParallelFacts,
+    check_backend,
     check_backend_serves,
     default_backend,
     gather_facts,
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TIMEOUT",
     "ProcessGroupInfo",
-    "check_backend",
     "check_timeout",
     "ensure_group",
     "process_group",
@@ -116,32 +116,6 @@ def check_timeout(func: str, timeout: object) -> datetime.timedelta:
             "timeout=600."
         )
     return td
-
-
-def check_backend(func: str, backend: object) -> str | None:
-    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map."""
-    if backend is None:
-        return None
-    if not isinstance(backend, str):
-        fail_type(
-            func,
-            "backend",
-            "a string such as 'nccl' or 'gloo', or None",
-            backend,
-            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
-        )
-    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
-    # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
-    parts = [p.split(":", 1)[-1].strip() for p in backend.split(",")]
-    if not all(p.lower() in dist.Backend.backend_list for p in parts):
-        fail_value(
-            func,
-            "backend",
-            f"one of {', '.join(map(repr, known))} (or a map such as 'cpu:gloo,cuda:nccl')",
-            backend,
-            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
-        )
-    return backend
 
 
 # The store's key: the environment that made it.

@@ -10,10 +10,14 @@ queue and watches every process end (exit code or signal, when), and lets
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import os
 import pickle
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from .._check import describe, is_int, is_real
 from ._failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
+from .unused import unused_parameters_hint
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
@@ -35,8 +40,30 @@ logger = logging.getLogger("cudakit")
 R = TypeVar("R")
 
 
-#: What a child sends back: (rank, ok, wall time, pickled result or traceback text).
-_Message = tuple[int, bool, float, bytes]
+#: What a child sends back: (rank, ok, wall time, pickled result or traceback text,
+#: what cudakit knows of the failure).
+_Message = tuple[int, bool, float, bytes, str]
+
+#: The signal on which a rank dumps its Python stack (faulthandler) for the parent: a
+#: real-time signal nobody's training code handles; None where there is none.
+_DUMP_SIGNAL: int | None = (
+    int(signal.SIGRTMIN) + 4
+    if hasattr(signal, "SIGRTMIN") and hasattr(faulthandler, "register")
+    else None
+)
+
+
+def _dump_stack_on_signal(path: str) -> Any:
+    """Make this rank write its threads' stacks to ``path`` on ``_DUMP_SIGNAL``."""
+    if _DUMP_SIGNAL is None:
+        return None
+    try:
+        out = open(path, "w")  # noqa: SIM115  # kept open for the process's life
+        faulthandler.register(_DUMP_SIGNAL, file=out, all_threads=True, chain=False)
+        open(path + ".ready", "w").close()  # the parent signals only a rank that listens
+    except (OSError, ValueError, RuntimeError):  # no room, no signal: the error says less
+        return None
+    return out
 
 
 def _child(
@@ -47,7 +74,9 @@ def _child(
     nprocs: int,
     port: int,
     results: SimpleQueue[_Message],
+    stacks: str,
 ) -> None:
+    dump = _dump_stack_on_signal(os.path.join(stacks, f"{index}.stack"))  # noqa: F841
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -75,14 +104,15 @@ def _child(
                     f"be pickled back to the parent ({exc}); return plain data (tensors, "
                     "numbers, dicts)."
                 ) from exc
-        except Exception:
+        except Exception as exc:
             # Timestamped, so the parent can name the rank that failed *first* rather than
             # one that failed later because its peer was gone ("Connection closed by peer").
-            results.put((index, False, time.time(), traceback.format_exc().encode()))
+            hint = unused_parameters_hint(str(exc))
+            results.put((index, False, time.time(), traceback.format_exc().encode(), hint))
             raise
         # The result goes out before the teardown: a crash while the process shuts down
         # must not lose what fn returned (the parent then keeps it, with a warning).
-        results.put((index, True, time.time(), payload))
+        results.put((index, True, time.time(), payload, ""))
         clean = True
     finally:
         # A group cudakit created (parallelize() inside fn); the user's own group is theirs
@@ -239,28 +269,30 @@ def launch(
     ctx = mp.get_context(start_method)
     results: SimpleQueue[_Message] = ctx.SimpleQueue()
     out: dict[int, bytes] = {}
-    failures: dict[int, tuple[float, bytes]] = {}
+    failures: dict[int, tuple[float, bytes, str]] = {}
 
     def drain() -> None:
         while not results.empty():
-            i, ok, when, payload = results.get()
+            i, ok, when, payload, hint = results.get()
             if ok:
                 out[i] = payload
             else:
-                failures[i] = (when, payload)
+                failures[i] = (when, payload, hint)
 
     import multiprocessing
 
     started_before = set(multiprocessing.active_children())
+    stacks_dir = tempfile.mkdtemp(prefix="cudakit-launch-")
     try:
         procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _child,
-            args=(fn, args, kwargs, nprocs, store.port, results),
+            args=(fn, args, kwargs, nprocs, store.port, results, stacks_dir),
             nprocs=nprocs,
             join=False,
             start_method=start_method,
         )
     except Exception as exc:
+        shutil.rmtree(stacks_dir, ignore_errors=True)
         # Ranks started before the failure (say rank 1 hit a resource limit) would wait
         # for the missing rank until the timeout: stop them, so nothing outlives the launch.
         for p in set(multiprocessing.active_children()) - started_before:
@@ -281,8 +313,10 @@ def launch(
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     ended: dict[int, float] = {}  # rank -> when the parent saw it end on its own
     timed_out = False
+    stacks: dict[int, str] = {}
     try:
         timed_out = _watch(processes, ended, drain, out, deadline)
+        stacks = _last_stacks(processes, ended, stacks_dir)
     finally:
         # Whatever happened (a failure, the timeout, Ctrl-C in the parent): nothing
         # outlives the launch. A rank that ended unseen still counts as ended on its own.
@@ -293,9 +327,10 @@ def launch(
         drain()
         results.close()
         del store
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     ends = []
     for i, p in enumerate(processes):
-        when, text = failures.get(i, (None, b""))
+        when, text, hint = failures.get(i, (None, b"", ""))
         traceback_text = text.decode(errors="replace")
         if not traceback_text and p.exitcode not in (0, None) and i not in out:
             traceback_text = _error_file_traceback(procs.error_files[i])  # raised outside ours
@@ -311,6 +346,8 @@ def launch(
                 traceback=traceback_text,
                 raised_at=when,
                 ended_at=ended.get(i),
+                stack=stacks.get(i, ""),
+                hint=hint,
             )
         )
     error = explain(ends, timed_out=float(timeout) if timed_out and timeout else None)
@@ -319,6 +356,37 @@ def launch(
     for note in shutdown_notes(ends):
         logger.warning("cudakit: launch(): %s", note)
     return [cast(R, pickle.loads(out[i])) for i in range(nprocs)]
+
+
+def _last_stacks(processes: list[Any], ended: Mapping[int, float], where: str) -> dict[int, str]:
+    """The Python stacks of the ranks still running, which launch() is about to stop.
+
+    Each rank that listens (its ``.stack.ready`` file) dumps its stack (faulthandler) to its
+    own file on ``_DUMP_SIGNAL``; the handler writes it at once, even in a collective.
+    """
+    live = [
+        i
+        for i, p in enumerate(processes)
+        if i not in ended and p.is_alive() and os.path.exists(f"{where}/{i}.stack.ready")
+    ]
+    if _DUMP_SIGNAL is None or not live:
+        return {}
+    for i in live:  # (a rank still starting up is not listening yet: it gets no signal)
+        with contextlib.suppress(OSError):
+            os.kill(processes[i].pid, _DUMP_SIGNAL)
+    stacks: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and len(stacks) < len(live):
+        time.sleep(0.05)
+        for i in live:
+            path = os.path.join(where, f"{i}.stack")
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            if size and sizes.get(i) == size:  # written, and no longer growing
+                with open(path, errors="replace") as fh:
+                    stacks[i] = fh.read()
+            sizes[i] = size
+    return stacks
 
 
 def _watch(

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NoReturn, cast, get_args
 
 import torch
+import torch.distributed as dist
 
 from .. import _deprecated
 from .._accel import current_cuda_index
@@ -41,6 +42,7 @@ __all__ = [
     "ParallelPlan",
     "Strategy",
     "StrategyRequest",
+    "check_backend",
     "check_backend_serves",
     "check_strategy",
     "choose_plan",
@@ -373,6 +375,35 @@ def default_backend(backend: str | None, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def check_backend(func: str, backend: object) -> str | None:
+    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        fail_type(
+            func,
+            "backend",
+            "a string such as 'nccl' or 'gloo', or None",
+            backend,
+            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
+    parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
+    unknown = [p for p in parts if p not in dist.Backend.backend_list]
+    if unknown:
+        guesses = difflib.get_close_matches(unknown[0], known, n=1)
+        guess = f"Did you mean {guesses[0]!r}? " if guesses else ""
+        fail_value(
+            func,
+            "backend",
+            f"one of {', '.join(map(repr, known))} (or a map such as 'cpu:gloo,cuda:nccl')",
+            backend,
+            f"{guess}Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
+        )
+    return backend
+
+
 def check_backend_serves(func: str, backend: str | None, device: torch.device) -> None:
     """``backend`` must give ``device`` a backend that runs collectives on its tensors.
 
@@ -483,14 +514,7 @@ def choose_plan_for(
             "group_world_size=..., cuda_available=..., device_count=..., current_cuda_index=..., "
             "requested_device=..., best_device=...) (a dict d: ParallelFacts(**d)).",
         )
-    if backend is not None and not isinstance(backend, str):
-        fail_type(
-            func,
-            "backend",
-            "a string such as 'nccl' or 'gloo', or None",
-            backend,
-            "Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
-        )
+    backend = check_backend(func, backend)
     # The options are checked before the decision: for an explicit request against its
     # wrapper, under "auto" against DDP's (a typo must not wait for the first torchrun).
     kind = "ddp" if request == "auto" else request

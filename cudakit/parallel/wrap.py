@@ -26,13 +26,20 @@ from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
 from .group import (
     ProcessGroupInfo,
-    check_backend,
     check_timeout,
     ensure_group,
     teardown_owned_group,
 )
 from .ranks import is_main_process
-from .strategy import ParallelFacts, ParallelPlan, check_strategy, choose_plan_for, gather_facts
+from .strategy import (
+    ParallelFacts,
+    ParallelPlan,
+    check_backend,
+    check_strategy,
+    choose_plan_for,
+    gather_facts,
+)
+from .unused import remember
 
 __all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "parallelize", "state_dict", "unwrap"]
 
@@ -431,6 +438,7 @@ def _distribute(
             wrapped = _shard(model, plan.wrapper_kwargs)
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
+            remember(wrapped)  # to name the parameters of DDP's unused-parameter error
     except Exception as exc:
         # A refused call leaves the model where it was and no group behind it.
         try:

@@ -18,77 +18,55 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._check import check_callable, check_optional, check_type, describe
 from ..amp import AutocastStep, StepResult
 from ..warmup import preserve_state
+from ._formulas import Formulas
 
 __all__ = ["FlopCount", "batch_of", "batch_position", "count_flops"]
 
 
 @dataclass(frozen=True)
 class FlopCount:
-    """The FLOPs one call of a step function ran, and the batch it ran them on.
+    """The model FLOPs one call of a step function ran, and the batch it ran them on.
 
-    ``int(count)`` is :attr:`total`. :func:`~cudakit.speed.speed_report` scales the
-    count to other batches through :attr:`example` (see ``flops=`` there).
+    ``int(count)`` is :attr:`total`, the model FLOPs MFU is measured on: what the
+    model's maths needs, once. What the hardware computes again (the scores a fused
+    attention's backward recomputes, a forward rerun by activation checkpointing) is
+    :attr:`recomputed`, and :attr:`hardware` is both. :func:`~cudakit.speed.speed_report`
+    scales the count to other batches through :attr:`example` (see ``flops=`` there).
 
-    >>> c = FlopCount(total=300, forward=100, example=None)
-    >>> int(c), c.backward
-    (300, 200)
+    >>> c = FlopCount(total=300, forward=100, example=None, recomputed=20)
+    >>> int(c), c.backward, c.hardware
+    (300, 200, 320)
 
     .. versionadded:: 0.1
     """
 
-    #: FLOPs of the forward and the backward together.
+    #: Model FLOPs of the forward and the backward together.
     total: int
     #: FLOPs of the forward alone; None when the function ran backward itself
     #: (a function decorated with ``autocast_step``).
     forward: int | None
     #: The call's first argument (the example batch), kept to scale the count.
     example: Any = field(repr=False, compare=False)
+    #: FLOPs the hardware ran again, outside the model FLOPs (0: none).
+    recomputed: int = 0
 
     @property
     def backward(self) -> int | None:
         """FLOPs of the backward alone (``total - forward``), when known."""
         return None if self.forward is None else self.total - self.forward
 
+    @property
+    def hardware(self) -> int:
+        """Hardware FLOPs: the model FLOPs and the recomputed ones; MFU never counts these."""
+        return self.total + self.recomputed
+
     def __int__(self) -> int:
         return self.total
-
-
-def _cpu_attention(
-    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
-) -> int:
-    return int(flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape))
-
-
-def _cpu_attention_backward(
-    grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *a: Any, **k: Any
-) -> int:
-    return int(
-        flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-    )
-
-
-def _formulas() -> dict[Any, Any]:
-    """FLOP formulas torch's counter lacks: the CPU's fused attention, forward and backward.
-
-    The same formulas torch uses for the CUDA attention kernels (causal attention is
-    counted as full attention there too).
-    """
-    aten = torch.ops.aten
-    out: dict[Any, Any] = {}
-    for name, formula in (
-        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_attention),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_attention_backward),
-    ):
-        op = getattr(aten, name, None)
-        if op is not None and op not in flop_counter.flop_registry:
-            out[op] = formula
-    return out
 
 
 def batch_position(func: Callable[..., Any]) -> int:
@@ -266,7 +244,8 @@ def count_flops(
         stack.enter_context(preserve_state(model, optimizer, extra=keep))
         for opt in optimizers:  # the step's other optimizers: their parameters and state
             stack.enter_context(preserve_state(None, opt))
-        with FlopCounterMode(display=False, custom_mapping=_formulas()) as counter:
+        formulas = Formulas()
+        with FlopCounterMode(display=False, custom_mapping=formulas.mapping()) as counter:
             out = fn(*args, **kwargs)
             forward: int | None = int(counter.get_total_flops())
             if isinstance(out, StepResult):
@@ -275,4 +254,5 @@ def count_flops(
                 _loss(out).backward()
             total = int(counter.get_total_flops())
         del out
-    return FlopCount(total, forward, batch_of(args, kwargs, batch_position(fn)))
+    example = batch_of(args, kwargs, batch_position(fn))
+    return FlopCount(total, forward, example, recomputed=formulas.recomputed)

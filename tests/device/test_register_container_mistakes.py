@@ -3,6 +3,9 @@
 * an ``unflatten`` that returns ``None`` (it set attributes and forgot ``return``) is a
   ``TypeError`` that names the type, where it is and the fix, instead of a ``None``
   handed back in place of the object;
+* a ``flatten`` whose keys are no attributes of the object, under the default
+  ``unflatten`` (which sets each key as an attribute), is a ``ValueError`` that names
+  the keys and the fix, instead of a copy with a stray attribute and the field unmoved;
 * a ``flatten`` that misses a field holding tensors (a typo, a forgotten key) leaves
   those tensors where they were, with a ``TensorsLeftBehindWarning`` (once per type)
   that names the attributes: leaving a field out on purpose is legitimate, so it is a
@@ -249,6 +252,82 @@ def test_the_default_flatten_moves_every_attribute_without_a_warning() -> None:
         warnings.simplefilter("error")
         out = on_device(Plain(torch.ones(2), [torch.ones(1)]), device="meta")
     assert out.mask[0].device == META
+
+
+# -- flatten keys under the default unflatten -------------------------------------------
+
+
+def test_a_flatten_key_that_is_no_attribute_is_refused_with_the_fix() -> None:
+    class Misnamed(Sample):
+        pass
+
+    register_container(Misnamed, flatten=lambda s: {"pixel": s.pixels})
+    s = Misnamed(torch.ones(2))
+    with pytest.raises(
+        ValueError,
+        match=r"on_device\(\) cannot rebuild the Misnamed at obj\['s'\]: the flatten registered "
+        r"for it returned 'pixel', which is no attribute of it \(its attributes: 'label', "
+        r"'mask', 'pixels'\), and the default unflatten sets each key as an attribute\. "
+        r"Return attribute names from flatten, e\.g\. \{'pixels': obj\.pixels\}, or "
+        r"register an unflatten of your own\.",
+    ):
+        on_device({"s": s}, device="meta")
+    assert s.pixels.device == CPU  # nothing the user owns changed
+    assert not hasattr(s, "pixel")
+
+
+def test_a_flatten_key_that_is_no_string_is_refused() -> None:
+    class Numbered(Sample):
+        pass
+
+    register_container(Numbered, flatten=lambda s: {0: s.pixels})
+    with pytest.raises(ValueError, match=r"returned 0, which is no attribute of it"):
+        on_device(Numbered(torch.ones(2)), device="meta")
+
+
+def test_the_keys_are_checked_when_nothing_would_move_too() -> None:
+    class Idle(Sample):
+        pass
+
+    register_container(Idle, flatten=lambda s: {"lable": s.label})
+    with pytest.raises(ValueError, match=r"returned 'lable', which is no attribute"):
+        on_device(Idle(None), device="meta")
+
+
+def test_slot_names_are_attributes() -> None:
+    class Slotted:
+        __slots__ = ("a", "b")
+
+        def __init__(self, a: torch.Tensor) -> None:
+            self.a = a
+
+    register_container(Slotted, flatten=lambda p: {"a": p.a})
+    assert on_device(Slotted(torch.ones(1)), device="meta").a.device == META
+    register_container(Slotted, flatten=lambda p: {"b": p.a})  # b is a slot never set
+    with pytest.raises(ValueError, match=r"returned 'b', which is no attribute of it"):
+        on_device(Slotted(torch.ones(1)), device="meta")
+
+
+@given(keys=st.sets(st.sampled_from(("f0", "f1", "x", "f0_"))))
+def test_refused_exactly_when_a_key_is_no_attribute(keys: set[str]) -> None:
+    class Two:
+        def __init__(self) -> None:
+            self.f0, self.f1 = torch.ones(1), torch.zeros(1)
+
+    names = sorted(keys)
+    register_container(Two, flatten=lambda r: {n: getattr(r, n, r.f0) for n in names})
+    obj = Two()
+    before = dict(vars(obj))
+    stray = [n for n in names if n not in ("f0", "f1")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TensorsLeftBehindWarning)
+        if stray:
+            shown = ", ".join(map(repr, stray))
+            with pytest.raises(ValueError, match=rf"returned {shown}, which (is|are) no attribute"):
+                on_device(obj, device="meta")
+        else:
+            on_device(obj, device="meta")
+    assert vars(obj) == before
 
 
 # -- property: a warning exactly when a left-out field holds a tensor off the target ---

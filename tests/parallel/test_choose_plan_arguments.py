@@ -79,6 +79,27 @@ def test_backends_that_serve_the_device_are_planned() -> None:
     assert choose_plan("ddp", TORCHRUN_CPU).backend == "gloo"
 
 
+@pytest.mark.parametrize(
+    ("backend", "guess"),
+    [("ncl", "nccl"), ("glo", "gloo"), ("cpu:gloo,cuda:ncl", "nccl"), ("NCCCL", "nccl")],
+)
+def test_an_unknown_backend_is_refused_with_the_list_and_a_suggestion(
+    backend: str, guess: str
+) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"plan_parallel\(backend=\.\.\.\) expects one of 'gloo', 'nccl', .*'mpi' \(or a "
+        rf"map such as 'cpu:gloo,cuda:nccl'\), got str {backend!r}\. Did you mean {guess!r}\? "
+        r"Pass backend=None to pick nccl on CUDA and gloo on the CPU",
+    ):
+        choose_plan("ddp", TORCHRUN_GPUS, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"])
+def test_every_backend_torch_names_is_planned(backend: str) -> None:
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend=backend).backend == backend
+
+
 def test_a_backend_of_the_wrong_kind_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"choose_plan\(backend=\.\.\.\) expects a string"):
         choose_plan("auto", CPU, backend=3)  # type: ignore[arg-type]

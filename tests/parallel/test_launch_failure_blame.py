@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudakit.exceptions import LaunchError
-from cudakit.parallel._failures import RankEnd, describe_exit, explain, is_victim
+from cudakit.parallel._failures import (
+    RankEnd,
+    describe_exit,
+    exception_line,
+    explain,
+    is_victim,
+    last_seen,
+    stack_frames,
+)
 
 RESET = (
     "Traceback (most recent call last):\n  ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:537]"
@@ -54,9 +62,10 @@ def test_a_hung_rank_is_blamed_not_the_rank_whose_collective_timed_out() -> None
     err = explain(ends)
     assert isinstance(err, LaunchError)
     assert str(err).startswith(
-        "rank 1 of 2 (pid 101) hung: it was still running when rank 0 gave up waiting for it "
-        "in a collective (rank 0: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] "
-        "Timed out waiting 3000ms for recv operation to complete); launch() stopped it."
+        "rank 1 of 2 (pid 101) did not arrive (its stack could not be read). It was still "
+        "running when rank 0 gave up waiting for it in a collective, and launch() stopped it.\n"
+        "(then, as a consequence: rank 0: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc"
+        ":78] Timed out waiting 3000ms for recv operation to complete)"
     )
     assert (err.rank, err.pid, err.exitcode) == (1, 101, None)
 
@@ -223,7 +232,7 @@ def test_a_hung_rank_is_blamed_whoever_timed_out_waiting(n: int, data: st.DataOb
     err = explain(ends)
     assert isinstance(err, LaunchError)
     assert err.rank == min(hung)
-    assert "hung" in str(err).splitlines()[0]
+    assert "did not arrive" in str(err).splitlines()[0]
     assert err.exitcode is None
     shuffled = data.draw(st.permutations(ends))
     assert str(explain(shuffled)) == str(err)
@@ -233,3 +242,78 @@ def test_rank_end_is_frozen() -> None:
     end = RankEnd(0, 1, 0, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         end.rank = 2  # type: ignore[misc]
+
+
+STACK = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in run
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/site-packages/torch/distributed/distributed_c10d.py", line 2900 in all_reduce
+  File "/home/me/train.py", line 40 in step
+  File "/home/me/train.py", line 60 in main
+  File "/venv/lib/python3.11/site-packages/cudakit/parallel/launcher.py", line 97 in _child
+  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run
+"""
+
+
+def test_a_hung_rank_leads_with_where_it_was_last_seen() -> None:
+    ends = [
+        RankEnd(0, 100, 1, False, TIMEOUT, raised_at=13.0, ended_at=13.2),
+        RankEnd(1, 101, -15, False, stack=STACK),
+    ]
+    err = explain(ends)
+    assert isinstance(err, LaunchError)
+    text = str(err)
+    assert text.splitlines()[0] == (
+        "rank 1 of 2 (pid 101) did not arrive; last seen in: all_reduce "
+        "(distributed_c10d.py:2900), called from step (train.py:40). It was still running when "
+        "rank 0 gave up waiting for it in a collective, and launch() stopped it."
+    )
+    assert (
+        "Rank 1's Python stack when last seen (most recent call first):\n"
+        '  File "/venv/site-packages/torch/distributed/distributed_c10d.py", line 2900 in '
+        'all_reduce\n  File "/home/me/train.py", line 40 in step\n'
+        '  File "/home/me/train.py", line 60 in main\n\nTraceback from rank 0:'
+    ) in text
+
+
+def test_stack_frames_keep_the_launched_thread_down_to_the_launched_function() -> None:
+    assert [f[2] for f in stack_frames(STACK)] == ["all_reduce", "step", "main"]
+    assert stack_frames("") == []
+    assert last_seen("") == ""
+
+
+def test_the_launch_timeout_says_where_each_rank_was() -> None:
+    ends = [RankEnd(0, 100, -9, False, stack=STACK), RankEnd(1, 101, -9, False)]
+    text = str(explain(ends, timed_out=8.0))
+    assert text.startswith("launch() timed out after 8s with rank(s) [0, 1] still running")
+    assert "\nrank 0 last seen in: all_reduce (distributed_c10d.py:2900), called from " in text
+
+
+CHAINED = """Traceback (most recent call last):
+  File "x.py", line 1 in f
+RuntimeError: [../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation
+  second line
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "x.py", line 2 in g
+ValueError: the gist
+the details
+and advice at the end
+autocast_step: this failure came inside DDP's synchronised backward of micro-step 1
+"""
+
+
+def test_the_exception_line_is_the_last_exception_and_its_first_line() -> None:
+    assert exception_line(CHAINED) == "ValueError: the gist"
+    assert exception_line(REAL) == "ValueError: bad batch"
+    assert exception_line("") == "an exception"
+
+
+def test_a_victim_error_annotated_or_re_raised_on_the_way_up_is_still_a_victim() -> None:
+    assert is_victim(CHAINED)
+    assert is_victim(TIMEOUT + "autocast_step: this failure came inside DDP's backward\n")
+    assert not is_victim(REAL + "a note\n")

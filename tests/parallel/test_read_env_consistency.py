@@ -87,3 +87,17 @@ def test_slurm_errors_name_the_slurm_variables() -> None:
         match=r"LOCAL_WORLD_SIZE=4 \(from SLURM_NTASKS_PER_NODE\) but WORLD_SIZE=2 \(from SLURM_N",
     ):
         cp.read_env(many)
+
+
+@pytest.mark.parametrize("name", ["MASTER_ADDR", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_PROCID"])
+def test_a_variable_present_as_none_is_refused(name: str) -> None:
+    env: dict[str, str | None] = {**_env(2, 1, 1), name: None}
+    before = dict(env)
+    with pytest.raises(
+        TypeError,
+        match=rf"read_env\(env=\.\.\.\) expects string values, as os\.environ holds; {name} is "
+        rf"None, got NoneType None\. Leave {name} out of env \(an unset variable is absent\), "
+        r"or give it a string",
+    ):
+        cp.read_env(env)  # type: ignore[arg-type]
+    assert env == before
