@@ -133,7 +133,7 @@ def in_place(fn: Step, stepper: Any, x: torch.Tensor, y: torch.Tensor, rounds: i
     try:
         for r in range(rounds):
             for on in (r % 2 == 0, r % 2 == 1):
-                stepper.settle()
+                stepper.judge.settle()
                 stepper.watch.spikes = rule if on else None
                 times.clear()
                 for _ in range(50):
@@ -141,7 +141,7 @@ def in_place(fn: Step, stepper: Any, x: torch.Tensor, y: torch.Tensor, rounds: i
                 per[on] += times[1:]  # (the first reads the other setting's verdict)
     finally:
         del stepper.finish
-        stepper.settle()
+        stepper.judge.settle()
         stepper.watch.spikes = rule
     if stepper.counters.skipped:
         raise RuntimeError(
@@ -275,10 +275,10 @@ def main(argv: list[str] | None = None) -> None:
                         # the code path differs, not the heap or the tensors.
                         rule = stepper.watch.spikes
                         for on in (rep % 2, 1 - rep % 2):
-                            stepper.settle()  # (the device path's pending verdicts first)
+                            stepper.judge.settle()  # (the device path's pending verdicts first)
                             stepper.watch.spikes = rule if on else None
                             totals[spec, on] += block(fn)
-                        stepper.settle()
+                        stepper.judge.settle()
                         stepper.watch.spikes = rule
             for key in times:
                 times[key].append(totals[key] / (reps * args.sets * args.block))

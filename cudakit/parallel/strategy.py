@@ -375,8 +375,13 @@ def default_backend(backend: str | None, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def check_backend(func: str, backend: object) -> str | None:
-    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map."""
+def check_backend(func: str, backend: object, *, planned: bool = False) -> str | None:
+    """``backend``: ``None``, a backend torch knows (``"gloo"``, ``"nccl"``...) or a device map.
+
+    ``planned=True`` (a plan made before any group starts) lets a name torch does not know
+    yet through, since a plugin may register it (``Backend.register_backend``) before the
+    group starts, and refuses only a typo: a name one edit from a known one, or another case.
+    """
     if backend is None:
         return None
     if not isinstance(backend, str):
@@ -391,6 +396,8 @@ def check_backend(func: str, backend: object) -> str | None:
     # "cpu:gloo,cuda:nccl" maps devices to backends; torch checks each part.
     parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
     unknown = [p for p in parts if p not in dist.Backend.backend_list]
+    if planned:
+        unknown = [p for p in unknown if any(_one_edit(p, k) for k in known)]
     if unknown:
         guesses = difflib.get_close_matches(unknown[0], known, n=1)
         guess = f"Did you mean {guesses[0]!r}? " if guesses else ""
@@ -402,6 +409,18 @@ def check_backend(func: str, backend: object) -> str | None:
             f"{guess}Pass backend=None to pick nccl on CUDA and gloo on the CPU.",
         )
     return backend
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` becomes ``b`` by one insertion, deletion, substitution or swap."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        swapped = len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+        return len(diff) == 1 or (swapped and a[diff[1]] == b[diff[0]])
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def check_backend_serves(func: str, backend: str | None, device: torch.device) -> None:
@@ -514,7 +533,7 @@ def choose_plan_for(
             "group_world_size=..., cuda_available=..., device_count=..., current_cuda_index=..., "
             "requested_device=..., best_device=...) (a dict d: ParallelFacts(**d)).",
         )
-    backend = check_backend(func, backend)
+    backend = check_backend(func, backend, planned=func == "choose_plan")
     # The options are checked before the decision: for an explicit request against its
     # wrapper, under "auto" against DDP's (a typo must not wait for the first torchrun).
     kind = "ddp" if request == "auto" else request

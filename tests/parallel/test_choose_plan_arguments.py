@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudakit.parallel as cp
-from cudakit.parallel.strategy import ParallelFacts, choose_plan
+from cudakit.parallel.strategy import ParallelFacts, check_backend, choose_plan
 
 CPU = ParallelFacts(
     env=None,
@@ -88,11 +88,20 @@ def test_an_unknown_backend_is_refused_with_the_list_and_a_suggestion(
 ) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"plan_parallel\(backend=\.\.\.\) expects one of 'gloo', 'nccl', .*'mpi' \(or a "
+        match=rf"choose_plan\(backend=\.\.\.\) expects one of 'gloo', 'nccl', .*'mpi' \(or a "
         rf"map such as 'cpu:gloo,cuda:nccl'\), got str {backend!r}\. Did you mean {guess!r}\? "
         r"Pass backend=None to pick nccl on CUDA and gloo on the CPU",
     ):
         choose_plan("ddp", TORCHRUN_GPUS, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["foo", "my_backend", "cpu:gloo,cuda:custom"])
+def test_a_name_torch_may_learn_later_is_planned_and_refused_at_setup(backend: str) -> None:
+    # A plugin may register a backend (Backend.register_backend) before the group starts:
+    # the plan takes a name that is no typo, parallelize (which starts the group) refuses it.
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend=backend).backend == backend
+    with pytest.raises(ValueError, match=r"parallelize\(backend=\.\.\.\) expects one of"):
+        check_backend("parallelize", backend)
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"])
