@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..parallel.unused import note_unused_parameters
 from . import misuse
 
 if TYPE_CHECKING:
@@ -126,6 +127,8 @@ class Block:
     ) -> None:
         """Leave what :meth:`enter` entered; an exception abandons the micro-step."""
         entered, self._entered = self._entered, None
+        if exc is not None:
+            note_unused_parameters(exc)  # DDP's unused parameters, named
         if exc_type is not None or self.turn is Turn.BACKWARD_IN_BLOCK:
             self.turn = Turn.IDLE
         elif self.turn is Turn.IN_BLOCK:

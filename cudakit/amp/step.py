@@ -21,6 +21,7 @@ import torch
 from typing_extensions import ParamSpec, Self, Unpack
 
 from .._check import for_attribute
+from ..parallel.unused import note_unused_parameters
 from . import misuse
 from .block import ACTIVE, Block
 from .buffers import BufferSnapshot
@@ -371,6 +372,9 @@ class AutocastStep(misuse.AttributeGuard):
                 loss, weight = extract_loss(output)
                 weight = micro.backward(loss, weight, decorated=True)
             return micro.after_backward(loss.detach(), output, weight)
+        except RuntimeError as exc:  # DDP's unused parameters, named
+            note_unused_parameters(exc)
+            raise
         finally:
             _ACTIVE.reset(token)
 

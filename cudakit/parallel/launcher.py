@@ -108,6 +108,9 @@ def _child(
             # Timestamped, so the parent can name the rank that failed *first* rather than
             # one that failed later because its peer was gone ("Connection closed by peer").
             hint = unused_parameters_hint(str(exc))
+            notes = getattr(exc, "__notes__", None)
+            if hint and notes and hint in notes:
+                notes.remove(hint)  # (autocast_step noted it: said once, in the first lines)
             results.put((index, False, time.time(), traceback.format_exc().encode(), hint))
             raise
         # The result goes out before the teardown: a crash while the process shuts down

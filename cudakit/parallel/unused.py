@@ -14,7 +14,7 @@ import weakref
 
 from torch import nn
 
-__all__ = ["remember", "unused_parameters_hint"]
+__all__ = ["note_unused_parameters", "remember", "unused_parameters_hint"]
 
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 
@@ -65,3 +65,10 @@ def unused_parameters_hint(message: str) -> str:
         "graph after every forward and stops DDP from overlapping some of its all-reduces "
         "with the backward."
     )
+
+
+def note_unused_parameters(exc: BaseException) -> None:
+    """Add :func:`unused_parameters_hint`'s names and fix to DDP's error ``exc``, once."""
+    hint = unused_parameters_hint(str(exc)) if isinstance(exc, RuntimeError) else ""
+    if hint and hint not in getattr(exc, "__notes__", ()):
+        exc.add_note(hint)

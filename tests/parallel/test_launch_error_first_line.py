@@ -130,6 +130,7 @@ def test_an_unused_parameter_error_names_the_parameters_and_the_fix() -> None:
         "DDP's parameters 'b.weight', 'b.bias' received no gradient: the loss does not use them"
     ) in text
     assert "find_unused_parameters=True" in text
+    assert text.count("received no gradient") == 1  # said once, though the step noted it too
     _nothing_left(info.value)
 
 
@@ -142,3 +143,39 @@ def test_a_rank_failure_leads_with_the_exception_type_and_first_line() -> None:
         cp.launch(_raise_a_multiline_error, nprocs=1, timeout=60)
     first = str(info.value).splitlines()[0]
     assert first.endswith("failed: ValueError: the gist, on the first line"), first
+
+
+def _notes_of_an_unused_layer(decorated: bool) -> list[str] | None:
+    """The notes on DDP's unused-parameter error as the rank's own code catches it."""
+    torch.manual_seed(0)
+    with cp.process_group(timeout=30):
+        model = cp.parallelize(_TwoLayers())
+        step = autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+
+        @step
+        def train(x: torch.Tensor) -> torch.Tensor:
+            return model(x).square().mean()
+
+        try:
+            for _ in range(2):
+                if decorated:
+                    train(torch.ones(8, 4))
+                else:
+                    with step:
+                        loss = model(torch.ones(8, 4)).square().mean()
+                    step.backward(loss)
+        except RuntimeError as exc:
+            return list(getattr(exc, "__notes__", []))
+    return None  # (no error: the test fails on it)
+
+
+@pytest.mark.parametrize("decorated", [True, False], ids=["decorated", "with-step"])
+def test_the_step_names_the_unused_parameters_outside_launch(decorated: bool) -> None:
+    # Under torchrun the rank's own traceback is what the user reads: autocast_step,
+    # which holds the DDP model, notes the names and the fix on torch's error.
+    notes = cp.launch(_notes_of_an_unused_layer, decorated, nprocs=2, timeout=120)
+    for rank_notes in notes:
+        assert rank_notes is not None, "DDP raised no error"
+        text = "\n".join(rank_notes)
+        assert "DDP's parameters 'b.weight', 'b.bias' received no gradient" in text, rank_notes
+        assert "find_unused_parameters=True" in text
