@@ -18,7 +18,8 @@ batch, and the totals so far.
 # (synchronous and background writes), preemption (signals, agreed across ranks),
 # arguments (the door) and checkpointer (the object that composes them).
 
-from .checkpointer import Checkpointer, find_latest
+from .checkpointer import Checkpointer
 from .data import Position
+from .resume import find_latest
 
 __all__ = ["Checkpointer", "Position", "find_latest"]

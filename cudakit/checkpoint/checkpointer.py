@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import operator
 import os
 import signal
 import warnings
@@ -20,55 +19,17 @@ from typing_extensions import Self
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
 from . import arguments, layout, reader
-from .data import (
-    Position,
-    Yielded,
-    capture_rng,
-    fetched,
-    generators_of,
-    is_stateful,
-    loader_length,
-    restore_rng,
-    set_epoch,
-    skip_batches,
-)
+from .cursor import Cursor
+from .data import Position, is_stateful
+from .policy import SavePolicy
 from .preemption import SignalWatch, StopAgreement, after_stop
-from .state import (
-    extras_state,
-    fresh_optimizers,
-    reset_fresh,
-    step_marks,
-    tensor_state,
-    warn_open_window,
-)
+from .resume import ResumeChoice
+from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state, warn_open_window
 from .writer import Pending, Writer, drain_background
 
-__all__ = ["Checkpointer", "find_latest"]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger("cudakit.checkpoint")
-
-
-def find_latest(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or None when there is none.
-
-    The newest is the one written last: after a run rolled back to an older checkpoint
-    (``load(path)``) and saved again, its own checkpoints are newer than the abandoned
-    ones of higher step numbers. Incomplete checkpoints (a save that never finished)
-    and corrupted ones (a file missing or truncated) are skipped, with a warning that
-    names each.
-
-    >>> import tempfile
-    >>> find_latest(tempfile.mkdtemp()) is None
-    True
-
-    .. versionadded:: 0.1
-    """
-    root = arguments.resolve_directory("find_latest", directory)
-    found = layout.list_checkpoints(root)
-    for path, why in found.broken:
-        warnings.warn(f"cudakit: skipping checkpoint {path}: {why}.", UserWarning, stacklevel=2)
-    latest = found.latest
-    return latest[0] if latest is not None else None
 
 
 class Checkpointer:
@@ -179,7 +140,6 @@ class Checkpointer:
         self.extra: dict[str, Any] = self._parts.extras
         self.loader: Any = options.loader
         self.keep = options.keep
-        self.every = options.every
         self._distributed = is_group_running()
         self._rank = group_rank()
         self._world = group_world_size()
@@ -206,17 +166,10 @@ class Checkpointer:
         )
         self._signals = SignalWatch(options.preemption)
         self._stop = StopAgreement(self._control, options.preemption)
-        self._position = Position()
-        self._epoch_rng: dict[str, Any] | None = None
-        self._skip = 0
-        self._checked_total = -1
-        self._saved_total = -1
-        self._saved_windows = 0
-        self._requested = False
-        self._resumed = False
+        self._cursor = Cursor()
+        self._policy = SavePolicy(options.every)
+        self._choice = ResumeChoice(self.directory, self._rank, self._control)
         self._closed = False
-        # The batch batches() yielded, counted there, while its loop body runs (else None).
-        self._yielded: Yielded | None = None
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
@@ -226,7 +179,21 @@ class Checkpointer:
     @property
     def position(self) -> Position:
         """Where the run stands: epoch, batches of it consumed, totals (see :class:`Position`)."""
-        return self._position
+        return self._cursor.position
+
+    @property
+    def _position(self) -> Position:
+        # (the cursor's: tests set it to pretend batches ran)
+        return self._cursor.position
+
+    @_position.setter
+    def _position(self, pos: Position) -> None:
+        self._cursor.position = pos
+
+    @property
+    def every(self) -> int | None:
+        """Save every ``every`` optimizer steps (None: on request, a stop, the run's end)."""
+        return self._policy.every
 
     @property
     def latest(self) -> Path | None:
@@ -241,7 +208,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (
-            f"Checkpointer({str(self.directory)!r}, position={self._position}, "
+            f"Checkpointer({str(self.directory)!r}, position={self.position}, "
             f"keep={self.keep}, every={self.every}, resumed_from={self.resumed_from})"
         )
 
@@ -266,46 +233,15 @@ class Checkpointer:
             CheckpointError: the newest complete checkpoint does not fit this run.
         """
         self._check_open("resume")
-        if self._resumed:
-            return self._position
-        path: Path | None = None
+        if self._choice.done:
+            return self.position
         drain_background()  # an abandoned save of this process must not write on
-        if self._rank == 0:
-            layout.remove_stale_partials(self.directory)
-            path = find_latest(self.directory)
-        path = self._agree(path)
-        self._resumed = True
-        while path is not None:
+        for path in self._choice.candidates():
             try:
                 return self.load(path)
             except reader.RefusedCheckpointError as exc:  # maybe tampered: the one before
                 warnings.warn(f"cudakit: skipping checkpoint {path}: {exc}", UserWarning, 2)
-            path = self._agree(reader.written_before(self.directory, path))
-        return self._position
-
-    def _refuse_unresumed(self) -> None:
-        """A loop with its own data that never resumed: fine in an empty directory only
-        (loading now would overwrite the step that just ran)."""
-        path = find_latest(self.directory) if self._rank == 0 else None
-        path = self._agree(path)
-        if path is not None:
-            raise RuntimeError(
-                f"Checkpointer.maybe_save() before resume(): {self.directory} holds {path}, "
-                "which this run has not loaded, and loading it now would overwrite the step "
-                "that just ran. Call ckpt.resume() once before the loop (it loads the newest "
-                "checkpoint and returns the position to continue from), or use a new "
-                "directory."
-            )
-        self._resumed = True  # nothing to resume: the run starts here
-
-    def _agree(self, path: Path | None) -> Path | None:
-        if not self._distributed:
-            return path
-        import torch.distributed as dist
-
-        box: list[Any] = [str(path) if path is not None else None]
-        dist.broadcast_object_list(box, src=0, group=self._control)
-        return Path(box[0]) if box[0] is not None else None
+        return self.position
 
     def load(self, path: str | os.PathLike[str]) -> Position:
         """Load one checkpoint into the models, optimizers, step, schedulers, RNG and data.
@@ -337,17 +273,14 @@ class Checkpointer:
             trust=self._options.trust_pickles,
             safe_globals=self._options.safe_globals,
         )
-        self._epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._rank)
+        epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._rank)
         pos = Position(**host["position"])
-        self._position = pos
-        loader = self.loader
-        self._skip = pos.batch if loader is not None and not is_stateful(loader) else 0
-        self._checked_total = self._saved_total = pos.total
-        self._saved_windows = pos.windows
+        self._cursor.restored(pos, epoch_rng, self.loader)
+        self._policy.restored(pos)
         self.resumed_from = root
-        self._resumed = True
-        log.info("cudakit: resumed from %s at %s", root, self._position)
-        return self._position
+        self._choice.done = True
+        log.info("cudakit: resumed from %s at %s", root, pos)
+        return pos
 
     # ------------------------------------------------------------------ the loop
 
@@ -362,17 +295,16 @@ class Checkpointer:
 
     def _epochs(self, stop: int) -> Iterator[int]:
         self.resume()
-        while self._position.epoch < stop:
-            epoch = self._position.epoch
+        cursor, policy = self._cursor, self._policy
+        while cursor.position.epoch < stop:
+            epoch = cursor.position.epoch
             yield epoch
-            pos = self._position
-            if pos.epoch == epoch:  # the epoch's data came from the user's own loop
-                self._position = dataclasses.replace(pos, epoch=epoch + 1, batch=0)
+            cursor.end_epoch(epoch)
             self._boundary()
-        if self._position.total != self._saved_total and self._at_window_end():
+        if policy.unsaved(cursor.position) and self._at_window_end():
             self.save()
         self.wait()
-        if self._position.total != self._saved_total:  # the last window is open
+        if policy.unsaved(cursor.position):  # the last window is open
             warn_open_window(self._parts.steps, self.latest)
 
     def batches(self, loader: Any = None) -> Iterator[Any]:
@@ -386,42 +318,7 @@ class Checkpointer:
 
     def _batches(self, loader: Any) -> Iterator[Any]:
         self.resume()
-        start = self._position
-        stateful = is_stateful(loader)
-        gens = generators_of(loader)
-        if not stateful:
-            set_epoch(loader, start.epoch)
-        skip, self._skip = self._skip, 0
-        if skip and self._epoch_rng is not None:
-            now = capture_rng(gens)
-            restore_rng(self._epoch_rng, gens)
-            iterator = iter(loader)
-            skip_batches(iterator, skip)
-            restore_rng(now, gens)
-        else:
-            self._epoch_rng = None if stateful else capture_rng(gens)
-            iterator = iter(loader)
-            if skip:
-                skip_batches(iterator, skip)
-        length, token = loader_length(loader), object()
-        try:
-            for batch, before in fetched(iterator, rng=not stateful):
-                pos = self._position
-                self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
-                marks = step_marks(self._parts.steps)
-                self._yielded = Yielded(self._position.total, marks, before, stateful, token)
-                yield batch
-                self._yielded = None
-                if length is None or self._position.batch < length:
-                    # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
-                    # once the iterator is exhausted: a sampler may still draw from the RNG.)
-                    self._boundary()
-        finally:  # (a generator closed late leaves a newer one's batch as it is)
-            if self._yielded is not None and self._yielded.owner is token:
-                self._yielded = None
-        pos = self._position
-        self._position = dataclasses.replace(pos, epoch=start.epoch + 1, batch=0)
-        self._boundary()
+        yield from self._cursor.batches(loader, self._parts.steps, self._boundary)
 
     def maybe_save(self) -> Path | None:
         """Count one batch, and save if one is due (``every``, a request, a stop signal)
@@ -433,11 +330,10 @@ class Checkpointer:
         generator you leave). Returns the checkpoint's path when it saved.
         """
         self._check_open("maybe_save")
-        if self._yielded is None:  # (inside batches(), which counted its batch: a check)
-            if not self._resumed:
-                self._refuse_unresumed()
-            pos = self._position
-            self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+        if self._cursor.yielded is None:  # (inside batches(), which counted its batch: a check)
+            if not self._choice.done:
+                self._choice.check_fresh()
+            self._cursor.count_batch()
         return self._boundary()
 
     def save(self) -> Path | None:
@@ -455,13 +351,14 @@ class Checkpointer:
         """
         self._check_open("save")
         if not self._at_window_end():
-            self._requested = True
+            self._policy.requested = True
             return None
-        if self._before_step():  # (a position saved already is not written again)
-            done = self._position.total - 1 == self._saved_total
+        cursor, steps = self._cursor, self._parts.steps
+        if cursor.before_step(steps):  # (a position saved already is not written again)
+            done = self._policy.saved_just_before(cursor.position)
             return self._writer.newest if done else self._save_now(unconsumed=True)
         # A window that ended since the last boundary (a step, a flush()) is counted first.
-        saved = self._boundary() if self._yielded is not None or self._parts.steps else None
+        saved = self._boundary() if cursor.yielded is not None or steps else None
         return saved if saved is not None else self._save_now()
 
     def wait(self) -> Path | None:
@@ -504,40 +401,22 @@ class Checkpointer:
 
     def _boundary(self) -> Path | None:
         """At most once per batch: count the window, poll the stop flag, save if due."""
-        pos = self._position
-        if pos.total == self._checked_total or not self._at_window_end():
+        policy = self._policy
+        if not self._at_window_end() or not policy.first_look(self._cursor.position):
             return None
-        self._checked_total = pos.total
-        pos = dataclasses.replace(pos, windows=pos.windows + 1) if pos.batch or pos.total else pos
-        self._position = pos
+        pos = self._cursor.count_window()
         if self._writer.pending is not None and self._writer.done():
             self._writer.finish()
         stop = self._stop.poll(self._signals.seen)
-        due = self._requested or (
-            self.every is not None and pos.windows - self._saved_windows >= self.every
-        )
-        saved = self._save_now() if (due or stop) and pos.total != self._saved_total else None
+        due = policy.due(pos)
+        saved = self._save_now() if (due or stop) and policy.unsaved(pos) else None
         if stop:
             self._exit_after_stop()
         return saved
 
-    def _before_step(self) -> bool:
-        """Whether no step ran a backward since batches() yielded its batch (a save at the
-        top of the body); unknown without a step, or with a stateful loader (moved on)."""
-        steps, now = self._parts.steps, self._yielded
-        return (
-            now is not None
-            and bool(steps)
-            and self._position.total == now.total
-            and not now.stateful
-            and all(map(operator.is_, step_marks(steps), now.marks))
-        )
-
     def _save_now(self, unconsumed: bool = False) -> Path:
         """Save now; ``unconsumed``: without the batch just yielded, which a resume steps on."""
-        pos = self._position
-        if unconsumed:
-            pos = dataclasses.replace(pos, batch=pos.batch - 1, total=pos.total - 1)
+        pos = self._cursor.saved_position(unconsumed)
         name = layout.checkpoint_name(pos.total)
         partial = self.directory / (name + layout.PARTIAL)
         final = self.directory / name
@@ -563,28 +442,18 @@ class Checkpointer:
             self._writer.write(tensors, host, Pending(partial, final, fields))
         finally:
             reset_fresh(parts, fresh)
-        self._requested = False
-        self._saved_total = pos.total
-        self._saved_windows = pos.windows
+        self._policy.saved(pos)
         return final
 
     def _host_state(self, fresh: list[bool], pos: Position, unconsumed: bool) -> dict[str, Any]:
         loader = self.loader
-        gens = generators_of(loader) if loader is not None else ()
-        epoch_rng, now = self._epoch_rng, self._yielded
-        if unconsumed and pos.batch == 0 and epoch_rng is not None:
-            rng = epoch_rng  # before an epoch's first step: its start (its iterator drew then)
-        else:
-            rng = capture_rng(gens)
-            if unconsumed and now is not None and now.rng is not None:
-                rng["cpu"] = now.rng  # as the batch was fetched (augmentation)
         return {
             "format": layout.HOST_FORMAT,
             "rank": self._rank,
             "world_size": self._world,
             "position": dataclasses.asdict(pos),
-            "rng": rng,
-            "epoch_rng": self._epoch_rng if pos.batch > 0 else None,
+            "rng": self._cursor.rng_state(loader, pos, unconsumed),
+            "epoch_rng": self._cursor.epoch_rng if pos.batch > 0 else None,
             "steps": [s.state_dict() for s in self._parts.steps],
             "schedulers": [s.state_dict() for s in self._parts.schedulers],
             "fresh": fresh,

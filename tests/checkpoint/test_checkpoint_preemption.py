@@ -100,7 +100,7 @@ def test_a_chosen_exit_code_and_no_watching(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
     os.kill(os.getpid(), signal.SIGTERM)
     assert watch.stop_requested
-    watch._position = cudakit.Position(0, 1, 1, 0)  # a batch ran
+    watch._cursor.position = cudakit.Position(0, 1, 1, 0)  # a batch ran
     with pytest.raises(SystemExit) as info:
         watch.maybe_save()
     assert info.value.code == 0
