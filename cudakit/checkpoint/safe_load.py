@@ -110,10 +110,12 @@ _NUMPY: list[list[Any]] = []
 
 @contextlib.contextmanager
 def allowed_globals(user: Sequence[Any] = ()) -> Iterator[None]:
-    """torch's safe loader admits NumPy arrays of numbers and ``user``'s types meanwhile."""
+    """torch's safe loader admits NumPy arrays of numbers and ``user``'s types meanwhile,
+    and ``bytes``: pickle writes an empty ``b""`` as a call of it (torch admits
+    ``bytearray`` alike)."""
     if not _NUMPY:
         _NUMPY.append(_numpy_globals())
-    with torch.serialization.safe_globals([*_NUMPY[0], *user]):
+    with torch.serialization.safe_globals([*_NUMPY[0], bytes, *user]):
         yield
 
 

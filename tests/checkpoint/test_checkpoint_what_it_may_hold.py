@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cudakit
@@ -168,6 +168,8 @@ _plain = st.recursive(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(value=b"")  # pickle writes an empty bytes as a call of bytes()
+@example(value={"k": [b"", bytearray(b"x")]})
 @given(value=_plain)
 def test_plain_extras_round_trip_with_their_types(value: Any) -> None:
     root = Path(tempfile.mkdtemp())
