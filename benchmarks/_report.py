@@ -28,7 +28,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def record(
         "script": script,
         "command": " ".join(["python", script, *_without_json(argv)]),
         "title": title,
-        "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "measured": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": machine(peers),
         "settings": settings,
         "revision": revision(),

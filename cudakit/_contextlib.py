@@ -13,9 +13,9 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
-from typing_extensions import ParamSpec, Self
+from typing_extensions import ParamSpec
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -68,7 +68,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ def rerun_demo(data: Path) -> None:
 
     record = {
         "command": "cudakit demo --plot demo.png (defaults, --seed 0)",
-        "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "measured": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, "
         f"torch {torch.__version__}, Python {platform.python_version()}",
         # The timings in the summary are only as good as the machine was quiet.

@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import torch
-from typing_extensions import ParamSpec, Self, Unpack
+from typing_extensions import ParamSpec, Unpack
 
 from .._check import for_attribute
 from ..parallel.unused import note_unused_parameters

@@ -220,8 +220,7 @@ def backward_in_window(
         else:
             note = misuse.dropped_window_note(sync.kind, window.position)
             drop()
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(note)
+            exc.add_note(note)
         raise
     if grads is not None:
         _merge(params, grads)

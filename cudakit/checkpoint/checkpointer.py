@@ -12,9 +12,7 @@ import weakref
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-from typing_extensions import Self
+from typing import Any, Self
 
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running

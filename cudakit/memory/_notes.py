@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-from .._notes import add_note
 from .._units import format_bytes, format_signed_bytes
 from . import _probes
 from .results import MEMORY_VIZ, MemoryReport
@@ -20,8 +19,7 @@ def explain_oom(exc: BaseException, rep: MemoryReport) -> None:
             continue  # an inner report already explained this device
         noted.add(d.device)
         if d.reserved_before is None:
-            add_note(
-                exc,
+            exc.add_note(
                 f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak RSS "
                 f"{format_bytes(d.peak_allocated)} in this block (RSS "
                 f"{format_bytes(d.allocated_before)} at its start); available system "
@@ -33,8 +31,7 @@ def explain_oom(exc: BaseException, rep: MemoryReport) -> None:
         except Exception:
             largest = None
         cached = (d.reserved_after or 0) - d.allocated_after
-        add_note(
-            exc,
+        exc.add_note(
             f"cudakit.memory_report {rep.label or ''!r} on {d.device}: peak allocated "
             f"{format_bytes(d.peak_allocated)} in this block "
             f"({format_signed_bytes(d.peak_increase)} over its start); now allocated "

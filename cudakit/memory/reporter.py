@@ -13,15 +13,14 @@ import os
 import time
 from collections.abc import Callable
 from types import EllipsisType, TracebackType
-from typing import IO, Any, Literal, Protocol, TypeVar, overload
+from typing import IO, Any, Literal, Protocol, Self, TypeVar, overload
 
-from typing_extensions import ParamSpec, Self
+from typing_extensions import ParamSpec
 
 from .. import _deprecated
 from .._accel import follows_current_device
 from .._check import describe, is_int
 from .._contextlib import ContextDecorator
-from .._notes import add_note
 from .._oom import is_oom_error
 from .._output import (
     STDERR,
@@ -302,7 +301,7 @@ class MemoryMeter(ContextDecorator, ReportFigures):
             )
             if exc is None:
                 raise RuntimeError(msg) from read_error
-            add_note(exc, f"cudakit.{msg}")  # the block's own error goes on unchanged
+            exc.add_note(f"cudakit.{msg}")  # the block's own error goes on unchanged
             return
         rep.devices = tuple(devices)
         rep.elapsed = elapsed
@@ -337,14 +336,14 @@ class MemoryMeter(ContextDecorator, ReportFigures):
             if exc is None:
                 error = RuntimeError(msg)
                 if write_msg is not None:
-                    add_note(error, f"cudakit.{write_msg}")
+                    error.add_note(f"cudakit.{write_msg}")
                 raise error from history_error
-            add_note(exc, f"cudakit.{msg}")
+            exc.add_note(f"cudakit.{msg}")
         if write_error is not None:
             if exc is None:  # the block went well: the failed write is the error
-                add_note(write_error, f"cudakit.{write_msg}")
+                write_error.add_note(f"cudakit.{write_msg}")
                 raise write_error
-            add_note(exc, f"cudakit.{write_msg}")  # the block's own error goes on unchanged
+            exc.add_note(f"cudakit.{write_msg}")  # the block's own error goes on unchanged
 
     def _write(self, line: str) -> None:
         write_line(line, self._file, self._log)

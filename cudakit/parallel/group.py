@@ -17,11 +17,10 @@ import math
 import os
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.distributed as dist
-from typing_extensions import Self
 
 from .._check import describe, is_real
 from .._contextlib import ContextDecorator

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import warnings
 from types import TracebackType
+from typing import Self
 
 import torch
 import torch.distributed as dist
-from typing_extensions import Self
 
 from .._check import check_bool, describe
 from .._contextlib import ContextDecorator

@@ -13,7 +13,6 @@ import torch
 
 from .._accel import current_cuda_index
 from .._dist import group_rank
-from .._notes import add_note
 from .._output import write_line
 from ..amp import AutocastStep, StepResult
 from . import _probes
@@ -209,5 +208,5 @@ class Recorder:
         try:
             write_line(line, s.file, s.log)
         except Exception as exc:
-            add_note(exc, f"cudakit.speed_report could not write its line to {s.file!r}")
+            exc.add_note(f"cudakit.speed_report could not write its line to {s.file!r}")
             raise

@@ -18,7 +18,6 @@ from typing import Any, Final
 import torch
 
 from .._check import describe, fail_type, fail_value
-from .._notes import add_note
 from .flops import FlopCount
 
 __all__ = ["CallCounter", "Count", "CountSpec", "FlopSpec", "check_count", "check_spec"]
@@ -263,8 +262,7 @@ class CallCounter:
     ) -> None:
         """Note on ``exc``, raised while counting ``batch`` (``where`` it came from)."""
         specs = ", ".join(self.missing(*(given or (None, None))))
-        add_note(
-            exc,
+        exc.add_note(
             f"cudakit.speed_report({specs}) could not count {where}, {describe(batch)}. "
             "Each function is given the batch and returns a number >= 0 or a one-element "
             "tensor; or give a block its counts: `with meter.measure(samples=..., "

@@ -14,10 +14,10 @@ import functools
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import IO, Any, Protocol, TypeVar, overload
+from typing import IO, Any, Protocol, Self, TypeVar, overload
 
 import torch
-from typing_extensions import ParamSpec, Self
+from typing_extensions import ParamSpec
 
 from .. import _deprecated
 from .._check import describe

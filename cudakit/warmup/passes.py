@@ -23,7 +23,6 @@ from torch import nn
 
 from .._accel import synchronize
 from .._check import check_device, fail_type, fail_value, is_int
-from .._notes import add_note
 from ..device import DeviceLike, resolve_device
 from ..exceptions import CompiledWarmupWarning, DeviceError, ReserveIgnoredWarning
 from ..memory import memory_report
@@ -289,7 +288,7 @@ def _one_pass(plan: _Plan, model: nn.Module) -> Any:
         try:
             return plan.loss_fn(*args)
         except (TypeError, AttributeError) as exc:
-            add_note(exc, f"cudakit: {describe_forms()} This one was called as {form}.")
+            exc.add_note(f"cudakit: {describe_forms()} This one was called as {form}.")
             raise
 
 

@@ -7,11 +7,10 @@ import random
 import sys
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 from torch import nn
-from typing_extensions import Self
 
 from .._contextlib import ContextDecorator
 from ._args import check_extra, check_model, check_optimizer

@@ -40,9 +40,6 @@ from cudakit.memory import (
 MiB = 2**20
 GiB = 2**30
 
-#: Exception notes (``add_note``) exist from Python 3.11; on 3.10 reports add none.
-needs_notes = pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: 3.11+")
-
 
 # --------------------------------------------------------------------------- fakes
 
@@ -472,7 +469,6 @@ def test_exception_still_reports_and_propagates_unchanged(fake: FakeCuda) -> Non
     assert not getattr(err, "__notes__", None)
 
 
-@needs_notes
 def test_oom_gets_an_actionable_note(fake: FakeCuda) -> None:
     fake.malloc(2 * GiB)
     fake.free(1 * GiB)
@@ -498,7 +494,6 @@ def test_oom_gets_an_actionable_note(fake: FakeCuda) -> None:
     assert "memory_viz" in note
 
 
-@needs_notes
 def test_cpu_memory_error_gets_a_note(fcpu: FakeCpu) -> None:
     def body() -> None:
         fcpu.touch(300 * MiB)
@@ -509,7 +504,6 @@ def test_cpu_memory_error_gets_a_note(fcpu: FakeCpu) -> None:
     assert "peak RSS 400.00 MiB" in info.value.__notes__[0]
 
 
-@needs_notes
 def test_real_cpu_allocator_failure_gets_a_note() -> None:
     # torch raises a RuntimeError (not MemoryError) when the CPU allocator fails.
     with (
@@ -520,7 +514,6 @@ def test_real_cpu_allocator_failure_gets_a_note() -> None:
     assert any("memory_report 'huge' on cpu: peak RSS" in n for n in info.value.__notes__)
 
 
-@needs_notes
 def test_oom_note_once_per_device_across_nested_reports(fake: FakeCuda) -> None:
     err = torch.OutOfMemoryError("CUDA out of memory")
     with (
@@ -561,7 +554,6 @@ def test_failure_while_opening_leaves_nothing_open(fake2: FakeCuda) -> None:
     assert rep.devices[1].peak_allocated == MiB
 
 
-@needs_notes
 def test_failure_while_closing_does_not_replace_the_blocks_error(fake: FakeCuda) -> None:
     # After a device-side assert every CUDA call fails; the user's error must go on unchanged.
     err = IndexError("target 12 is out of bounds")
@@ -1043,7 +1035,6 @@ def test_record_history_write_failure_is_a_clear_error(fake: FakeCuda) -> None:
     assert fake.calls[-1] == "stop_history"
 
 
-@needs_notes
 def test_record_history_write_failure_after_an_error_is_a_note(fake: FakeCuda) -> None:
     fake.history_error = PermissionError("read-only file system")
     err = ValueError("bad batch")
@@ -1156,7 +1147,6 @@ def test_cuda_real_nested_reports() -> None:
     del c
 
 
-@needs_notes
 @pytest.mark.cuda
 def test_cuda_real_oom_note() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())

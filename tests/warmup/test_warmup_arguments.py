@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import random
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,7 +147,6 @@ def test_functional_criterion_needs_an_inputs_target_pair() -> None:
     assert _same(before, _state(model))
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_step_function_that_is_really_a_criterion_gets_a_note_naming_both_forms() -> None:
     def crit(a, b):  # type: ignore[no-untyped-def]
         return F.cross_entropy(a, b)  # called as crit(model, batch): torch's TypeError
@@ -450,7 +448,6 @@ def test_find_batch_size_errors_say_the_fix(
     assert calls == []  # refused before any trial ran
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_a_criterion_that_fails_gets_a_note_saying_how_it_was_called() -> None:
     def crit(output: torch.Tensor, target: Any) -> torch.Tensor:
         return output.no_such_method()  # type: ignore[attr-defined,no-any-return]
