@@ -38,8 +38,6 @@ _NUMERIC = {"int", "float", "bool", "Integral", "Real", "numbers"}
 
 #: Modules whose checks still wait to be moved onto the validators (empties out).
 _NOT_YET: set[str] = {
-    "_contextlib.py",
-    "_output.py",
     "amp/checkpoint.py",
     "amp/misuse.py",
     "amp/options.py",
@@ -48,11 +46,7 @@ _NOT_YET: set[str] = {
     "amp/watch.py",
     "checkpoint/arguments.py",
     "checkpoint/layout.py",
-    "data/prefetcher.py",
-    "demo/data.py",
-    "device/move.py",
     "device/resolve.py",
-    "memory/reporter.py",
     "parallel/_args.py",
     "parallel/launcher.py",
     "parallel/loaders.py",
@@ -78,9 +72,17 @@ def _numeric(node: ast.AST) -> bool:
     return bool(names) and names <= _NUMERIC
 
 
-def _kind_test(test: ast.expr) -> str | None:
-    """The hand-written kind test in an ``if``'s condition, if any."""
-    for node in ast.walk(test):
+def _kind_test(test: ast.expr, *, anywhere: bool = True) -> str | None:
+    """The test of a number, bool or callable in an ``if``'s condition, if any.
+
+    ``anywhere=False`` looks at the whole condition only, not at its parts (so
+    ``label is not None and not callable(label)`` is not a single-kind test).
+    """
+    if not anywhere and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        # ``key in opts and not is_int(opts[key])``: a guard, then one kind test
+        kinds = [v for v in test.values if _kind_test(v) or _tests_kind(v)]
+        return _kind_test(kinds[0], anywhere=False) if len(kinds) == 1 else None
+    for node in ast.walk(test) if anywhere else [test]:
         if (
             isinstance(node, ast.UnaryOp)
             and isinstance(node.op, ast.Not)
@@ -95,40 +97,55 @@ def _kind_test(test: ast.expr) -> str | None:
             if name == "callable" and isinstance(call.args[0], (ast.Name, ast.Attribute)):
                 return "not callable(...)"
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-            for value in node.values:
-                if (
-                    isinstance(value, ast.Call)
-                    and _name(value) == "isinstance"
-                    and len(value.args) == 2
-                    and ast.unparse(value.args[1]) == "bool"
-                ):
-                    return "isinstance(..., bool) or ..."
+            calls = [v for v in node.values if isinstance(v, ast.Call)]
+            if any(
+                _name(v) == "isinstance" and len(v.args) == 2 and ast.unparse(v.args[1]) == "bool"
+                for v in calls
+            ) and (anywhere or all(_numeric(v.args[1]) for v in calls if len(v.args) == 2)):
+                return "isinstance(..., bool) or ..."
     return None
 
 
-def _refuses(body: list[ast.stmt]) -> bool:
-    """Whether a branch raises ``TypeError``/``ValueError`` or calls a ``fail`` helper."""
+def _tests_kind(node: ast.AST) -> bool:
+    """Whether ``node`` tests a kind of any sort (``isinstance``, ``callable``, ...)."""
+    return any(
+        isinstance(n, ast.Call) and _name(n) in ("isinstance", "callable", "is_int", "is_real")
+        for n in ast.walk(node)
+    )
+
+
+def _refusal(body: list[ast.stmt]) -> str | None:
+    """How a branch refuses: ``"own"`` words (``raise TypeError(...)``/``ValueError``, or
+    a module's own ``_fail`` helper), ``"shared"`` (``fail_type``/``fail_value``), or not."""
+    shared = False
     for stmt in body:
         for node in ast.walk(stmt):
             if isinstance(node, ast.Raise) and node.exc is not None:
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
                 if isinstance(exc, ast.Name) and exc.id in ("TypeError", "ValueError"):
-                    return True
+                    return "own"
             if isinstance(node, ast.Call) and "fail" in _name(node):
-                return True
-    return False
+                if _name(node) not in ("fail_type", "fail_value"):
+                    return "own"
+                shared = True
+    return "shared" if shared else None
 
 
 def hand_written_checks(root: Path) -> list[tuple[str, int, str]]:
-    """``(module, line, test)`` for each ``if`` that checks a number, bool or callable
-    by hand and refuses with ``TypeError``/``ValueError``, outside ``_check.py``."""
+    """``(module, line, test)`` for each hand-written check outside ``_check.py``.
+
+    That is an ``if`` that tests a number, a bool or a callable and refuses in its own
+    words, or tests just one such kind (a job for ``check_int``, ``check_number``,
+    ``check_bool``, ``check_callable``) and calls ``fail_type``/``fail_value``.
+    """
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.name == "_check.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.If) and _refuses(node.body):
-                kind = _kind_test(node.test)
+            refusal = _refusal(node.body) if isinstance(node, ast.If) else None
+            if isinstance(node, ast.If) and refusal is not None:
+                kind = _kind_test(node.test, anywhere=refusal == "own")
                 if kind is not None:
                     found.append((path.relative_to(root).as_posix(), node.lineno, kind))
     return found
@@ -155,8 +172,16 @@ def test_the_scan_finds_each_hand_written_form(tmp_path: Path) -> None:
         "        raise TypeError('fn')\n"
         "    if not is_int(n):\n"
         "        return None  # a predicate that refuses nothing is fine\n"
+        "    if fn is not None and not callable(fn):\n"
+        "        fail_type('f', 'fn', 'a function', fn)  # a guard, then one kind\n"
+        "    if fn is not None and not callable(fn):\n"
+        "        _fail('fn')  # a module's own words\n"
+        "    if 'dim' in fn and not is_int(fn['dim']):\n"
+        "        fail_type('f', 'dim', 'an int', fn)  # a guard, then one kind\n"
+        "    if fn is not None and not isinstance(fn, str) and not callable(fn):\n"
+        "        fail_type('f', 'fn', 'a str or a function', fn)  # two kinds: fine\n"
     )
-    assert [line for _, line, _ in hand_written_checks(tmp_path)] == [2, 4, 6, 8]
+    assert [line for _, line, _ in hand_written_checks(tmp_path)] == [2, 4, 6, 8, 12, 14, 16]
 
 
 # --------------------------------------------------------------------- the wording
