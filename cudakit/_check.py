@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, NoReturn, TypeGuard, TypeVar
+
+import torch
 
 __all__ = [
     "check_bool",
     "check_callable",
     "check_choice",
     "check_device",
+    "check_extra",
     "check_int",
     "check_number",
     "check_optional",
@@ -134,17 +137,18 @@ def check_number(
     *,
     positive: bool = False,
     minimum: float | None = None,
+    maximum: float | None = None,
+    below: float | None = None,
     finite: bool = True,
     fix: str = "",
 ) -> float:
-    """``float(value)`` for a real number (NumPy's too; bools refused), finite and in range."""
-    if positive:
-        expected = "a positive finite number" if finite else "a positive number"
-    elif minimum is not None:
-        expected = f"a {'finite ' if finite else ''}number >= {minimum}"
-    else:
-        expected = "a finite number" if finite else "a number"
-    fix = fix or _example(arg, 1.0 if minimum is None or minimum <= 1 else float(minimum))
+    """``float(value)`` for a real number (NumPy's too; bools refused), finite and in range.
+
+    ``minimum`` and ``maximum`` are inclusive bounds, ``below`` an exclusive upper one,
+    ``positive`` means ``> 0``.
+    """
+    expected = _number_expected(positive, minimum, maximum, below, finite)
+    fix = fix or _example(arg, _number_example(positive, minimum, maximum, below))
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail_type(func, arg, expected, value, fix)
     number = float(value)
@@ -153,9 +157,48 @@ def check_number(
         or math.isnan(number)
         or (positive and number <= 0)
         or (minimum is not None and number < minimum)
+        or (maximum is not None and number > maximum)
+        or (below is not None and number >= below)
     ):
         fail_value(func, arg, expected, value, fix)
     return number
+
+
+def _number_example(
+    positive: bool, minimum: float | None, maximum: float | None, below: float | None
+) -> float:
+    """An allowed number for a message's example: 1.0 where it fits, else within range."""
+    low = float(minimum) if minimum is not None else 0.0
+    example = max(1.0, low)
+    if maximum is not None:
+        example = min(example, float(maximum))
+    if below is not None and example >= below:
+        example = (max(low, 0.0) + below) / 2 if below > low else below - 1.0
+    if positive and example <= 0:
+        example = 1.0
+    return example
+
+
+def _number_expected(
+    positive: bool,
+    minimum: float | None,
+    maximum: float | None,
+    below: float | None,
+    finite: bool,
+) -> str:
+    """What :func:`check_number` expects, in words: ``a finite number in [0, 1)``."""
+    kind = "finite number" if finite else "number"
+    if positive and maximum is None and below is None:
+        return f"a positive {kind}"
+    low = "(0" if positive else f"[{minimum:g}" if minimum is not None else ""
+    high = f"{maximum:g}]" if maximum is not None else f"{below:g})" if below is not None else ""
+    if low and high:
+        return f"a {kind} in {low}, {high}"
+    if minimum is not None:
+        return f"a {kind} >= {minimum:g}"
+    if high:
+        return f"a {kind} {'<=' if maximum is not None else '<'} {high[:-1]}"
+    return f"a {kind}"
 
 
 def check_choice(
@@ -173,11 +216,52 @@ def check_choice(
     return value
 
 
-def check_callable(func: str, arg: str, value: object, *, expected: str, fix: str = "") -> Any:
+def check_callable(
+    func: str, arg: str, value: object, *, expected: str, fix: str = ""
+) -> Callable[..., Any]:
     """``value`` if it is callable, else ``TypeError``."""
     if not callable(value):
         fail_type(func, arg, expected, value, fix)
     return value
+
+
+#: What ``extra=`` holds: objects with ``state_dict()``/``load_state_dict()``, tensors, RNGs.
+_EXTRA_ITEM = "objects with state_dict() and load_state_dict(), tensors or torch.Generator objects"
+_EXTRA = f"a tuple of {_EXTRA_ITEM}"
+
+
+def check_extra(func: str, value: object, *, fix: str = "") -> tuple[Any, ...]:
+    """``extra=`` as a tuple: objects with ``state_dict()`` and ``load_state_dict()``,
+    tensors and ``torch.Generator`` objects; a class or anything else is refused.
+
+    ``fix`` ends the message for an item that is none of these (default: leave it out).
+    """
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes)):
+        fail_type(func, "extra", _EXTRA, value, "For one object write extra=(obj,).")
+    items = tuple(value)
+    for obj in items:
+        if isinstance(obj, type):
+            name = obj.__name__
+            fail_type(
+                func,
+                "extra",
+                "objects, not classes",
+                obj,
+                f"Pass the {name} you train with, e.g. extra=(obj,) where obj = {name}(...).",
+            )
+        if isinstance(obj, (torch.Tensor, torch.Generator)) or (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            continue
+        fail_type(
+            func,
+            "extra",
+            _EXTRA_ITEM,
+            obj,
+            fix or "Leave it out, or put back yourself what the call changes in it.",
+        )
+    return items
 
 
 def check_optional(

@@ -17,6 +17,8 @@ from typing import Any, Self, TypeVar, cast
 
 from typing_extensions import ParamSpec
 
+from ._check import check_callable
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -62,12 +64,14 @@ class ContextDecorator(ABC):
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
         """Decorate ``func`` so that every call runs inside a fresh clone."""
-        if not callable(func):
-            raise TypeError(
-                f"{type(self).__name__} used as a decorator expects a function, got "
-                f"{type(func).__name__}; use it as `@{type(self).__name__.lower()}(...)` above "
-                "a `def`, or as `with ...:` around a block."
-            )
+        check_callable(
+            type(self).__name__,
+            "func",
+            func,
+            expected="a function to decorate",
+            fix=f"Use it as `@{type(self).__name__.lower()}(...)` above a `def`, or as "
+            "`with ...:` around a block.",
+        )
         reject_deferred_body(
             func,
             f"{type(self).__name__} cannot decorate",

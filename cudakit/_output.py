@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Final
 
-from ._check import describe
+from ._check import describe, fail_type
 
 __all__ = [
     "STDERR",
@@ -84,9 +84,12 @@ def describe_target(file: object, log: object) -> str:
 def check_log(func: str, log: object) -> LogTarget | None:
     """``log=`` at the door: None, a ``logging.Logger`` or a callable."""
     if log is not None and not isinstance(log, logging.Logger) and not callable(log):
-        raise TypeError(
-            f"{func}(log=...) takes a logging.Logger or a callable that accepts the line, "
-            f"got {describe(log)}. For example: log=logging.getLogger(__name__)."
+        fail_type(
+            func,
+            "log",
+            "a logging.Logger or a callable that accepts the line",
+            log,
+            "For example: log=logging.getLogger(__name__).",
         )
     return log
 

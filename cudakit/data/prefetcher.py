@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from .._check import check_device, is_int
+from .._check import check_device, check_int
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
 
@@ -294,18 +294,14 @@ class Prefetcher(Generic[T]):
             TypeError: ``epoch`` is not an int.
             ValueError: ``epoch`` is negative.
         """
-        if not is_int(epoch):
-            raise TypeError(
-                f"set_epoch() expects the epoch number as an int, got {type(epoch).__name__} "
-                f"{epoch!r}; call it once per epoch: `for epoch in range(n): "
-                "batches.set_epoch(epoch); for batch in batches: ...`."
-            )
-        epoch = int(epoch)  # a NumPy int too
-        if epoch < 0:
-            raise ValueError(
-                f"set_epoch() expects the epoch number as an int >= 0, got {epoch}; epochs "
-                "count from 0: `for epoch in range(n): batches.set_epoch(epoch)`."
-            )
+        epoch = check_int(
+            f"{type(self).__name__}.set_epoch",
+            "epoch",
+            epoch,
+            minimum=0,
+            fix="Epochs count from 0; call it once per epoch: `for epoch in range(n): "
+            "batches.set_epoch(epoch); for batch in batches: ...`.",
+        )  # a NumPy int too
         for target in _epoch_targets(self._loader):
             target(epoch)
 
@@ -384,19 +380,15 @@ def _check_source(loader: object, func: str = "prefetch") -> None:
 
 def _check_depth(func: str, depth: object) -> int:
     """``depth`` as an int (NumPy's too) >= 1."""
-    if not is_int(depth):
-        raise TypeError(
-            f"{func}(depth=...) expects depth as an int number of batches to copy ahead, got "
-            f"{type(depth).__name__} {depth!r}; the default depth=2 suits most loops: pass "
-            "e.g. depth=2."
-        )
-    if depth < 1:
-        raise ValueError(
-            f"{func}(depth=...) needs depth >= 1 (batches copied ahead of the one in use), got "
-            f"depth={depth}. Use depth=1 for the least device memory, or plain "
-            "on_device(batch) inside the loop for no look-ahead at all."
-        )
-    return int(depth)
+    return check_int(
+        func,
+        "depth",
+        depth,
+        minimum=1,
+        fix="It counts the batches copied ahead of the one in use; the default depth=2 "
+        "suits most loops. Use depth=1 for the least device memory, or plain "
+        "on_device(batch) inside the loop for no look-ahead at all.",
+    )
 
 
 @overload

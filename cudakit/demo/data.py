@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._check import check_int, is_int
+from .._check import check_int
 
 __all__ = ["NUM_CLASSES", "make_dataset"]
 
@@ -37,17 +37,14 @@ def make_dataset(
         ``(images, labels)``: a float32 tensor ``(n, 3, 32, 32)`` and an int64 tensor ``(n,)``.
 
     Raises:
-        ValueError: ``n`` is not a positive int (NumPy's are ints; ``True`` is not), or
-            ``split`` is unknown; ``seed`` beyond +-2**62.
-        TypeError: ``seed`` is not an int.
+        ValueError: ``n`` below 1, ``split`` unknown, or ``seed`` beyond +-2**62.
+        TypeError: ``n`` or ``seed`` is not an int (NumPy's are ints; ``True`` is not).
 
     .. versionadded:: 0.1
     """
-    if not is_int(n) or n < 1:
-        raise ValueError(
-            f"make_dataset() needs a positive number of images n, got {n!r}. Pass e.g. n=64."
-        )
-    n = int(n)  # a NumPy int too
+    n = check_int(
+        "make_dataset", "n", n, minimum=1, fix="It counts the images: pass e.g. n=64."
+    )  # a NumPy int too
     seed = check_int("make_dataset", "seed", seed, minimum=-(2**62), maximum=2**62)
     if split not in ("train", "val"):
         raise ValueError(

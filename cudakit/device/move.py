@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 from typing_extensions import ParamSpec
 
-from .._check import check_optional, check_type
+from .._check import check_callable, check_optional, check_type
 from .._tree import Ctx, finish, move_root, traverse
 from . import _handlers  # noqa: F401  (registers the module and optimizer handlers)
 from .resolve import DeviceLike, resolve_cached, resolve_for
@@ -111,12 +111,14 @@ class OnDeviceDecorator:
             return staticmethod(self._wrap(func.__func__, skip=0))
         if isinstance(func, classmethod):
             return classmethod(self._wrap(func.__func__, skip=1))
-        if not callable(func):
-            raise TypeError(
-                f"on_device(...) used as a decorator expects a function, got "
-                f"{type(func).__name__} {func!r}. Write `@on_device(device=...)` above a `def`, "
-                "or call `on_device(obj, device=...)` to move data."
-            )
+        check_callable(
+            "on_device",
+            "func",
+            func,
+            expected="a function to decorate",
+            fix="Write `@on_device(device=...)` above a `def`, or call "
+            "`on_device(obj, device=...)` to move data.",
+        )
         try:
             params = list(inspect.signature(func).parameters)
         except (TypeError, ValueError):

@@ -19,7 +19,7 @@ from typing_extensions import ParamSpec
 
 from .. import _deprecated
 from .._accel import follows_current_device
-from .._check import describe, is_int
+from .._check import check_int, describe, fail_type
 from .._contextlib import ContextDecorator
 from .._oom import is_oom_error
 from .._output import (
@@ -446,24 +446,24 @@ def memory_report(
     .. versionadded:: 0.1
     """
     if label is not None and not isinstance(label, str) and not callable(label):
-        raise TypeError(
-            f"memory_report(label) takes a string naming the block, got "
-            f"{type(label).__name__} {label!r}. For example: memory_report('train_step')."
+        fail_type(
+            "memory_report",
+            "label",
+            "a string naming the block",
+            label,
+            "For example: memory_report('train_step').",
         )
     file = check_file("memory_report", file)
     log = check_log("memory_report", log)
     if every is not None:
-        if not is_int(every):
-            raise TypeError(
-                f"memory_report(every=...) takes a whole number of calls, got "
-                f"{type(every).__name__} {every!r}. For example: every=100."
-            )
-        every = int(every)  # a NumPy int too
-        if every < 1:
-            raise ValueError(
-                f"memory_report(every={every}) must be at least 1 (1 writes a line for every "
-                "call). Use file=None to silence the output instead."
-            )
+        every = check_int(
+            "memory_report",
+            "every",
+            every,
+            minimum=1,
+            fix="It counts calls: every=1 writes a line for every call, e.g. every=100 for "
+            "one in a hundred. Use file=None to silence the output instead.",
+        )  # a NumPy int too
     if record_history is not None and not isinstance(record_history, (str, os.PathLike)):
         raise TypeError(
             "memory_report(record_history=...) takes a file path for the allocator snapshot, "

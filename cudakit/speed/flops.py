@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._check import check_callable, check_optional, check_type, describe
+from .._check import check_callable, check_extra, check_optional, check_type, describe
 from ..amp import AutocastStep, StepResult
 from ..warmup import preserve_state
 from ._formulas import Formulas
@@ -104,28 +104,6 @@ def _loss(out: object) -> torch.Tensor:
         f"{describe(out)}. Return the loss from fn (e.g. lambda x, y: "
         "F.cross_entropy(model(x), y)), or pass a function decorated with autocast_step."
     )
-
-
-def _stateful(items: object) -> tuple[Any, ...]:
-    if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
-        raise TypeError(
-            f"count_flops(extra=...) expects a tuple of objects with state_dict() and "
-            f"load_state_dict(), got {describe(items)}. For one object write extra=(obj,)."
-        )
-    out = tuple(items)
-    for obj in out:
-        if isinstance(obj, (torch.Tensor, torch.Generator)):
-            continue
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise TypeError(
-                "count_flops(extra=...) expects objects with state_dict() and "
-                f"load_state_dict(), tensors or torch.Generator objects, got {describe(obj)}. "
-                "Leave it out, or put back yourself what fn changes in it."
-            )
-    return out
 
 
 def _grad_leaves(obj: object, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
@@ -223,7 +201,7 @@ def count_flops(
         expected="a torch.optim.Optimizer or None",
         fix="Pass the optimizer object; put schedulers in extra=(...).",
     )
-    keep = _stateful(extra)
+    keep = check_extra("count_flops", extra)
     step = getattr(fn, "autocast_step", None)
     step = step if isinstance(step, AutocastStep) else None
     if model is None and step is not None:

@@ -14,7 +14,7 @@ from typing import Any, Concatenate, Protocol, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from .._check import is_int, is_real
+from .._check import check_callable, check_int, check_number
 from .._oom import is_oom_error
 from ..exceptions import BatchSizeSearchError
 
@@ -33,17 +33,8 @@ def free_memory() -> None:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not is_int(value):
-        raise TypeError(
-            f"find_batch_size() expects {name} to be an int, got {type(value).__name__} "
-            f"{value!r}. Pass a whole number of samples, e.g. {name}=32."
-        )
-    if value < 1:
-        raise ValueError(
-            f"find_batch_size() expects {name} >= 1, got {value}. Batch sizes count samples, "
-            f"from 1; e.g. {name}=32."
-        )
-    return int(value)  # a NumPy int too
+    fix = f"Batch sizes count samples, from 1: pass e.g. {name}=32."
+    return check_int("find_batch_size", name, value, minimum=1, fix=fix)  # a NumPy int too
 
 
 @dataclass(frozen=True)
@@ -62,16 +53,15 @@ class _Search:
         lo = _positive_int("lower", lower)
         hi = None if upper is None else _positive_int("upper", upper)
         m = _positive_int("multiple_of", multiple_of)
-        if not is_real(margin):
-            raise TypeError(
-                f"find_batch_size() expects margin to be a float in [0, 1), got "
-                f"{type(margin).__name__} {margin!r}. Pass e.g. margin=0.1, or leave it out."
-            )
-        if not 0.0 <= margin < 1.0:
-            raise ValueError(
-                f"find_batch_size() expects margin in [0, 1) (the fraction to back off from "
-                f"the largest size that fits, e.g. 0.1), got {margin}."
-            )
+        margin = check_number(
+            "find_batch_size",
+            "margin",
+            margin,
+            minimum=0.0,
+            below=1.0,
+            fix="It is the fraction to back off from the largest size that fits: pass e.g. "
+            "margin=0.1, or leave it out.",
+        )
         if hi is not None and hi < lo:
             raise ValueError(
                 f"find_batch_size() got upper={hi} below lower={lo}; swap them or widen the range."
@@ -278,21 +268,25 @@ def find_batch_size(
     """
     search = _Search.checked(start, lower, upper, multiple_of, margin)
     if trial_fn is not None:
-        if not callable(trial_fn):
-            raise TypeError(
-                f"find_batch_size() expects trial_fn to be a function of the batch size, got "
-                f"{type(trial_fn).__name__}. Pass it positionally: find_batch_size(trial, ...)."
-            )
+        check_callable(
+            "find_batch_size",
+            "trial_fn",
+            trial_fn,
+            expected="a function of the batch size",
+            fix="Pass it positionally: find_batch_size(trial, ...).",
+        )
         _check_trial(trial_fn, "find_batch_size() calls")
         largest, _ = search.run(trial_fn)
         return search.final(largest)
 
     def decorate(fn: Callable[Concatenate[int, P], R]) -> Callable[P, R]:
-        if not callable(fn):
-            raise TypeError(
-                f"@find_batch_size(...) decorates a function whose first parameter is the "
-                f"batch size, got {type(fn).__name__}."
-            )
+        check_callable(
+            "find_batch_size",
+            "fn",
+            fn,
+            expected="a function whose first parameter is the batch size",
+            fix="Write @find_batch_size(...) above a `def`.",
+        )
         _check_trial(fn, "@find_batch_size(...) decorates")
         try:
             signature: inspect.Signature | None = inspect.signature(fn)

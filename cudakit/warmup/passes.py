@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from .._accel import synchronize
-from .._check import check_device, fail_type, fail_value, is_int
+from .._check import check_callable, check_device, check_extra, check_int, fail_type, fail_value
 from ..device import DeviceLike, resolve_device
 from ..exceptions import CompiledWarmupWarning, DeviceError, ReserveIgnoredWarning
 from ..memory import memory_report
-from ._args import check_extra, check_model, check_optimizer
+from ._args import check_model, check_optimizer
 from ._loss import call_model, describe_forms, loss_form, loss_of
 from ._reserve import ReserveSpec, parse_reserve, reserve_cuda
 from .preserve import preserve_state
@@ -210,24 +210,20 @@ def _plan(
     """Check every argument of :func:`warmup` and decide what it runs; changes nothing."""
     module = check_model(model, "warmup")
     opt = check_optimizer(optimizer, "warmup")
-    if not is_int(steps):
-        raise TypeError(
-            f"warmup() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
-            "Two passes is typical: steps=2."
-        )
-    if steps < 1:
-        raise ValueError(
-            f"warmup() expects steps >= 1, got {steps}. Two passes is typical: steps=2."
-        )
-    steps = int(steps)  # a NumPy int too
+    steps = check_int(
+        "warmup", "steps", steps, minimum=1, fix="Two passes is typical: steps=2."
+    )  # a NumPy int too
     _check_plan_shape(module, batch, loss_fn, reserve)
     _check_batch(batch)
     if module is not None:
         _check_not_meta(module)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"warmup() expects loss_fn to be callable as loss_fn(model, batch) or "
-            f"loss_fn(model(inputs), target), got {type(loss_fn).__name__}. {describe_forms()}"
+    if loss_fn is not None:
+        loss_fn = check_callable(
+            "warmup",
+            "loss_fn",
+            loss_fn,
+            expected="a function called as loss_fn(model, batch) or loss_fn(model(inputs), target)",
+            fix=describe_forms(),
         )
     criterion = loss_fn is not None and loss_form(loss_fn, module) == "criterion"
     if loss_fn is not None:
@@ -258,7 +254,7 @@ def _plan(
             "out to use the model's)."
         )
     autocast, amp_state = _resolve_amp(amp, dev)
-    extra_items = check_extra(extra, "warmup")
+    extra_items = check_extra("warmup", extra)
     return _Plan(
         module,
         batch,

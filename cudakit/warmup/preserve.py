@@ -12,8 +12,9 @@ from typing import Any, Protocol, Self, runtime_checkable
 import torch
 from torch import nn
 
+from .._check import check_extra
 from .._contextlib import ContextDecorator
-from ._args import check_extra, check_model, check_optimizer
+from ._args import check_model, check_optimizer
 
 __all__ = ["ExactRestore", "RngState", "preserve_state"]
 
@@ -258,7 +259,7 @@ class preserve_state(ContextDecorator):
     ) -> None:
         self.model = check_model(model, "preserve_state")
         self.optimizer = check_optimizer(optimizer, "preserve_state")
-        self.extra = check_extra(extra, "preserve_state")
+        self.extra = check_extra("preserve_state", extra)
         self._snapshots: list[_Snapshot] = []
 
     def clone(self) -> Self:

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
-from .._check import is_int
+from .._check import check_callable, check_extra, check_int
 from .._contextlib import reject_deferred_body
-from ._args import check_extra, check_model, check_optimizer
+from ._args import check_model, check_optimizer
 from .preserve import preserve_state
 
 P = ParamSpec("P")
@@ -116,30 +116,23 @@ def warmed(
     """
     module = check_model(model, "warmed")
     opt = check_optimizer(optimizer, "warmed")
-    extra_items = check_extra(extra, "warmed")
+    extra_items = check_extra("warmed", extra)
     if module is None:
         raise TypeError(
             "warmed() needs model=, the module the step function trains, so that the warm-up "
             "calls can be rolled back. Write @warmed(model=model, optimizer=optimizer)."
         )
-    if not is_int(steps):
-        raise TypeError(
-            f"warmed() expects steps to be an int >= 1, got {type(steps).__name__} {steps!r}. "
-            "Pass e.g. steps=1."
-        )
-    if steps < 1:
-        raise ValueError(
-            f"warmed() expects steps to be an int >= 1, got {steps!r}. Pass e.g. steps=1."
-        )
-    steps = int(steps)  # a NumPy int too
+    steps = check_int("warmed", "steps", steps, minimum=1)  # a NumPy int too
     guard = preserve_state(module, opt, extra=extra_items)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
-        if not callable(func):
-            raise TypeError(
-                f"warmed() wraps a step function, got {type(func).__name__}. Use "
-                "@warmed(model=model, optimizer=optimizer) above a `def`."
-            )
+        check_callable(
+            "warmed",
+            "func",
+            func,
+            expected="a step function to wrap",
+            fix="Use @warmed(model=model, optimizer=optimizer) above a `def`.",
+        )
         reject_deferred_body(
             func, "warmed() cannot wrap", "Wrap a plain step function.", ", outside the rollback"
         )

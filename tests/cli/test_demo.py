@@ -422,15 +422,15 @@ def test_dataset_is_deterministic_and_the_splits_differ() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "exc", "message"),
     [
-        ({"n": 0}, r"positive number of images n, got 0"),
-        ({"n": True}, r"positive number of images n, got True"),
-        ({"n": 4, "split": "test"}, r"split must be 'train' or 'val', got 'test'"),
+        ({"n": 0}, ValueError, r"make_dataset\(n=\.\.\.\) expects an int >= 1, got int 0\. .*n=64"),
+        ({"n": True}, TypeError, r"make_dataset\(n=\.\.\.\) expects an int >= 1, got bool True"),
+        ({"n": 4, "split": "test"}, ValueError, r"split must be 'train' or 'val', got 'test'"),
     ],
 )
-def test_dataset_errors(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_dataset_errors(kwargs: dict[str, Any], exc: type[Exception], message: str) -> None:
+    with pytest.raises(exc, match=message):
         make_dataset(**kwargs)
 
 

@@ -362,7 +362,9 @@ def test_set_epoch_without_any_sampler_is_a_no_op() -> None:
 
 @pytest.mark.parametrize("epoch", [1.0, "1", True, None])
 def test_set_epoch_rejects_non_int(epoch: Any) -> None:
-    with pytest.raises(TypeError, match=r"set_epoch\(\) expects the epoch number as an int, got"):
+    with pytest.raises(
+        TypeError, match=r"Prefetcher\.set_epoch\(epoch=\.\.\.\) expects an int >= 0, got"
+    ):
         prefetch([1], device="cpu").set_epoch(epoch)
 
 
@@ -387,13 +389,17 @@ def test_bad_sources_are_clear_errors(source: Any, match: str) -> None:
 
 @pytest.mark.parametrize("depth", [2.0, "2", True, None])
 def test_depth_must_be_an_int(depth: Any) -> None:
-    with pytest.raises(TypeError, match=r"expects depth as an int .* the default depth=2"):
+    with pytest.raises(
+        TypeError, match=r"prefetch\(depth=\.\.\.\) expects an int >= 1, got .* the default depth=2"
+    ):
         prefetch([], device="cpu", depth=depth)
 
 
 @pytest.mark.parametrize("depth", [0, -1])
 def test_depth_must_be_positive(depth: int) -> None:
-    with pytest.raises(ValueError, match=rf"needs depth >= 1 .* got depth={depth}\. Use depth=1"):
+    with pytest.raises(
+        ValueError, match=rf"depth=\.\.\.\) expects an int >= 1, got int {depth}\. .*Use depth=1"
+    ):
         prefetch([], device="cpu", depth=depth)
 
 

@@ -858,7 +858,10 @@ def test_decorator_errors_name_the_function() -> None:
 
 def test_decorator_misuse() -> None:
     deco = on_device(device="meta")
-    with pytest.raises(TypeError, match=r"used as a decorator expects a function, got int"):
+    with pytest.raises(
+        TypeError,
+        match=r"on_device\(func=\.\.\.\) expects a function to decorate, got int 3\. Write",
+    ):
         deco(3)  # type: ignore[arg-type]
     with pytest.raises(DeviceError, match="did you mean 'cuda'"):
         on_device("gpu")

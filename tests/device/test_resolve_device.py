@@ -191,7 +191,7 @@ def test_on_device_non_blocking_message_names_function_argument_and_fix() -> Non
 def test_prefetch_set_epoch_wrong_kind_is_a_type_error(epoch: object) -> None:
     from cudakit.data import prefetch
 
-    with pytest.raises(TypeError, match=r"set_epoch\(\) expects the epoch number as an int"):
+    with pytest.raises(TypeError, match=r"set_epoch\(epoch=\.\.\.\) expects an int >= 0, got"):
         prefetch([torch.ones(1)], device="cpu").set_epoch(epoch)  # type: ignore[arg-type]
 
 
@@ -225,7 +225,7 @@ def test_prefetch_set_epoch_negative_is_a_value_error_and_changes_nothing() -> N
     batches = prefetch(DataLoader(ds, sampler=sampler), device="cpu")
     with pytest.raises(
         ValueError,
-        match=r"set_epoch\(\) expects the epoch number as an int >= 0, got -1; epochs count "
+        match=r"set_epoch\(epoch=\.\.\.\) expects an int >= 0, got int -1\. Epochs count "
         r"from 0",
     ):
         batches.set_epoch(-1)

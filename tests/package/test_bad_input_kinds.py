@@ -767,8 +767,8 @@ ROWS: list[Bad] = [
     *_rows(
         "make_dataset(",
         lambda w, **kw: demo.make_dataset(**{"n": 4, **kw}),
-        # n and split: a ValueError for any bad value, their tested contract (tests/cli).
-        [("seed", "x"), ("seed", True), ("seed", 1.5)],
+        # split: a ValueError for any bad value, its tested contract (tests/cli).
+        [("n", True), ("n", "4"), ("seed", "x"), ("seed", True), ("seed", 1.5)],
     ),
     *_rows(
         "make_model(",

@@ -93,7 +93,7 @@ from cudakit.speed import FlopCount, speed_report
         (
             {"log": 3},
             TypeError,
-            r"speed_report\(log=...\) takes a logging.Logger or a "
+            r"speed_report\(log=...\) expects a logging.Logger or a "
             r"callable",
         ),
     ],

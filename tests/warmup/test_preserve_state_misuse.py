@@ -21,16 +21,16 @@ def test_a_class_in_extra_is_refused_by_name(cls: type) -> None:
     model, opt = _model_and_optimizer()
     with pytest.raises(
         TypeError,
-        match=rf"^preserve_state\(\) got the class {cls.__name__} in extra, not an object made "
-        rf"from it: pass the {cls.__name__} you train with, e\.g\. extra=\(obj,\) where "
-        rf"obj = {cls.__name__}\(\.\.\.\)\.$",
+        match=rf"^preserve_state\(extra=\.\.\.\) expects objects, not classes, got type "
+        rf"<class '[\w.]*{cls.__name__}'>\. Pass the {cls.__name__} you train with, "
+        rf"e\.g\. extra=\(obj,\) where obj = {cls.__name__}\(\.\.\.\)\.$",
     ):
         preserve_state(model, opt, extra=(cls,))
 
 
 def test_warmup_refuses_a_class_in_extra_too() -> None:
     model, opt = _model_and_optimizer()
-    with pytest.raises(TypeError, match=r"^warmup\(\) got the class StepLR in extra"):
+    with pytest.raises(TypeError, match=r"^warmup\(extra=\.\.\.\) expects objects, not classes"):
         warmup(model, torch.ones(1, 2), optimizer=opt, extra=(StepLR,))
 
 

@@ -322,11 +322,11 @@ def test_preserve_state_resets_numpy_rng() -> None:
     [
         ({"model": {"w": 1}}, TypeError, r"torch\.nn\.Module, got dict.*not its state_dict"),
         ({"optimizer": "adam"}, TypeError, r"torch\.optim\.Optimizer or None, got str"),
-        ({"extra": 3}, TypeError, r"extra to be a tuple.*got int.*extra=\(obj,\)"),
+        ({"extra": 3}, TypeError, r"\(extra=\.\.\.\) expects a tuple.*got int 3.*extra=\(obj,\)"),
         (
             {"extra": (object(),)},
             TypeError,
-            r"load_state_dict\(\), tensors and torch.Generator objects; object is none",
+            r"load_state_dict\(\), tensors or torch.Generator objects, got object",
         ),
         ({"model": nn.LazyLinear(2)}, ValueError, r"uninitialized lazy parameters.*forward pass"),
     ],
@@ -530,7 +530,7 @@ def test_warmup_extra_is_preserved() -> None:
         warmup(model, batch(), loss_fn=loss_fn, optimizer=opt, extra=(sched,))
     assert sched.last_epoch == 0
     assert opt.param_groups[0]["lr"] == 0.1
-    with pytest.raises(TypeError, match=r"warmup\(\) expects extra to be a tuple"):
+    with pytest.raises(TypeError, match=r"warmup\(extra=\.\.\.\) expects a tuple"):
         warmup(model, batch(), loss_fn=mse, extra=sched)
 
 
@@ -639,9 +639,24 @@ def test_reserve_spec_errors(spec: Any, exc: type[Exception], match: str) -> Non
             TypeError,
             r"Optimizer or None, got int",
         ),
-        ((nn.Linear(1, 1), torch.ones(1)), {"steps": 0}, ValueError, r"steps >= 1, got 0"),
-        ((nn.Linear(1, 1), torch.ones(1)), {"steps": 2.0}, TypeError, r"steps to be an int"),
-        ((nn.Linear(1, 1), torch.ones(1)), {"steps": True}, TypeError, r"steps to be an int"),
+        (
+            (nn.Linear(1, 1), torch.ones(1)),
+            {"steps": 0},
+            ValueError,
+            r"steps=\.\.\.\) expects an int >= 1, got int 0",
+        ),
+        (
+            (nn.Linear(1, 1), torch.ones(1)),
+            {"steps": 2.0},
+            TypeError,
+            r"steps=\.\.\.\) expects an int",
+        ),
+        (
+            (nn.Linear(1, 1), torch.ones(1)),
+            {"steps": True},
+            TypeError,
+            r"steps=\.\.\.\) expects an int",
+        ),
         ((nn.Linear(1, 1), torch.ones(1)), {"loss_fn": 3}, TypeError, r"loss_fn\(model, batch\)"),
         ((nn.Linear(1, 1), torch.ones(1)), {"amp": "bf16"}, TypeError, r"autocast_step\(\.\.\.\)"),
         ((nn.Linear(1, 1), torch.ones(1)), {"amp": torch.int8}, ValueError, r"not a floating"),
@@ -853,7 +868,11 @@ def test_warmed_retries_warmup_after_a_failed_first_call() -> None:
     ("kwargs", "exc", "match"),
     [
         ({"model": None}, TypeError, r"warmed\(\) needs model="),
-        ({"model": nn.Linear(1, 1), "steps": 0}, ValueError, r"steps to be an int >= 1, got 0"),
+        (
+            {"model": nn.Linear(1, 1), "steps": 0},
+            ValueError,
+            r"steps=\.\.\.\) expects an int >= 1, got int 0",
+        ),
         ({"model": nn.Linear(1, 1), "optimizer": 3}, TypeError, r"Optimizer or None, got int"),
     ],
 )
@@ -863,9 +882,11 @@ def test_warmed_errors(kwargs: dict[str, Any], exc: type[Exception], match: str)
 
 
 def test_warmed_rejects_a_non_callable() -> None:
-    with pytest.raises(TypeError, match=r"wraps a step function, got int"):
+    with pytest.raises(
+        TypeError, match=r"warmed\(func=\.\.\.\) expects a step function to wrap, got int"
+    ):
         warmed(model=nn.Linear(1, 1))(3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"steps to be an int >= 1, got float 2\.0"):
+    with pytest.raises(TypeError, match=r"steps=\.\.\.\) expects an int >= 1, got float 2\.0"):
         warmed(model=nn.Linear(1, 1), steps=2.0)  # type: ignore[call-overload]
 
     def gen() -> Any:
@@ -1056,15 +1077,23 @@ def test_oom_traceback_tensors_are_released_before_the_next_try_real_free() -> N
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"start": 0}, ValueError, r"start >= 1, got 0"),
-        ({"start": 2.5}, TypeError, r"start to be an int, got float"),
-        ({"lower": True}, TypeError, r"lower to be an int, got bool"),
-        ({"upper": 0}, ValueError, r"upper >= 1"),
+        ({"start": 0}, ValueError, r"start=\.\.\.\) expects an int >= 1, got int 0"),
+        ({"start": 2.5}, TypeError, r"start=\.\.\.\) expects an int >= 1, got float"),
+        ({"lower": True}, TypeError, r"lower=\.\.\.\) expects an int >= 1, got bool"),
+        ({"upper": 0}, ValueError, r"upper=\.\.\.\) expects an int >= 1"),
         ({"lower": 10, "upper": 5}, ValueError, r"upper=5 below lower=10"),
         ({"lower": 9, "upper": 15, "multiple_of": 16}, ValueError, r"no multiple of 16"),
-        ({"multiple_of": 0}, ValueError, r"multiple_of >= 1"),
-        ({"margin": 1.0}, ValueError, r"margin in \[0, 1\).*e\.g\. 0\.1"),
-        ({"margin": "10%"}, TypeError, r"margin to be a float"),
+        ({"multiple_of": 0}, ValueError, r"multiple_of=\.\.\.\) expects an int >= 1"),
+        (
+            {"margin": 1.0},
+            ValueError,
+            r"margin=\.\.\.\) expects a finite number in \[0, 1\).*e\.g\. margin=0\.1",
+        ),
+        (
+            {"margin": "10%"},
+            TypeError,
+            r"margin=\.\.\.\) expects a finite number in \[0, 1\), got str",
+        ),
     ],
 )
 def test_find_batch_size_argument_errors(
@@ -1077,7 +1106,9 @@ def test_find_batch_size_argument_errors(
 
 
 def test_find_batch_size_rejects_a_non_callable_trial() -> None:
-    with pytest.raises(TypeError, match=r"trial_fn to be a function of the batch size, got int"):
+    with pytest.raises(
+        TypeError, match=r"trial_fn=\.\.\.\) expects a function of the batch size, got int"
+    ):
         find_batch_size(3)  # type: ignore[call-overload]
 
 
@@ -1146,7 +1177,9 @@ def test_decorator_argument_errors() -> None:
         train(batch_size=3, lr=0.1)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"batch size as the first argument.*remaining arguments"):
         train(4, 0.1)  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match=r"decorates a function whose first parameter"):
+    with pytest.raises(
+        TypeError, match=r"find_batch_size\(fn=\.\.\.\) expects a function whose first parameter"
+    ):
         find_batch_size(start=2)(5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"first positional argument, but .*\(\*, bs\) has no"):
         find_batch_size()(lambda *, bs: bs)  # type: ignore[arg-type]

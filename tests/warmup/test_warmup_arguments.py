@@ -181,10 +181,14 @@ def test_step_function_that_is_really_a_criterion_gets_a_note_naming_both_forms(
         ),
         ({"amp": torch.complex64}, ValueError, r"torch\.complex64 is not a floating-point"),
         ({"amp": "bf16"}, TypeError, r"warmup\(amp=\.\.\.\) expects an autocast_step"),
-        ({"steps": "2"}, TypeError, r"warmup\(\) expects steps to be an int >= 1, got str"),
-        ({"loss_fn": "mse"}, TypeError, r"loss_fn to be callable.*two forms"),
+        ({"steps": "2"}, TypeError, r"warmup\(steps=\.\.\.\) expects an int >= 1, got str"),
+        (
+            {"loss_fn": "mse"},
+            TypeError,
+            r"loss_fn=\.\.\.\) expects a function called as.*two forms",
+        ),
         ({"optimizer": "sgd"}, TypeError, r"Optimizer or None, got str"),
-        ({"extra": 1}, TypeError, r"extra to be a tuple"),
+        ({"extra": 1}, TypeError, r"extra=\.\.\.\) expects a tuple"),
         ({"reserve": "lots"}, ValueError, r"reserve='lots' is not a size"),
         ({"device": "gpu"}, DeviceError, r"did you mean"),
     ],
@@ -243,7 +247,7 @@ def test_a_meta_model_is_a_device_error() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"extra": "sched"}, TypeError, r"preserve_state\(\) expects extra to be a tuple"),
+        ({"extra": "sched"}, TypeError, r"preserve_state\(extra=\.\.\.\) expects a tuple"),
         ({"model": nn.LazyLinear(2)}, ValueError, r"lazy parameters"),
     ],
 )
@@ -255,9 +259,9 @@ def test_preserve_state_errors_name_the_function(
 
 
 def test_warmed_bad_steps_and_find_batch_size_bad_trial() -> None:
-    with pytest.raises(TypeError, match=r"warmed\(\) expects steps to be an int >= 1, got str"):
+    with pytest.raises(TypeError, match=r"warmed\(steps=\.\.\.\) expects an int >= 1, got str"):
         warmed(model=nn.Linear(1, 1), steps="2")  # type: ignore[call-overload]
-    with pytest.raises(TypeError, match=r"trial_fn to be a function of the batch size"):
+    with pytest.raises(TypeError, match=r"trial_fn=\.\.\.\) expects a function of the batch size"):
         find_batch_size("trial")  # type: ignore[call-overload]
 
 
@@ -383,7 +387,7 @@ def test_models_are_not_copied_by_example_batch() -> None:
         (
             {"model": nn.Linear(1, 1), "extra": 3},
             TypeError,
-            r"^warmed\(\) expects extra to be a tuple",
+            r"^warmed\(extra=\.\.\.\) expects a tuple",
         ),
         (
             {"model": nn.LazyLinear(1)},
@@ -402,7 +406,7 @@ def test_warmed_errors_name_warmed(
 def test_a_refused_warmed_changes_nothing() -> None:
     model = _net()
     before = _state(model)
-    with pytest.raises(ValueError, match=r"warmed\(\) expects steps to be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"warmed\(steps=\.\.\.\) expects an int >= 1, got int 0"):
         warmed(model=model, steps=0)
     assert _same(before, _state(model))
 
@@ -427,7 +431,7 @@ def test_reserve_errors_name_warmup_and_change_nothing(
 
 def test_steps_error_shows_the_value_and_the_fix() -> None:
     with pytest.raises(
-        TypeError, match=r"warmup\(\) expects steps to be an int >= 1, got float 2\.5\. .*steps=2"
+        TypeError, match=r"warmup\(steps=\.\.\.\) expects an int >= 1, got float 2\.5\. .*steps=2"
     ):
         warmup(nn.Linear(1, 1), torch.ones(1), steps=2.5)  # type: ignore[arg-type]
 
@@ -435,8 +439,16 @@ def test_steps_error_shows_the_value_and_the_fix() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"start": "32"}, TypeError, r"start to be an int, got str '32'\. .*e\.g\. start=32"),
-        ({"upper": 0}, ValueError, r"upper >= 1, got 0\. Batch sizes count samples"),
+        (
+            {"start": "32"},
+            TypeError,
+            r"start=\.\.\.\) expects an int >= 1, got str '32'\. .*e\.g\. start=32",
+        ),
+        (
+            {"upper": 0},
+            ValueError,
+            r"upper=\.\.\.\) expects an int >= 1, got int 0\. Batch sizes count samples",
+        ),
     ],
 )
 def test_find_batch_size_errors_say_the_fix(

@@ -1,0 +1,313 @@
+"""One set of argument validators (``cudakit/_check.py``), used everywhere, one wording.
+
+Every refused argument reads ``<func>(<arg>=...) expects <what>, got <type> <repr>.
+<fix>``: ``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. The scan
+below keeps hand-written checks of ints, numbers, bools and callables out of the
+package, and the properties pin the validators themselves.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cudakit._check import (
+    check_bool,
+    check_callable,
+    check_extra,
+    check_int,
+    check_number,
+    describe,
+)
+
+PACKAGE = Path(__file__).resolve().parents[2] / "cudakit"
+
+#: A refusal in the one wording, with the fix after the value.
+WORDING = re.compile(r"^(?P<func>[\w.@]+)\((?P<arg>[^)]*)=\.\.\.\) expects (?P<what>.+?), got ")
+
+#: Names a kind test may use and still be a check of a number or a bool.
+_NUMERIC = {"int", "float", "bool", "Integral", "Real", "numbers"}
+
+#: Modules whose checks still wait to be moved onto the validators (empties out).
+_NOT_YET: set[str] = {
+    "amp/checkpoint.py",
+    "amp/misuse.py",
+    "amp/options.py",
+    "amp/result.py",
+    "amp/spikes.py",
+    "amp/watch.py",
+    "checkpoint/arguments.py",
+    "checkpoint/layout.py",
+    "device/resolve.py",
+    "parallel/_args.py",
+    "parallel/launcher.py",
+    "parallel/loaders.py",
+    "parallel/ranks.py",
+    "parallel/strategy.py",
+    "speed/counts.py",
+    "speed/meter.py",
+    "warmup/_reserve.py",
+}
+
+
+def _name(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _numeric(node: ast.AST) -> bool:
+    names = {
+        n.id if isinstance(n, ast.Name) else n.attr
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    }
+    return bool(names) and names <= _NUMERIC
+
+
+def _kind_test(test: ast.expr, *, anywhere: bool = True) -> str | None:
+    """The test of a number, bool or callable in an ``if``'s condition, if any.
+
+    ``anywhere=False`` looks at the whole condition only, not at its parts (so
+    ``label is not None and not callable(label)`` is not a single-kind test).
+    """
+    if not anywhere and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        # ``key in opts and not is_int(opts[key])``: a guard, then one kind test
+        kinds = [v for v in test.values if _kind_test(v) or _tests_kind(v)]
+        return _kind_test(kinds[0], anywhere=False) if len(kinds) == 1 else None
+    for node in ast.walk(test) if anywhere else [test]:
+        if (
+            isinstance(node, ast.UnaryOp)
+            and isinstance(node.op, ast.Not)
+            and isinstance(node.operand, ast.Call)
+        ):
+            call = node.operand
+            name = _name(call)
+            if name in ("is_int", "is_real"):
+                return f"not {name}(...)"
+            if name == "isinstance" and len(call.args) == 2 and _numeric(call.args[1]):
+                return "not isinstance(..., <number>)"
+            if name == "callable" and isinstance(call.args[0], (ast.Name, ast.Attribute)):
+                return "not callable(...)"
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            calls = [v for v in node.values if isinstance(v, ast.Call)]
+            if any(
+                _name(v) == "isinstance" and len(v.args) == 2 and ast.unparse(v.args[1]) == "bool"
+                for v in calls
+            ) and (anywhere or all(_numeric(v.args[1]) for v in calls if len(v.args) == 2)):
+                return "isinstance(..., bool) or ..."
+    return None
+
+
+def _tests_kind(node: ast.AST) -> bool:
+    """Whether ``node`` tests a kind of any sort (``isinstance``, ``callable``, ...)."""
+    return any(
+        isinstance(n, ast.Call) and _name(n) in ("isinstance", "callable", "is_int", "is_real")
+        for n in ast.walk(node)
+    )
+
+
+def _refusal(body: list[ast.stmt]) -> str | None:
+    """How a branch refuses: ``"own"`` words (``raise TypeError(...)``/``ValueError``, or
+    a module's own ``_fail`` helper), ``"shared"`` (``fail_type``/``fail_value``), or not."""
+    shared = False
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in ("TypeError", "ValueError"):
+                    return "own"
+            if isinstance(node, ast.Call) and "fail" in _name(node):
+                if _name(node) not in ("fail_type", "fail_value"):
+                    return "own"
+                shared = True
+    return "shared" if shared else None
+
+
+def hand_written_checks(root: Path) -> list[tuple[str, int, str]]:
+    """``(module, line, test)`` for each hand-written check outside ``_check.py``.
+
+    That is an ``if`` that tests a number, a bool or a callable and refuses in its own
+    words, or tests just one such kind (a job for ``check_int``, ``check_number``,
+    ``check_bool``, ``check_callable``) and calls ``fail_type``/``fail_value``.
+    """
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_check.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            refusal = _refusal(node.body) if isinstance(node, ast.If) else None
+            if isinstance(node, ast.If) and refusal is not None:
+                kind = _kind_test(node.test, anywhere=refusal == "own")
+                if kind is not None:
+                    found.append((path.relative_to(root).as_posix(), node.lineno, kind))
+    return found
+
+
+def test_no_hand_written_checks_of_ints_numbers_bools_or_callables() -> None:
+    found = hand_written_checks(PACKAGE)
+    new = [f"{m}:{line}: {kind}" for m, line, kind in found if m not in _NOT_YET]
+    assert not new, "use the validators in cudakit/_check.py instead:\n" + "\n".join(new)
+    done = sorted(_NOT_YET - {m for m, _, _ in found})
+    assert not done, f"no hand-written checks left in {done}: drop them from _NOT_YET"
+
+
+def test_the_scan_finds_each_hand_written_form(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "def f(n, x, b, fn):\n"
+        "    if not is_int(n):\n"
+        "        raise TypeError('n')\n"
+        "    if isinstance(x, bool) or not isinstance(x, (int, float)):\n"
+        "        fail_type('f', 'x', 'a number', x)\n"
+        "    if not isinstance(b, bool):\n"
+        "        raise ValueError('b')\n"
+        "    if not callable(fn):\n"
+        "        raise TypeError('fn')\n"
+        "    if not is_int(n):\n"
+        "        return None  # a predicate that refuses nothing is fine\n"
+        "    if fn is not None and not callable(fn):\n"
+        "        fail_type('f', 'fn', 'a function', fn)  # a guard, then one kind\n"
+        "    if fn is not None and not callable(fn):\n"
+        "        _fail('fn')  # a module's own words\n"
+        "    if 'dim' in fn and not is_int(fn['dim']):\n"
+        "        fail_type('f', 'dim', 'an int', fn)  # a guard, then one kind\n"
+        "    if fn is not None and not isinstance(fn, str) and not callable(fn):\n"
+        "        fail_type('f', 'fn', 'a str or a function', fn)  # two kinds: fine\n"
+    )
+    assert [line for _, line, _ in hand_written_checks(tmp_path)] == [2, 4, 6, 8, 12, 14, 16]
+
+
+# --------------------------------------------------------------------- the wording
+
+
+def _parts(exc: BaseException) -> dict[str, str]:
+    match = WORDING.match(str(exc))
+    assert match, f"not in the one wording: {exc}"
+    return match.groupdict()
+
+
+ints = st.integers(min_value=-(10**6), max_value=10**6)
+not_ints = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@given(value=ints, minimum=st.none() | ints, maximum=st.none() | ints)
+def test_check_int_takes_exactly_the_ints_in_range(
+    value: int, minimum: int | None, maximum: int | None
+) -> None:
+    inside = (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if inside:
+        assert check_int("f", "n", value, minimum=minimum, maximum=maximum) == value
+        assert check_int("f", "n", np.int64(value), minimum=minimum, maximum=maximum) == value
+        return
+    with pytest.raises(ValueError, match=WORDING.pattern) as info:
+        check_int("f", "n", value, minimum=minimum, maximum=maximum)
+    parts = _parts(info.value)
+    assert (parts["func"], parts["arg"]) == ("f", "n")
+    assert parts["what"].startswith("an int")
+    assert f"got int {value!r}. Pass e.g. n=" in str(info.value)
+
+
+@given(value=not_ints)
+def test_check_int_refuses_other_kinds_with_a_type_error(value: object) -> None:
+    with pytest.raises(TypeError) as info:
+        check_int("f", "n", value, minimum=1)
+    assert _parts(info.value) == {"func": "f", "arg": "n", "what": "an int >= 1"}
+    assert str(info.value).endswith(f"got {describe(value)}. Pass e.g. n=1.")
+
+
+@given(
+    value=st.floats(allow_nan=True, allow_infinity=True) | ints,
+    positive=st.booleans(),
+    minimum=st.none() | st.floats(-10, 10),
+    below=st.none() | st.floats(-10, 10),
+)
+def test_check_number_takes_exactly_the_finite_numbers_in_range(
+    value: float, positive: bool, minimum: float | None, below: float | None
+) -> None:
+    inside = (
+        math.isfinite(value)
+        and (not positive or value > 0)
+        and (minimum is None or value >= minimum)
+        and (below is None or value < below)
+    )
+    kwargs = {"positive": positive, "minimum": minimum, "below": below}
+    if inside:
+        assert check_number("f", "x", value, **kwargs) == float(value)  # type: ignore[arg-type]
+        return
+    with pytest.raises(ValueError, match=WORDING.pattern) as info:
+        check_number("f", "x", value, **kwargs)  # type: ignore[arg-type]
+    assert _parts(info.value)["what"].startswith(("a finite number", "a positive finite"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({}, "a finite number"),
+        ({"positive": True}, "a positive finite number"),
+        ({"minimum": 0}, "a finite number >= 0"),
+        ({"minimum": 0, "below": 1}, "a finite number in [0, 1)"),
+        ({"positive": True, "maximum": 1}, "a finite number in (0, 1]"),
+        ({"maximum": 5}, "a finite number <= 5"),
+        ({"below": 2, "finite": False}, "a number < 2"),
+    ],
+)
+def test_check_number_says_the_range_and_gives_an_example_inside_it(
+    kwargs: dict[str, float], what: str
+) -> None:
+    with pytest.raises(TypeError) as info:
+        check_number("f", "x", "1", **kwargs)  # type: ignore[arg-type]
+    assert _parts(info.value)["what"] == what
+    example = float(str(info.value).rsplit("x=", 1)[1].rstrip("."))
+    assert check_number("f", "x", example, **kwargs) == example  # type: ignore[arg-type]
+
+
+@given(value=st.one_of(st.integers(), st.text(max_size=3), st.none(), st.floats()))
+def test_check_bool_takes_only_true_and_false(value: object) -> None:
+    with pytest.raises(TypeError) as info:
+        check_bool("f", "flag", value)
+    assert _parts(info.value) == {"func": "f", "arg": "flag", "what": "True or False"}
+    assert str(info.value).endswith("Pass flag=True or flag=False.")
+    assert check_bool("f", "flag", True) is True
+
+
+def test_check_callable_names_what_it_expected() -> None:
+    assert check_callable("f", "fn", len, expected="a function") is len
+    with pytest.raises(TypeError, match=r"^f\(fn=\.\.\.\) expects a function, got int 3\. Do"):
+        check_callable("f", "fn", 3, expected="a function", fix="Do.")
+
+
+def test_check_extra_keeps_stateful_objects_tensors_and_generators() -> None:
+    model = torch.nn.Linear(1, 1)
+    items = (model, torch.ones(1), torch.Generator())
+    assert check_extra("f", list(items)) == items
+
+
+@pytest.mark.parametrize(
+    ("extra", "what", "fix"),
+    [
+        (3, "a tuple of objects with state_dict()", "For one object write extra=(obj,)."),
+        ("ab", "a tuple of objects with state_dict()", "For one object write extra=(obj,)."),
+        ((torch.nn.Linear,), "objects, not classes", "Pass the Linear you train with"),
+        ((object(),), "objects with state_dict()", "Leave it out"),
+    ],
+)
+def test_check_extra_refuses_in_the_one_wording(extra: object, what: str, fix: str) -> None:
+    with pytest.raises(TypeError) as info:
+        check_extra("f", extra)
+    parts = _parts(info.value)
+    assert (parts["func"], parts["arg"]) == ("f", "extra")
+    assert parts["what"].startswith(what)
+    assert fix in str(info.value)
