@@ -9,6 +9,8 @@ environment), :func:`unwrap`, :func:`state_dict` / :func:`load_state_dict` (no
 ``module.`` prefix), :func:`rank`, :func:`world_size`, :func:`local_rank`,
 :func:`is_main_process`, :func:`main_process_first` and :func:`distributed_loader`
 (a rank's shard, ``set_epoch`` called for you).
+:func:`recompute` trades compute for memory: blocks run their forward again in the
+backward (also ``parallelize(model, recompute=...)``).
 :func:`read_env` reads the launcher's environment (torchrun's or SLURM's) without
 starting anything.
 """
@@ -16,7 +18,8 @@ starting anything.
 # Modules, one concern each: strategy (the pure decisions), options (the wrapper
 # options, checked), group (the process group's lifetime), ranks (who am I), launcher
 # (launch), failures (which rank a failed launch blames), wrap (parallelize, unwrap,
-# state dicts) and loaders. The launcher environment is read in cudakit._dist.
+# state dicts), recompute (activation recompute) and loaders. The launcher
+# environment is read in cudakit._dist.
 
 from .._dist import DistributedEnv, read_env
 from ..exceptions import LaunchError
@@ -24,6 +27,7 @@ from .group import ProcessGroupInfo, process_group
 from .launcher import launch
 from .loaders import DistributedLoader, distributed_loader
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
+from .recompute import Recompute, recompute, recomputed_blocks
 from .strategy import Strategy, StrategyRequest, choose_strategy
 from .wrap import LoadResult, load_state_dict, parallelize, state_dict, unwrap
 
@@ -33,6 +37,7 @@ __all__ = [
     "LaunchError",
     "LoadResult",
     "ProcessGroupInfo",
+    "Recompute",
     "Strategy",
     "StrategyRequest",
     "choose_strategy",
@@ -46,6 +51,8 @@ __all__ = [
     "process_group",
     "rank",
     "read_env",
+    "recompute",
+    "recomputed_blocks",
     "state_dict",
     "unwrap",
     "world_size",

@@ -31,6 +31,7 @@ from .group import (
     teardown_owned_group,
 )
 from .ranks import is_main_process
+from .recompute import Recompute, apply_recompute, as_recompute, plan_recompute
 from .strategy import (
     ParallelFacts,
     ParallelPlan,
@@ -497,6 +498,7 @@ def parallelize(
     *,
     backend: str | None = None,
     timeout: float | datetime.timedelta | None = None,
+    recompute: str | Recompute | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to this process's device and wrap it for data parallelism; log the choice.
@@ -525,6 +527,9 @@ def parallelize(
             launcher); anything :func:`~cudakit.device.resolve_device` accepts.
         backend: process-group backend when one must be created (default from the device).
         timeout: collective timeout in seconds or a ``timedelta`` (default 600 s).
+        recompute: activation recompute, applied before wrapping: a policy name
+            (``"full"``, ``"selective"``, ...) or a :class:`Recompute`; see
+            :func:`~cudakit.parallel.recompute`. None leaves the model as it is.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (or to ``fully_shard``
             for ``"fsdp"``, to ``DataParallel`` for an explicit ``"dp"``). Under
             ``"auto"`` they are ignored, with a log line, when no DDP is chosen (their
@@ -563,7 +568,9 @@ def parallelize(
     td = check_timeout("parallelize", timeout)
     backend = check_backend("parallelize", backend)
     facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
+    spec = as_recompute("parallelize", "recompute", recompute)
     plan = choose_plan_for(request, facts, backend=backend, options=ddp_kwargs, func="parallelize")
+    blocks = [] if spec is None else plan_recompute("parallelize", unwrap(model), spec)
     kind = _wrapped_kind(model)
     if kind is not None:
         # A wrapped model is no reason to accept typos, nor a second wrapper.
@@ -571,10 +578,19 @@ def parallelize(
         logger.info(
             "cudakit: parallelize(): model is already %s; returned as is", type(model).__name__
         )
+        if spec is not None:
+            apply_recompute(unwrap(model), spec, blocks)
         return model
     _check_plan(model, plan)
+    if spec is not None:  # before the wrapper: FSDP2's hooks go around the recomputed forward
+        apply_recompute(model, spec, blocks)
     if plan.strategy in ("ddp", "fsdp"):
-        return _distribute(model, plan, facts, td)
+        try:
+            return _distribute(model, plan, facts, td)
+        except Exception:
+            if spec is not None:
+                apply_recompute(model, Recompute("none"), [])
+            raise
     if plan.strategy == "dp":
         return _replicate(model, plan)
     return _move(model, plan, facts)

@@ -504,6 +504,25 @@ ROWS: list[Bad] = [
         _one("parallelize(", "model", v, lambda w, v=v: cudakit.parallelize(v))
         for v in (3, None, [nn.Linear(1, 1)])
     ],
+    _one("parallelize(", "recompute", 3, lambda w: cudakit.parallelize(w.model, recompute=3)),
+    *_rows(
+        "recompute(",
+        lambda w, **kw: parallel.recompute(w.model, **kw),
+        [("policy", 3), ("policy", None), ("every", "2"), ("every", True), ("blocks", "Linear")],
+    ),
+    _one(
+        "recompute(",
+        "budget",
+        "half",
+        lambda w: parallel.recompute(w.model, "budget", budget="half"),
+    ),
+    *[_one("recompute(", "model", v, lambda w, v=v: parallel.recompute(v)) for v in (3, None)],
+    *_rows(
+        "Recompute(",
+        lambda w, **kw: parallel.Recompute(**kw),
+        [("policy", 3), ("every", 1.5), ("blocks", 3)],
+    ),
+    _one("recomputed_blocks(", "model", [], lambda w: parallel.recomputed_blocks([])),
     *_rows(
         "process_group(",
         lambda w, **kw: cudakit.process_group(**kw),

@@ -1,0 +1,184 @@
+"""recompute(): gradients bit for bit, keys unchanged, blocks found, FLOPs counted aside."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit.parallel import Recompute, recompute, recomputed_blocks
+from cudakit.speed import count_flops
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h, scale=0.5)
+        return self.head(h)
+
+
+def _net(depth: int = 4) -> Net:
+    torch.manual_seed(0)
+    return Net(depth)
+
+
+def _grads(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # dropout's RNG
+    F.mse_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+SPECS = [
+    Recompute("full"),
+    Recompute("full", every=2),
+    Recompute("selective"),
+    Recompute("selective", every=3),
+    Recompute("full", blocks=nn.Linear),
+    Recompute("full", blocks=lambda name, m: name.endswith(".up")),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.policy}-{s.every}-{s.blocks}")
+def test_gradients_bit_for_bit_with_dropout(spec: Recompute) -> None:
+    want = _grads(_net())
+    model = recompute(_net(), spec)
+    assert recomputed_blocks(model)
+    got = _grads(model)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+@given(
+    policy=st.sampled_from(["full", "selective"]),
+    every=st.integers(1, 5),
+    depth=st.integers(1, 6),
+)
+def test_every_kth_block_and_exact_gradients(policy: str, every: int, depth: int) -> None:
+    model = _net(depth)
+    want = _grads(copy.deepcopy(model))
+    recompute(model, policy, every=every)
+    expected = [f"layers.{i}" for i in range(depth) if i % every == every - 1]
+    assert recomputed_blocks(model) == expected
+    got = _grads(model)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_state_dict_keys_unchanged_and_load_either_way() -> None:
+    plain = _net()
+    keys = list(plain.state_dict())
+    done = recompute(_net(), "full")
+    assert list(done.state_dict()) == keys
+    other = recompute(Net(), "selective")
+    other.load_state_dict(plain.state_dict())  # saved without, loaded with
+    fresh = Net()
+    fresh.load_state_dict(done.state_dict())  # saved with, loaded without
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), plain.state_dict().values(), strict=True)
+    )
+
+
+def test_class_kept_for_isinstance_and_undo_with_none() -> None:
+    model = recompute(_net(), "full")
+    block = model.layers[0]
+    assert isinstance(block, Block)
+    assert type(block).__name__ == "RecomputedBlock"
+    recompute(model, "none")
+    assert type(block) is Block
+    assert recomputed_blocks(model) == []
+
+
+def test_second_call_replaces_the_first() -> None:
+    model = recompute(_net(), "full")
+    recompute(model, "selective", every=2)
+    assert recomputed_blocks(model) == ["layers.1", "layers.3"]
+
+
+def test_deepcopy_keeps_recompute() -> None:
+    model = recompute(_net(), "full", every=2)
+    twin = copy.deepcopy(model)
+    assert recomputed_blocks(twin) == recomputed_blocks(model)
+
+
+def test_recompute_counts_as_recomputed_flops_never_model_flops() -> None:
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    base = _net().eval()
+    plain = count_flops(lambda x, y: F.mse_loss(base(x), y), x, y, model=base)
+    model = recompute(_net(), "full").eval()
+    again = count_flops(lambda x, y: F.mse_loss(model(x), y), x, y, model=model)
+    assert plain.recomputed == 0
+    assert again.total == plain.total  # the model FLOPs: MFU unchanged
+    assert again.recomputed > 0
+    assert again.hardware == again.total + again.recomputed
+
+
+def test_selective_recomputes_less_than_full() -> None:
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    counts = {}
+    for policy in ("full", "selective"):
+        model = recompute(_net(), policy).eval()
+        counts[policy] = count_flops(lambda x, y, m=model: F.mse_loss(m(x), y), x, y, model=model)
+    assert counts["selective"].recomputed < counts["full"].recomputed
+
+
+def test_budget_sets_the_compiler_budget_and_wraps_nothing() -> None:
+    import torch._functorch.config as fc
+
+    before = fc.activation_memory_budget
+    try:
+        model = recompute(_net(), "budget", budget=0.25)
+        assert fc.activation_memory_budget == 0.25
+        assert recomputed_blocks(model) == []
+    finally:
+        fc.activation_memory_budget = before
+
+
+def test_compile_no_graph_break_and_same_gradients() -> None:
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    want = _grads(_net())
+    model = recompute(_net(), "selective")
+    counter = CompileCounterWithBackend("aot_eager")  # AOT's partitioner, inductor's path
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    _grads(compiled)
+    got = _grads(compiled)
+    assert counter.frame_count == 1  # one graph, no break, no recompile on the second call
+    for name in want:
+        assert torch.equal(got["_orig_mod." + name], want[name]), name
+
+
+def test_parallelize_takes_recompute() -> None:
+    model = cp.parallelize(_net(), device="cpu", recompute="full")
+    assert recomputed_blocks(model) == [f"layers.{i}" for i in range(4)]
+    model = cp.parallelize(_net(), device="cpu", recompute=Recompute("selective", every=2))
+    assert recomputed_blocks(model) == ["layers.1", "layers.3"]
