@@ -23,6 +23,7 @@ from ..exceptions import LaunchError
 from .group import ProcessGroupInfo, process_group
 from .launcher import launch
 from .loaders import DistributedLoader, distributed_loader
+from .meta import materialize
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
 from .strategy import Strategy, StrategyRequest, choose_strategy
 from .wrap import LoadResult, load_state_dict, parallelize, state_dict, unwrap
@@ -42,6 +43,7 @@ __all__ = [
     "load_state_dict",
     "local_rank",
     "main_process_first",
+    "materialize",
     "parallelize",
     "process_group",
     "rank",

@@ -596,6 +596,14 @@ ROWS: list[Bad] = [
         "yes",
         lambda w: parallel.load_state_dict(w.model, w.model.state_dict(), strict="yes"),  # type: ignore[arg-type]
     ),
+    *[
+        _one("materialize(", "model", v, lambda w, v=v: parallel.materialize(v, "cpu"))
+        for v in (3, None)
+    ],
+    *[
+        _one("materialize(", arg, v, lambda w, a=arg, v=v: parallel.materialize(w.model, **{a: v}))
+        for arg, v in (("init", "normal"), ("init", 3), ("init_seed", 1.5), ("init_seed", True))
+    ],
     *[_one("read_env(", "env", v, lambda w, v=v: parallel.read_env(v)) for v in (3, [])],
     _one("read_env(", "env", {"RANK": 0}, lambda w: parallel.read_env({"RANK": 0}), shown="int 0"),
     # -------------------------------------------------------------- device and data
