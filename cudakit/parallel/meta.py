@@ -35,6 +35,11 @@ from ._init_watch import InitFn, Watch, call_init, module_seed, seeded
 
 __all__ = ["materialize", "meta_model_state"]
 
+
+class InitError(ValueError):
+    """An init that went wrong on the allocated model: passed through parallelize() as is."""
+
+
 _INIT = "a callable init(module) or init(module, name), or None for reset_parameters()"
 
 
@@ -268,7 +273,7 @@ def _initialise(
                     on_meta.append(f"{s.fqn} ({s.kind})")
                     continue
                 if now.shape != s.tensor.shape:
-                    raise ValueError(
+                    raise InitError(
                         f"{func}(): the init replaced {s.fqn!r} with a tensor of shape "
                         f"{tuple(now.shape)}, but the model's is {tuple(s.tensor.shape)}. "
                         "Write the values into the tensor the module holds (e.g. "
@@ -393,3 +398,43 @@ def iter_slots(model: nn.Module) -> Iterator[_Slot]:
     """Every (module, tensor) registration of ``model``, tied ones once per module."""
     for _, _, slots in _slots(model):
         yield from slots
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaBuild:
+    """How :func:`~cudakit.parallel.parallelize` builds a model it got on the meta device."""
+
+    init: InitFn | None
+    seed: int
+
+    def run(self, func: str, model: nn.Module, device: torch.device) -> None:
+        """Allocate ``model`` (sharded or not) on ``device`` and initialise it."""
+        groups = _slots(model)
+        _allocate(model, groups, device)
+        untouched, on_meta = _initialise(func, groups, call_init(self.init), self.seed)
+        if on_meta:
+            raise InitError(_meta_error(func, model, on_meta))
+        if untouched:
+            raise InitError(_untouched_error(func, model, untouched, self.init))
+
+
+def plan_build(
+    func: str, model: nn.Module, init: InitFn | None, seed: int, device: torch.device
+) -> MetaBuild | None:
+    """What to build for a model on the meta device (None for one that is not there, or
+    kept there), the tensors its init would leave untouched named before anything."""
+    on_meta = check_all_meta(func, model)
+    if not on_meta or device.type == "meta":
+        if init is not None:
+            raise ValueError(
+                f"{func}(init=...) initialises a model built on the meta device, but this "
+                f"{type(model).__name__} "
+                + ("stays on the meta device" if on_meta else "is allocated already")
+                + ". Build it under `with torch.device('meta'):` and pass a training "
+                "device, or call your init yourself and leave init=None."
+            )
+        return None
+    untouched = _untouched_on_meta(_slots(model), call_init(init))
+    if untouched:
+        raise ValueError(_untouched_error(func, model, untouched, init))
+    return MetaBuild(init, seed)
