@@ -24,6 +24,7 @@ from .group import ProcessGroupInfo, process_group
 from .launcher import launch
 from .loaders import DistributedLoader, distributed_loader
 from .meta import materialize
+from .pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
 from .strategy import Strategy, StrategyRequest, choose_strategy
 from .wrap import LoadResult, load_state_dict, parallelize, state_dict, unwrap
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedLoader",
     "LaunchError",
     "LoadResult",
+    "PretrainedLoad",
     "ProcessGroupInfo",
     "Strategy",
     "StrategyRequest",
@@ -40,6 +42,7 @@ __all__ = [
     "distributed_loader",
     "is_main_process",
     "launch",
+    "load_pretrained",
     "load_state_dict",
     "local_rank",
     "main_process_first",
@@ -48,6 +51,7 @@ __all__ = [
     "process_group",
     "rank",
     "read_env",
+    "save_pretrained",
     "state_dict",
     "unwrap",
     "world_size",

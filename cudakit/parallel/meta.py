@@ -88,7 +88,7 @@ def _dtensor_type() -> type | None:
     return cast("type | None", getattr(mod, "DTensor", None)) if mod is not None else None
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> bool:
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(tensor, dtensor)
 
@@ -222,14 +222,14 @@ def _local_rows(tensor: torch.Tensor) -> tuple[slice, ...]:
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    if _is_sharded(tensor):
+    if is_sharded(tensor):
         return cast(torch.Tensor, cast(Any, tensor).to_local())
     return tensor
 
 
 def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     """The slices of the full tensor this rank holds; None for an unsharded one."""
-    return _local_rows(tensor) if _is_sharded(tensor) else None
+    return _local_rows(tensor) if is_sharded(tensor) else None
 
 
 def _holes(value: torch.Tensor) -> bool:
@@ -250,7 +250,7 @@ def _initialise(
         for i, s in enumerate(slots):
             if not s.first:
                 handed[i] = _fresh(s, "meta", fill=False)
-            elif _is_sharded(s.tensor):
+            elif is_sharded(s.tensor):
                 device = local_part(s.tensor).device
                 handed[i] = _fresh(s, device, fill=True)
             else:
