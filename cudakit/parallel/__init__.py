@@ -26,6 +26,8 @@ from ..exceptions import LaunchError
 from .group import ProcessGroupInfo, process_group
 from .launcher import launch
 from .loaders import DistributedLoader, distributed_loader
+from .meta import materialize
+from .pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
 from .recompute import Recompute, recompute, recomputed_blocks
 from .strategy import Strategy, StrategyRequest, choose_strategy
@@ -36,6 +38,7 @@ __all__ = [
     "DistributedLoader",
     "LaunchError",
     "LoadResult",
+    "PretrainedLoad",
     "ProcessGroupInfo",
     "Recompute",
     "Strategy",
@@ -44,15 +47,18 @@ __all__ = [
     "distributed_loader",
     "is_main_process",
     "launch",
+    "load_pretrained",
     "load_state_dict",
     "local_rank",
     "main_process_first",
+    "materialize",
     "parallelize",
     "process_group",
     "rank",
     "read_env",
     "recompute",
     "recomputed_blocks",
+    "save_pretrained",
     "state_dict",
     "unwrap",
     "world_size",

@@ -24,12 +24,14 @@ from .._check import check_bool
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
+from ._init_watch import InitFn
 from .group import (
     ProcessGroupInfo,
     check_timeout,
     ensure_group,
     teardown_owned_group,
 )
+from .meta import MetaBuild, check_init, plan_build
 from .ranks import is_main_process
 from .recompute import Recompute, apply_recompute, as_recompute, plan_recompute
 from .strategy import (
@@ -308,25 +310,16 @@ def load_state_dict(
 # --------------------------------------------------------------------------- parallelize
 
 
-def _check_not_meta(model: nn.Module, device: torch.device) -> None:
-    if device.type == "meta":
-        return
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(
-                    f"parallelize() cannot move the {type(model).__name__} to {device}: its "
-                    f"{kind} {name!r} is on the meta device and holds no data to copy. Allocate "
-                    f"it first with `model.to_empty(device={str(device)!r})`, then initialise or "
-                    "load its weights (e.g. `model.load_state_dict(state_dict, assign=True)`), "
-                    "and pass that model to parallelize()."
-                )
-
-
-def _check_plan(model: nn.Module, plan: ParallelPlan) -> None:
+def _check_plan(model: nn.Module, plan: ParallelPlan, build: MetaBuild | None) -> None:
     """Everything that can refuse the plan for this model, before anything happens."""
     # The options' names and values were checked by the plan (choose_plan_for).
-    _check_not_meta(model, plan.device)
+    if build is not None and plan.strategy == "dp":
+        raise ValueError(
+            f"parallelize() got a {type(model).__name__} built on the meta device, and "
+            "DataParallel copies the whole model from its first GPU at every step. Launch "
+            "with `torchrun --nproc-per-node N script.py` (DDP, or strategy='fsdp' to "
+            "shard it), or allocate it first: cudakit.parallel.materialize(model, 'cuda:0')."
+        )
     if plan.strategy == "ddp" and plan.device.type == "meta":
         raise ValueError(
             "parallelize(device='meta') with DDP: DistributedDataParallel broadcasts the "
@@ -424,7 +417,11 @@ def _announce(message: str, *args: object) -> None:
 
 
 def _distribute(
-    model: nn.Module, plan: ParallelPlan, facts: ParallelFacts, timeout: datetime.timedelta
+    model: nn.Module,
+    plan: ParallelPlan,
+    facts: ParallelFacts,
+    timeout: datetime.timedelta,
+    build: MetaBuild | None = None,
 ) -> nn.Module:
     info: ProcessGroupInfo = ensure_group(
         plan.backend, timeout, facts, plan.device, announce=False, func="parallelize"
@@ -434,9 +431,14 @@ def _distribute(
     try:
         if dev.type == "cuda" and current_cuda_index() != dev.index:
             torch.cuda.set_device(dev)
-        model.to(dev)
+        if build is None:
+            model.to(dev)
+        elif plan.strategy == "ddp":  # allocated whole, the same on every rank
+            build.run("parallelize", model, dev)
         if plan.strategy == "fsdp":
             wrapped = _shard(model, plan.wrapper_kwargs)
+            if build is not None:  # sharded on meta: only this rank's shards allocated
+                build.run("parallelize", wrapped, dev)
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
             remember(wrapped)  # to name the parameters of DDP's unused-parameter error
@@ -481,10 +483,14 @@ def _replicate(model: nn.Module, plan: ParallelPlan) -> nn.Module:
     return nn.DataParallel(model, device_ids=ids, **plan.wrapper_kwargs)
 
 
-def _move(model: nn.Module, plan: ParallelPlan, facts: ParallelFacts) -> nn.Module:
+def _move(
+    model: nn.Module, plan: ParallelPlan, facts: ParallelFacts, build: MetaBuild | None = None
+) -> nn.Module:
     if plan.ignored:
         _announce("cudakit: parallelize(): DDP options %s ignored (single device)", plan.ignored)
     dev = plan.device
+    if build is not None:
+        build.run("parallelize", model, dev)
     model = model.to(dev)
     reason = "" if facts.device_count < 2 or dev.type != "cuda" else " (as requested)"
     _announce("cudakit: parallelize(strategy=%r) -> single device %s%s", plan.request, dev, reason)
@@ -499,6 +505,8 @@ def parallelize(
     backend: str | None = None,
     timeout: float | datetime.timedelta | None = None,
     recompute: str | Recompute | None = None,
+    init: InitFn | None = None,
+    init_seed: int = 0,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to this process's device and wrap it for data parallelism; log the choice.
@@ -520,6 +528,11 @@ def parallelize(
     ``strategy="fsdp"`` shards with FSDP2 (``fully_shard``): each block of every
     ``nn.ModuleList`` (a transformer's layers) becomes its own unit, then the root.
 
+    A model built on the meta device (``with torch.device("meta"):``) is sharded
+    before it exists: only this rank's shards are allocated, then initialised by
+    :func:`materialize`'s rules (the same values at any world size). Under DDP or on
+    one device it is allocated whole on the device, then initialised.
+
     Args:
         model: the module to train.
         strategy: ``"auto"``, ``"none"``, ``"dp"``, ``"ddp"`` or ``"fsdp"``.
@@ -530,6 +543,11 @@ def parallelize(
         recompute: activation recompute, applied before wrapping: a policy name
             (``"full"``, ``"selective"``, ...) or a :class:`Recompute`; see
             :func:`~cudakit.parallel.recompute`. None leaves the model as it is.
+        init: for a model built on the meta device, what initialises each submodule:
+            ``init(module)`` or ``init(module, name)``; None calls each one's own
+            ``reset_parameters()`` (see :func:`materialize`).
+        init_seed: the seed of that init; the same seed gives the same model at
+            any world size.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (or to ``fully_shard``
             for ``"fsdp"``, to ``DataParallel`` for an explicit ``"dp"``). Under
             ``"auto"`` they are ignored, with a log line, when no DDP is chosen (their
@@ -547,9 +565,10 @@ def parallelize(
         TypeError: ``model`` is not an ``nn.Module``; ``strategy``, ``device``,
             ``backend`` or ``timeout`` of the wrong kind; unknown keyword arguments.
         ValueError: an unknown strategy or backend, a timeout that is not a finite
-            positive duration, a model on the meta device (allocate it with
-            ``to_empty`` first), a model with no trainable parameters for DDP, or an
-            already wrapped model asked for another wrapper.
+            positive duration, a model only partly on the meta device (or one there
+            under DataParallel, or tensors its init leaves untouched), a model with
+            no trainable parameters for DDP, or an already wrapped model asked for
+            another wrapper.
         DeviceError: ``"dp"`` without CUDA, or a device that does not exist.
         DistributedSetupError: ``"ddp"``/``"fsdp"`` without a launcher, or an
             incomplete launcher environment.
@@ -566,6 +585,7 @@ def parallelize(
         )
     request = check_strategy(strategy)
     td = check_timeout("parallelize", timeout)
+    seed = check_init("parallelize", init, init_seed)
     backend = check_backend("parallelize", backend)
     facts = gather_facts(device, strict_env=request in ("ddp", "fsdp"), func="parallelize")
     spec = as_recompute("parallelize", "recompute", recompute)
@@ -581,16 +601,17 @@ def parallelize(
         if spec is not None:
             apply_recompute(unwrap(model), spec, blocks)
         return model
-    _check_plan(model, plan)
+    build = plan_build("parallelize", model, init, seed, plan.device)
+    _check_plan(model, plan, build)
     if spec is not None:  # before the wrapper: FSDP2's hooks go around the recomputed forward
         apply_recompute(model, spec, blocks)
     if plan.strategy in ("ddp", "fsdp"):
         try:
-            return _distribute(model, plan, facts, td)
+            return _distribute(model, plan, facts, td, build)
         except Exception:
             if spec is not None:
                 apply_recompute(model, Recompute("none"), [])
             raise
     if plan.strategy == "dp":
         return _replicate(model, plan)
-    return _move(model, plan, facts)
+    return _move(model, plan, facts, build)

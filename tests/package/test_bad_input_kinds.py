@@ -615,6 +615,48 @@ ROWS: list[Bad] = [
         "yes",
         lambda w: parallel.load_state_dict(w.model, w.model.state_dict(), strict="yes"),  # type: ignore[arg-type]
     ),
+    *[
+        _one("materialize(", "model", v, lambda w, v=v: parallel.materialize(v, "cpu"))
+        for v in (3, None)
+    ],
+    *[
+        _one("materialize(", arg, v, lambda w, a=arg, v=v: parallel.materialize(w.model, **{a: v}))
+        for arg, v in (("init", "normal"), ("init", 3), ("init_seed", 1.5), ("init_seed", True))
+    ],
+    *[
+        _one(f"{name}(", "model", v, lambda w, f=f, v=v: f(v, w.tmp))
+        for name, f in (
+            ("load_pretrained", parallel.load_pretrained),
+            ("save_pretrained", parallel.save_pretrained),
+        )
+        for v in (3, None)
+    ],
+    *[
+        _one(f"{name}(", "path", v, lambda w, f=f, v=v: f(w.model, v))
+        for name, f in (
+            ("load_pretrained", parallel.load_pretrained),
+            ("save_pretrained", parallel.save_pretrained),
+        )
+        for v in (3, None)
+    ],
+    *[
+        _one(
+            "load_pretrained(",
+            a,
+            v,
+            lambda w, a=a, v=v: parallel.load_pretrained(w.model, w.tmp, **{a: v}),
+        )
+        for a, v in (("strict", "yes"), ("dtype", "bf16"), ("prefix", 1))
+    ],
+    *[
+        _one(
+            "save_pretrained(",
+            a,
+            v,
+            lambda w, a=a, v=v: parallel.save_pretrained(w.model, w.tmp, **{a: v}),
+        )
+        for a, v in (("max_shard_size", 1.5), ("dtype", "bf16"))
+    ],
     *[_one("read_env(", "env", v, lambda w, v=v: parallel.read_env(v)) for v in (3, [])],
     _one("read_env(", "env", {"RANK": 0}, lambda w: parallel.read_env({"RANK": 0}), shown="int 0"),
     # -------------------------------------------------------------- device and data
@@ -900,6 +942,7 @@ def test_the_sweep_covers_every_public_callable() -> None:
         "CudaDeviceInfo", "DeviceInfo", "MemoryReport", "MemorySnapshot", "Position",
         "StepResult", "WarmupReport", "NonFiniteSource", "DevicePeak", "FlopCount", "Peak",
         "SpeedFigures", "SpeedSummary", "DeviceMemory", "DistributedEnv", "LoadResult",
+        "PretrainedLoad",
         "ProcessGroupInfo", "DemoSummary", "EpochStats", "LoaderKwargs", "WatchOptions",
         # Types, protocols and constants.
         "DeviceLike", "Count", "CountSpec", "FlopSpec", "LogTarget", "ReserveSpec", "Phase",

@@ -122,18 +122,16 @@ def test_parallelize_bad_arguments(
     assert not dist.is_initialized()
 
 
-def test_parallelize_meta_model_points_to_to_empty() -> None:
+def test_parallelize_allocates_and_initialises_a_meta_model() -> None:
     with torch.device("meta"):
         net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    with pytest.raises(
-        ValueError,
-        match=r"parallelize\(\) cannot move the Sequential to cpu: its parameter '0.weight' is on "
-        r"the meta device .* `model.to_empty\(device='cpu'\)`",
-    ):
-        cp.parallelize(net, device="cpu")
-    assert all(p.is_meta for p in net.parameters())
     same = cp.parallelize(net, device="meta")  # meta to meta: nothing to copy
     assert same is net
+    assert all(p.is_meta for p in net.parameters())
+    out = cp.parallelize(net, device="cpu")
+    assert out is net
+    assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
+    assert torch.equal(net[1].running_var, torch.ones(2))
 
 
 def test_parallelize_refusal_under_a_launcher_changes_nothing(

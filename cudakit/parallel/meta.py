@@ -1,0 +1,440 @@
+"""A model built on the meta device, allocated and initialised: the same at any world size.
+
+:func:`materialize` takes a model whose tensors are all on the meta device (built
+under ``with torch.device("meta"):``), sharded with FSDP2 or not, allocates it on a
+device (for a sharded model only this rank's shards) and initialises it one
+submodule at a time:
+
+1. a dry run on the meta device names every tensor the init would leave untouched,
+   before anything is allocated;
+2. ``model.to_empty(device=...)``, tied weights tied again;
+3. for each submodule that owns tensors, in ``model.named_modules()`` order: its full
+   tensors are handed to it (for a sharded one, a full copy of each, filled with NaN),
+   the init runs under the seed :func:`~cudakit.parallel._init_watch.module_seed`
+   derives from ``init_seed`` and the module's name, and a sharded tensor keeps the
+   rows of its own shard. The full copies go before the next module: a rank holds its
+   shards plus one module's tensors at most.
+
+So the gathered parameters equal bit for bit those of the same init on one process,
+whatever the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .._check import check_callable, check_int, check_type
+from ._init_watch import InitFn, Watch, call_init, module_seed, seeded
+
+__all__ = ["materialize", "meta_model_state"]
+
+
+class InitError(ValueError):
+    """An init that went wrong on the allocated model: passed through parallelize() as is."""
+
+
+_INIT = "a callable init(module) or init(module, name), or None for reset_parameters()"
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One tensor registered on one module: where it sits and what it is."""
+
+    module: nn.Module
+    table: str  # "_parameters" or "_buffers"
+    name: str
+    fqn: str
+    tensor: torch.Tensor
+    first: bool  # the first module holding this tensor (a tied one is initialised once)
+
+    @property
+    def kind(self) -> str:
+        return "parameter" if self.table == "_parameters" else "buffer"
+
+    def get(self) -> Any:
+        return getattr(self.module, self.table).get(self.name)
+
+    def put(self, value: torch.Tensor) -> None:
+        getattr(self.module, self.table)[self.name] = value
+
+
+def _slots(model: nn.Module) -> list[tuple[str, nn.Module, list[_Slot]]]:
+    """Every module that holds tensors itself, with them, in ``named_modules()`` order."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module, list[_Slot]]] = []
+    for mname, module in model.named_modules():
+        own: list[_Slot] = []
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, table).items():
+                if tensor is None:
+                    continue
+                fqn = f"{mname}.{name}" if mname else name
+                own.append(_Slot(module, table, name, fqn, tensor, id(tensor) not in seen))
+                seen.add(id(tensor))
+        if own:
+            out.append((mname, module, own))
+    return out
+
+
+def _dtensor_type() -> type | None:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return cast("type | None", getattr(mod, "DTensor", None)) if mod is not None else None
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def meta_model_state(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The names of the model's tensors on the meta device, and of those elsewhere."""
+    on_meta: list[str] = []
+    elsewhere: list[str] = []
+    for kind in (model.named_parameters(), model.named_buffers()):
+        for name, tensor in kind:
+            (on_meta if tensor.is_meta else elsewhere).append(name)
+    return on_meta, elsewhere
+
+
+def _names(names: Iterable[str], limit: int = 8) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_all_meta(func: str, model: nn.Module) -> bool:
+    """Whether every tensor of ``model`` is on the meta device; a model only partly
+    there is a ``ValueError``. A model without tensors is not on the meta device."""
+    on_meta, elsewhere = meta_model_state(model)
+    if on_meta and elsewhere:
+        raise ValueError(
+            f"{func}() got a {type(model).__name__} only partly on the meta device: "
+            f"{_names(on_meta)} on meta, {_names(elsewhere)} elsewhere. Build the whole "
+            "model under `with torch.device('meta'):` (cudakit allocates and initialises "
+            "it), or none of it."
+        )
+    return bool(on_meta)
+
+
+# --------------------------------------------------------------------------- the dry run
+
+
+def _fresh(slot: _Slot, device: torch.device | str, fill: bool) -> torch.Tensor:
+    """A tensor of the slot's full shape and dtype (NaN where it can hold one)."""
+    like = slot.tensor
+    if fill and (like.is_floating_point() or like.is_complex()):
+        t = torch.full(like.shape, math.nan, dtype=like.dtype, device=device)
+    else:
+        t = torch.empty(like.shape, dtype=like.dtype, device=device)
+    if slot.table == "_parameters":
+        return nn.Parameter(t, requires_grad=like.requires_grad)
+    return t
+
+
+def _run_one(
+    call: Any, mname: str, module: nn.Module, handed: dict[int, torch.Tensor]
+) -> tuple[set[int], dict[int, int]]:
+    """``call(module, mname)`` under no_grad, watched: (ids written via .data, versions)."""
+    versions = {key: t._version for key, t in handed.items()}
+    watch = Watch({id(t): t for t in handed.values()})
+    with torch.no_grad(), watch:
+        call(module, mname)
+    written = {key for key, t in handed.items() if id(t) in watch.written}
+    return written, versions
+
+
+def _untouched_on_meta(
+    groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
+) -> list[str] | None:
+    """The tensors the init would not write, found on the meta device (nothing
+    allocated); None when the init cannot run there (it reads values)."""
+    untouched: list[str] = []
+    for mname, module, slots in groups:
+        handed = {i: _fresh(s, "meta", fill=False) for i, s in enumerate(slots)}
+        try:
+            for i, s in enumerate(slots):
+                s.put(handed[i])
+            try:
+                written, versions = _run_one(call, mname, module, handed)
+            except Exception:
+                return None  # the real run raises it, with the values at hand
+            for i, s in enumerate(slots):
+                now = s.get()
+                touched = now is not handed[i] or i in written or handed[i]._version != versions[i]
+                if s.first and not touched:
+                    untouched.append(f"{s.fqn} ({s.kind})")
+        finally:
+            for s in slots:
+                s.put(s.tensor)
+    return untouched
+
+
+def _untouched_error(func: str, model: nn.Module, names: list[str], init: InitFn | None) -> str:
+    how = (
+        "init=... writes"
+        if init is not None
+        else "no reset_parameters() writes (the default init=None calls each module's own)"
+    )
+    return (
+        f"{func}(): {how} {len(names)} tensor(s) of the {type(model).__name__}, which would "
+        f"stay uninitialised: {_names(names)}. Give each module a reset_parameters() that "
+        "writes every tensor it holds itself (recompute non-persistent buffers such as "
+        "RoPE's inv_freq there), or pass init=fn, called as fn(module) or fn(module, name) "
+        "for every submodule, that does."
+    )
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+def _allocate(model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], dev: Any) -> None:
+    """``to_empty(device=dev)``, then every tied tensor one object again."""
+    model.to_empty(device=dev)
+    first: dict[int, _Slot] = {}
+    for _, _, slots in groups:
+        for s in slots:
+            if s.first:
+                first[id(s.tensor)] = s
+    for _, _, slots in groups:
+        for s in slots:
+            if not s.first:
+                s.put(first[id(s.tensor)].get())
+    for _, _, slots in groups:  # the objects the slots now hold
+        for s in slots:
+            s.tensor = s.get()
+
+
+def _local_rows(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The region of the full tensor that this rank's shard of ``tensor`` holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dt: Any = tensor
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    if is_sharded(tensor):
+        return cast(torch.Tensor, cast(Any, tensor).to_local())
+    return tensor
+
+
+def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
+    """The slices of the full tensor this rank holds; None for an unsharded one."""
+    return _local_rows(tensor) if is_sharded(tensor) else None
+
+
+def _holes(value: torch.Tensor) -> bool:
+    if value.is_floating_point() or value.is_complex():
+        return bool(torch.isnan(value).any())
+    return False
+
+
+def _initialise(
+    func: str, groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any, init_seed: int
+) -> tuple[list[str], list[str]]:
+    """The real run; returns the tensors left untouched and those left on meta."""
+    untouched: list[str] = []
+    on_meta: list[str] = []
+    for mname, module, slots in groups:
+        handed: dict[int, torch.Tensor] = {}
+        device = torch.device("cpu")
+        for i, s in enumerate(slots):
+            if not s.first:
+                handed[i] = _fresh(s, "meta", fill=False)
+            elif is_sharded(s.tensor):
+                device = local_part(s.tensor).device
+                handed[i] = _fresh(s, device, fill=True)
+            else:
+                device = s.tensor.device
+                if s.tensor.is_floating_point() or s.tensor.is_complex():
+                    with torch.no_grad():
+                        s.tensor.fill_(math.nan)
+                handed[i] = s.tensor
+        try:
+            for i, s in enumerate(slots):
+                s.put(handed[i])
+            with seeded(module_seed(init_seed, mname), device):
+                written, versions = _run_one(call, mname, module, handed)
+            for i, s in enumerate(slots):
+                if not s.first:
+                    continue
+                now = s.get()
+                replaced = now is not handed[i]
+                if not isinstance(now, torch.Tensor) or now.is_meta:
+                    on_meta.append(f"{s.fqn} ({s.kind})")
+                    continue
+                if now.shape != s.tensor.shape:
+                    raise InitError(
+                        f"{func}(): the init replaced {s.fqn!r} with a tensor of shape "
+                        f"{tuple(now.shape)}, but the model's is {tuple(s.tensor.shape)}. "
+                        "Write the values into the tensor the module holds (e.g. "
+                        "nn.init.normal_(module.weight)) instead of assigning a new one."
+                    )
+                if s.tensor.is_floating_point() or s.tensor.is_complex():
+                    bad = _holes(now)
+                else:
+                    bad = not (replaced or i in written or handed[i]._version != versions[i])
+                if bad:
+                    untouched.append(f"{s.fqn} ({s.kind})")
+                    continue
+                region = local_region(s.tensor)
+                with torch.no_grad():
+                    if region is not None:
+                        local_part(s.tensor).copy_(now[region])
+                    elif replaced:
+                        s.tensor.copy_(now)
+        finally:
+            for s in slots:
+                s.put(s.tensor)
+    return untouched, on_meta
+
+
+def _meta_error(func: str, model: nn.Module, names: list[str]) -> str:
+    return (
+        f"{func}(): the init left {len(names)} tensor(s) of the {type(model).__name__} on "
+        f"the meta device: {_names(names)}. Write the values into the tensor the module "
+        "holds (nn.init.normal_(module.weight)); a tensor made inside the init must be "
+        "made on the tensor's device (device=module.weight.device)."
+    )
+
+
+def materialize_checked(
+    func: str, model: nn.Module, device: Any, init: InitFn | None, init_seed: int
+) -> nn.Module:
+    """:func:`materialize` after the arguments were checked (``model`` all on meta)."""
+    groups = _slots(model)
+    call = call_init(init)
+    untouched = _untouched_on_meta(groups, call)
+    if untouched:
+        raise ValueError(_untouched_error(func, model, untouched, init))
+    _allocate(model, groups, device)
+    untouched, on_meta = _initialise(func, groups, call, init_seed)
+    if on_meta:
+        raise ValueError(_meta_error(func, model, on_meta))
+    if untouched:
+        raise ValueError(_untouched_error(func, model, untouched, init))
+    return model
+
+
+def check_init(func: str, init: object, init_seed: object) -> int:
+    """``init`` callable or None, ``init_seed`` an int >= 0; returns the seed."""
+    if init is not None:
+        check_callable(
+            func, "init", init, expected=_INIT, fix="For example: init=model._init_weights."
+        )
+    return check_int(func, "init_seed", init_seed, minimum=0)
+
+
+def materialize(
+    model: nn.Module,
+    device: Any = None,
+    *,
+    init: InitFn | None = None,
+    init_seed: int = 0,
+) -> nn.Module:
+    """Allocate a model built on the meta device and initialise it, one module at a time.
+
+    >>> import torch, cudakit.parallel as cp
+    >>> with torch.device("meta"):
+    ...     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> net = cp.materialize(net, "cpu", init_seed=1)
+    >>> net[0].weight.device, bool(net[1].weight.eq(1).all())
+    (device(type='cpu'), True)
+
+    Each submodule that holds tensors itself is initialised by ``init(module)``
+    (or ``init(module, name)``, with its name in the model), or by its own
+    ``reset_parameters()`` when ``init`` is None, under a seed derived from
+    ``init_seed`` and its name. A model sharded with FSDP2 (``fully_shard``) on the
+    meta device allocates only this rank's shards, and the full tensors after the
+    init are the same bit for bit at any world size: those of the same call on one
+    process. :func:`parallelize` calls this for a model on the meta device.
+
+    Args:
+        model: a module whose parameters and buffers are all on the meta device.
+        device: where to allocate it; anything :func:`~cudakit.device.resolve_device`
+            takes (``None``: the best device).
+        init: writes every tensor a module holds itself; tied weights are written
+            by the first module that holds them, non-persistent buffers (RoPE's
+            ``inv_freq``) must be recomputed too.
+        init_seed: the seed every module's own is derived from.
+
+    Returns:
+        ``model``, allocated and initialised.
+
+    Raises:
+        TypeError: ``model`` is not a module, ``init`` not callable, ``init_seed``
+            not an int.
+        ValueError: a model only partly (or not) on the meta device; tensors the
+            init would leave untouched (named before anything is allocated), left
+            on the meta device, or replaced with another shape.
+
+    .. versionadded:: 0.1
+    """
+    from ..device import resolve_device
+
+    func = "materialize"
+    check_type(func, "model", model, nn.Module, expected="an nn.Module", fix="Pass the model.")
+    seed = check_init(func, init, init_seed)
+    dev = resolve_device(device)
+    if not check_all_meta(func, model):
+        raise ValueError(
+            f"materialize() got a {type(model).__name__} with no tensor on the meta "
+            "device: it is allocated already. Build it under `with torch.device('meta'):`, "
+            "or call its init yourself."
+        )
+    return materialize_checked(func, model, dev, init, seed)
+
+
+def iter_slots(model: nn.Module) -> Iterator[_Slot]:
+    """Every (module, tensor) registration of ``model``, tied ones once per module."""
+    for _, _, slots in _slots(model):
+        yield from slots
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaBuild:
+    """How :func:`~cudakit.parallel.parallelize` builds a model it got on the meta device."""
+
+    init: InitFn | None
+    seed: int
+
+    def run(self, func: str, model: nn.Module, device: torch.device) -> None:
+        """Allocate ``model`` (sharded or not) on ``device`` and initialise it."""
+        groups = _slots(model)
+        _allocate(model, groups, device)
+        untouched, on_meta = _initialise(func, groups, call_init(self.init), self.seed)
+        if on_meta:
+            raise InitError(_meta_error(func, model, on_meta))
+        if untouched:
+            raise InitError(_untouched_error(func, model, untouched, self.init))
+
+
+def plan_build(
+    func: str, model: nn.Module, init: InitFn | None, seed: int, device: torch.device
+) -> MetaBuild | None:
+    """What to build for a model on the meta device (None for one that is not there, or
+    kept there), the tensors its init would leave untouched named before anything."""
+    on_meta = check_all_meta(func, model)
+    if not on_meta or device.type == "meta":
+        if init is not None:
+            raise ValueError(
+                f"{func}(init=...) initialises a model built on the meta device, but this "
+                f"{type(model).__name__} "
+                + ("stays on the meta device" if on_meta else "is allocated already")
+                + ". Build it under `with torch.device('meta'):` and pass a training "
+                "device, or call your init yourself and leave init=None."
+            )
+        return None
+    untouched = _untouched_on_meta(_slots(model), call_init(init))
+    if untouched:
+        raise ValueError(_untouched_error(func, model, untouched, init))
+    return MetaBuild(init, seed)

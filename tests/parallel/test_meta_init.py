@@ -1,0 +1,188 @@
+"""materialize(): a model built on the meta device, allocated and initialised on one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from meta_gpt import GPT, gpt_init
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit.parallel._init_watch import module_seed, seeded
+
+
+def _meta_gpt(**kw: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(**kw)
+
+
+def _reference(init: object, seed: int, **kw: int) -> GPT:
+    """The hand-written loop: every module's own tensors, each under its own seed."""
+    model = GPT(**kw)
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = [*module._parameters.values(), *module._buffers.values()]
+        own = [t for t in own if t is not None]
+        if not own or all(id(t) in seen for t in own):
+            continue  # `head` holds only the tied weight, which `embed` initialised
+        seen.update(id(t) for t in own)
+        with seeded(module_seed(seed, name), torch.device("cpu")), torch.no_grad():
+            if init is None:
+                module.reset_parameters()  # type: ignore[operator]
+            else:
+                init(module, name)  # type: ignore[operator]
+    return model
+
+
+@pytest.mark.parametrize("init", [None, gpt_init])
+def test_matches_the_hand_written_loop_bit_for_bit(init: object) -> None:
+    model = cp.materialize(_meta_gpt(), "cpu", init=init, init_seed=3)  # type: ignore[arg-type]
+    ref = _reference(init, 3)
+    for (k, a), (_, b) in zip(
+        model.state_dict(keep_vars=True).items(), ref.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), k
+    assert torch.equal(model.rope.inv_freq, ref.rope.inv_freq)  # non-persistent
+
+
+def test_tied_weights_stay_one_tensor_and_nothing_is_nan() -> None:
+    model = cp.materialize(_meta_gpt(), "cpu", init=gpt_init)
+    assert model.head.weight is model.embed.weight
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert not t.is_meta, name
+        assert not torch.isnan(t).any(), name
+    steps = torch.arange(0, 10, 2, dtype=torch.float32)
+    assert torch.equal(model.rope.inv_freq, 1.0 / (10000.0 ** (steps / 10)))
+    model(torch.zeros(2, 3, dtype=torch.long)).sum().backward()  # trains
+
+
+def test_the_seed_picks_the_values_and_the_global_generator_is_left_alone() -> None:
+    torch.manual_seed(5)
+    state = torch.random.get_rng_state()
+    a = cp.materialize(_meta_gpt(), "cpu", init_seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    b = cp.materialize(_meta_gpt(), "cpu", init_seed=1)
+    c = cp.materialize(_meta_gpt(), "cpu", init_seed=2)
+    assert torch.equal(a.embed.weight, b.embed.weight)
+    assert not torch.equal(a.embed.weight, c.embed.weight)
+
+
+class _Bare(nn.Module):
+    """A module with a parameter and no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("mask", torch.ones(3, dtype=torch.bool))
+
+
+def test_tensors_nothing_initialises_are_named_before_anything_is_allocated() -> None:
+    with torch.device("meta"):
+        model = _Bare()
+    with pytest.raises(ValueError, match=r"no reset_parameters\(\)") as err:
+        cp.materialize(model, "cpu")
+    text = str(err.value)
+    assert "'scale (parameter)'" in text
+    assert "'mask (buffer)'" in text
+    assert "lin.weight" not in text
+    assert "inv_freq" in text
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # nothing allocated
+
+
+def test_an_init_that_skips_a_tensor_is_named_too() -> None:
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)  # the bias is forgotten
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"init=\.\.\. writes 1 tensor.*'0\.bias \(parameter\)'"):
+        cp.materialize(model, "cpu", init=init)
+    assert model[0].weight.is_meta
+
+
+def test_writes_through_data_trunc_normal_and_assignment_count() -> None:
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_()  # Hugging Face's style
+            nn.init.trunc_normal_(module.bias)  # returns at once on meta
+        elif isinstance(module, _Bare):
+            module.scale = nn.Parameter(torch.full((3,), 2.0, device=module.scale.device))
+            module.mask.fill_(True)
+
+    with torch.device("meta"):
+        model = _Bare()
+    scale = model.scale
+    cp.materialize(model, "cpu", init=init)
+    assert model.scale is not scale  # to_empty made the object; the values were copied in
+    assert torch.equal(model.scale, torch.full((3,), 2.0))
+    assert not torch.isnan(model.lin.weight).any()
+    assert bool(model.mask.all())
+
+
+def test_a_row_left_unwritten_is_named() -> None:
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight[0].zero_()  # only the first row
+            nn.init.zeros_(module.bias)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"'0\.weight \(parameter\)'"):
+        cp.materialize(model, "cpu", init=init)
+
+
+def test_an_init_that_leaves_a_tensor_on_meta_is_refused() -> None:
+    def init(module: nn.Module) -> None:
+        module.weight = nn.Parameter(torch.zeros(2, 2, device="meta"))
+        module.bias = nn.Parameter(torch.zeros(2, device=module.bias.device))
+
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"left 1 tensor.*on the meta device: 'weight"):
+        cp.materialize(model, "cpu", init=init)
+
+
+def test_an_init_that_changes_a_shape_is_refused() -> None:
+    def init(module: nn.Module) -> None:
+        module.weight = nn.Parameter(torch.zeros(3, 3, device=module.weight.device))
+        nn.init.zeros_(module.bias)
+
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"replaced 'weight' with a tensor of shape \(3, 3\)"):
+        cp.materialize(model, "cpu", init=init)
+
+
+def test_a_model_partly_on_meta_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with torch.device("meta"):
+        model.append(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"only partly on the meta device: '1\.weight'"):
+        cp.materialize(model, "cpu")
+    with pytest.raises(ValueError, match="no tensor on the meta device"):
+        cp.materialize(nn.Linear(2, 2), "cpu")
+
+
+def test_bad_arguments() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"materialize\(init=\.\.\.\) expects a callable"):
+        cp.materialize(model, "cpu", init="normal")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"materialize\(init_seed=\.\.\.\) expects an int"):
+        cp.materialize(model, "cpu", init_seed=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"init_seed=\.\.\.\) expects an int >= 0"):
+        cp.materialize(model, "cpu", init_seed=-1)
+    with pytest.raises(TypeError, match=r"materialize\(model=\.\.\.\) expects an nn.Module"):
+        cp.materialize("model", "cpu")  # type: ignore[arg-type]
+    assert model.weight.is_meta
+
+
+def test_seeds_differ_by_name_and_seed() -> None:
+    seeds = {module_seed(s, n) for s in range(3) for n in ("", "a", "a.b", "b")}
+    assert len(seeds) == 12
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert math.isfinite(float(module_seed(0, "x")))

@@ -1,0 +1,157 @@
+"""parallelize() of a model built on the meta device: sharded before it exists.
+
+Every launched process imports torch (seconds on a small machine), so each launch
+builds several models and returns what the parent compares with one process's init.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from meta_gpt import GPT, gpt_init
+from torch import nn
+
+import cudakit.parallel as cp
+from cudakit.parallel import wrap
+from cudakit.parallel.strategy import ParallelPlan
+
+Config = tuple[int, int]  # (vocab, width)
+
+
+def _meta_gpt(vocab: int, width: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(vocab=vocab, width=width)
+
+
+def _one_process(vocab: int, width: int) -> dict[str, torch.Tensor]:
+    model = cp.materialize(_meta_gpt(vocab, width), "cpu", init=gpt_init, init_seed=7)
+    return {**model.state_dict(), "rope.inv_freq": model.rope.inv_freq}
+
+
+def _build(configs: list[Config], strategy: str) -> list[dict[str, Any]]:
+    """Runs on every rank: each config built on meta, parallelized, gathered on rank 0."""
+    out = []
+    with cp.process_group(timeout=120):
+        for vocab, width in configs:
+            model = cp.parallelize(_meta_gpt(vocab, width), strategy, init=gpt_init, init_seed=7)
+            inner = cp.unwrap(model)
+            held = 0
+            for p in inner.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                held += local.numel()
+            full = {k: v.clone() for k, v in cp.state_dict(model).items()}
+            out.append(
+                {
+                    "full": full,
+                    "inv_freq": inner.rope.inv_freq.clone(),
+                    "tied": inner.head.weight is inner.embed.weight,
+                    "held": held,
+                    "total": sum(p.numel() for p in _meta_gpt(vocab, width).parameters()),
+                }
+            )
+    return out
+
+
+def _check(results: list[list[dict[str, Any]]], configs: list[Config]) -> None:
+    world = len(results)
+    for i, config in enumerate(configs):
+        ref = _one_process(*config)
+        rank0 = results[0][i]
+        assert set(rank0["full"]) == set(ref) - {"rope.inv_freq"}
+        for key, value in rank0["full"].items():
+            assert torch.equal(value, ref[key]), (world, config, key)
+        for r, res in enumerate(results):
+            assert res[i]["tied"], r
+            assert torch.equal(res[i]["inv_freq"], ref["rope.inv_freq"]), r
+        held = sum(res[i]["held"] for res in results)
+        if world > 1:  # the shards add up to the model: nobody holds more than its own
+            assert held == rank0["total"], (config, [res[i]["held"] for res in results])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp_init_is_the_same_at_any_world_size(world: int) -> None:
+    configs = [(37, 10), (5, 3), (2, 7)]  # rows that do not divide by 2 or 4; fewer than 4
+    results = cp.launch(_build, configs, "fsdp", nprocs=world, timeout=300)
+    _check(results, configs)
+
+
+@pytest.mark.distributed
+@settings(max_examples=2, deadline=None)
+@given(
+    configs=st.lists(
+        st.tuples(st.integers(1, 13), st.integers(1, 9).map(lambda w: 2 * w)),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_fsdp_init_over_widths_at_three_ranks(configs: list[Config]) -> None:
+    results = cp.launch(_build, configs, "fsdp", nprocs=3, timeout=300)
+    _check(results, configs)
+
+
+@pytest.mark.distributed
+def test_ddp_takes_a_meta_model() -> None:
+    configs = [(11, 6)]
+    results = cp.launch(_build, configs, "ddp", nprocs=2, timeout=300)
+    ref = _one_process(*configs[0])
+    for res in results:
+        for key, value in res[0]["full"].items():
+            assert torch.equal(value, ref[key]), key
+        assert res[0]["tied"]
+
+
+def test_one_process_takes_a_meta_model() -> None:
+    model = cp.parallelize(_meta_gpt(9, 4), "none", device="cpu", init=gpt_init, init_seed=7)
+    ref = _one_process(9, 4)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, ref[key]), key
+    assert model.head.weight is model.embed.weight
+
+
+def test_init_for_a_model_not_on_meta_is_refused() -> None:
+    net = nn.Linear(2, 2)
+    before = net.weight.clone()
+    with pytest.raises(ValueError, match=r"parallelize\(init=\.\.\.\).*is allocated already"):
+        cp.parallelize(net, "none", device="cpu", init=gpt_init)
+    assert torch.equal(net.weight, before)
+    with pytest.raises(ValueError, match=r"stays on the meta device"):
+        cp.parallelize(_meta_gpt(3, 2), "none", device="meta", init=gpt_init)
+
+
+def test_untouched_tensors_refuse_the_call_before_anything() -> None:
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(2, 2))
+        net.register_parameter("scale", nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError, match=r"parallelize\(\): no reset_parameters.*'scale"):
+        cp.parallelize(net, "none", device="cpu")
+    assert all(p.is_meta for p in net.parameters())
+
+
+def test_a_partly_meta_model_is_refused() -> None:
+    net = nn.Sequential(nn.Linear(2, 2))
+    with torch.device("meta"):
+        net.append(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"parallelize\(\) got a Sequential only partly on"):
+        cp.parallelize(net, "none", device="cpu")
+    assert not net[0].weight.is_meta
+    assert net[1].weight.is_meta
+
+
+def test_init_arguments_are_checked_at_the_door() -> None:
+    with pytest.raises(TypeError, match=r"parallelize\(init=\.\.\.\) expects a callable"):
+        cp.parallelize(_meta_gpt(3, 2), "none", device="cpu", init=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"parallelize\(init_seed=\.\.\.\) expects an int >= 0"):
+        cp.parallelize(_meta_gpt(3, 2), "none", device="cpu", init_seed=-2)
+
+
+def test_a_meta_model_under_data_parallel_is_refused() -> None:
+    plan = ParallelPlan("dp", "dp", torch.device("cuda", 0), False, None, (0, 1), {}, {})
+    model = _meta_gpt(3, 2)
+    build = wrap.plan_build("parallelize", model, None, 0, plan.device)
+    with pytest.raises(ValueError, match=r"DataParallel copies the whole model.*materialize"):
+        wrap._check_plan(model, plan, build)
