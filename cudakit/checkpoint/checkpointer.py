@@ -34,6 +34,7 @@ from .data import (
 )
 from .preemption import SignalWatch, StopAgreement, after_stop
 from .state import (
+    epoch_end,
     extras_state,
     fresh_optimizers,
     reset_fresh,
@@ -410,7 +411,9 @@ class Checkpointer:
                 self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
                 marks = step_marks(self._parts.steps)
                 self._yielded = Yielded(self._position.total, marks, before, stateful, token)
-                yield batch
+                # (The epoch's last batch: a partial window's micro-step syncs, for flush().)
+                with epoch_end(self._parts.steps, self._position.batch == length):
+                    yield batch
                 self._yielded = None
                 if length is None or self._position.batch < length:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
