@@ -22,6 +22,13 @@ accelerate's ``save_state``/``load_state`` join when accelerate is installed (th
 ``memory_report``, its resident-memory peak during ``Checkpointer.save()`` above what it
 held before, against its own shard (parameters and optimizer state).
 
+``--stop``: only the cost of agreeing on a stop signal across ranks, which every window
+boundary pays under a process group (one all-reduce of a few flags on a gloo group).
+2 gloo processes train a DDP model through ``Checkpointer.batches()``, ``preemption=False``
+and ``True`` taking turns; the agreement itself is timed inside the run, and its time per
+window is printed as a ratio of the window's (goal: at most 1 %), beside the ratio of the
+two loops' window times (as noisy as the machine).
+
 ``--json PATH`` writes the figures, the machine and the date as the data file of
 ``docs/figures/bench_checkpoint.json`` (``--figure`` is the same option): the medians,
 and with ``--fsdp`` each rank's memory figures. ``python scripts/make_figures.py`` redraws
@@ -268,6 +275,129 @@ def fsdp_memory(width: int, layers: int) -> list[dict[str, Any]]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def stop_worker(rank: int, port: int, sizes: tuple[int, int, int, int, int], out: str) -> None:
+    """One rank of ``--stop``: windows of a DDP model, with and without the agreement."""
+    import datetime
+
+    import torch.nn.functional as F
+
+    import cudakit.parallel as cp
+    from cudakit.checkpoint import preemption
+
+    width, layers, accumulate, windows, rounds = sizes
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    polls: list[float] = []
+    poll = preemption.StopAgreement.poll
+
+    def timed(self: Any, seen: Any) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return poll(self, seen)
+        finally:
+            polls.append(time.perf_counter() - t0)
+
+    preemption.StopAgreement.poll = timed  # type: ignore[method-assign]
+    with cudakit.process_group(timeout=datetime.timedelta(seconds=300)):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        model = cp.parallelize(net, "ddp", device="cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        step = cudakit.autocast_step(opt, model=model, dtype=torch.float32, accumulate=accumulate)
+        train_step = step(lambda x: F.mse_loss(model(x), x))
+        batches = [torch.randn(32, width) for _ in range(accumulate * windows)]
+        per_window: dict[str, list[float]] = {"preemption=False": [], "preemption=True": []}
+        agreement: list[float] = []
+        names = list(per_window)
+        for r in range(rounds + 1):  # round 0 warms up
+            for name in names[r % 2 :] + names[: r % 2]:
+                root = tempfile.mkdtemp(prefix="bench_stop") if rank == 0 else ""
+                box = [root]
+                torch.distributed.broadcast_object_list(box, src=0)
+                ckpt = cudakit.Checkpointer(
+                    box[0], step=step, loader=batches, preemption=name.endswith("True")
+                )
+                polls.clear()
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                for _ in ckpt.epochs(1):
+                    for x in ckpt.batches():
+                        train_step(x)
+                elapsed = time.perf_counter() - t0
+                ckpt.close()
+                torch.distributed.barrier()
+                if rank == 0:
+                    shutil.rmtree(box[0], ignore_errors=True)
+                if r:
+                    per_window[name].append(elapsed / windows)
+                    if name.endswith("True"):
+                        agreement.append(sum(polls) / len(polls))
+        # The collective alone: back-to-back polls (no rank waits for another's compute).
+        stop = preemption.StopAgreement(torch.distributed.new_group(backend="gloo"))
+        alone = []
+        for _ in range(5):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                poll(stop, ())
+            alone.append((time.perf_counter() - t0) / 200)
+        result = {
+            "rank": rank,
+            "window_s": {k: statistics.median(v) for k, v in per_window.items()},
+            "in_loop_s": statistics.median(agreement),
+            "agreement_s": statistics.median(alone),
+        }
+        with open(Path(out) / f"stop{rank}.json", "w") as f:
+            json.dump(result, f)
+
+
+def stop_cost(quick: bool, rounds: int | None) -> dict[str, Any]:
+    """``--stop``: 2 ranks; returns rank 0's figures (and prints them)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    width, layers, accumulate, windows = (128, 2, 2, 4) if quick else (1024, 4, 4, 8)
+    rounds = rounds or (1 if quick else 5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mkdtemp(prefix="bench_ckpt_stop")
+    sizes = (width, layers, accumulate, windows, rounds)
+    try:
+        mp.start_processes(stop_worker, args=(port, sizes, out), nprocs=2, start_method="spawn")
+        ranks = [json.loads((Path(out) / f"stop{r}.json").read_text()) for r in range(2)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print(
+        f"bench_checkpoint --stop: 2 gloo ranks, DDP MLP {layers}x{width}, batch 32, "
+        f"accumulate={accumulate}, {windows} windows a run, {rounds} round(s), "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    print(f"{'rank':>4} {'window off ms':>14} {'window on ms':>13} {'on / off':>9} "
+          f"{'agreement us':>13} {'of a window':>12} {'in loop us':>11}")  # fmt: skip
+    for item in ranks:
+        off, on = item["window_s"]["preemption=False"], item["window_s"]["preemption=True"]
+        cost = item["agreement_s"]
+        item["on_over_off"] = on / off
+        item["agreement_of_window"] = cost / off
+        print(
+            f"{item['rank']:>4} {off * 1e3:14.2f} {on * 1e3:13.2f} {on / off:9.3f} "
+            f"{cost * 1e6:13.1f} {cost / off:12.3%} {item['in_loop_s'] * 1e6:11.1f}"
+        )
+    print(
+        "(agreement: the all-reduce alone, back to back; in loop: the same call at each "
+        "boundary, with the wait for the other rank's compute that the next gradient "
+        "all-reduce would otherwise pay)"
+    )
+    worst = max(item["agreement_of_window"] for item in ranks)
+    print(f"the stop agreement costs at most {worst:.3%} of a window (goal <= 1 %)")
+    return {"ranks": ranks, "sizes": sizes}
+
+
 def figure_data(
     result: dict[str, Any], settings: str, argv: list[str] | None, load: float
 ) -> dict[str, Any]:
@@ -302,6 +432,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fsdp", action="store_true", help="also FSDP2 memory over 2 ranks")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument(
+        "--stop", action="store_true", help="only the per-window cost of agreeing on a stop"
+    )
+    parser.add_argument(
         "--json",
         "--figure",
         dest="json",
@@ -310,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
         help="also write the data file (docs/figures/bench_checkpoint.json)",
     )
     args = parser.parse_args(argv)
+    if args.stop:
+        stop_cost(args.quick, args.rounds)
+        return
     load = _report.load_average()
     width, layers = (256, 4) if args.quick else (2048, 24)
     rounds = args.rounds or (1 if args.quick else 3)

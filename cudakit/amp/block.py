@@ -53,7 +53,16 @@ class Turn(enum.Enum):
 class Block:
     """``with step:`` of one :class:`~cudakit.amp.AutocastStep`: what it entered, and its turn."""
 
-    __slots__ = ("_autocast", "_buffers", "_entered", "_marker", "_sync", "_window", "turn")
+    __slots__ = (
+        "_autocast",
+        "_buffers",
+        "_entered",
+        "_marker",
+        "_sync",
+        "_window",
+        "decided_pause",
+        "turn",
+    )
 
     def __init__(
         self,
@@ -75,6 +84,8 @@ class Block:
         ) = None
         #: Where the micro-step of the explicit form is.
         self.turn = Turn.IDLE
+        #: Whether the last ``with step:`` paused gradient sync (its backward's too).
+        self.decided_pause = False
 
     @property
     def awaiting_backward(self) -> bool:
@@ -101,7 +112,7 @@ class Block:
         paused: AbstractContextManager[Any] | None = None
         autocast: torch.autocast | None = None
         try:
-            if self._sync.active and not self._window.closes_next():
+            if self._sync.active and not self._window.syncs_next():
                 paused = self._sync.paused()
                 paused.__enter__()
             autocast = self._autocast()
@@ -113,6 +124,7 @@ class Block:
             _unwind(token, autocast, paused, None, None, None)
             raise
         self._entered = (token, autocast, paused)
+        self.decided_pause = paused is not None
         self.turn = Turn.IN_BLOCK
 
     def backward_done(self) -> None:

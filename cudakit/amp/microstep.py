@@ -54,8 +54,9 @@ class MicroSteps:
         self._judge = judge
 
     def pauses(self) -> bool:
-        """Whether this micro-step runs without gradient sync (it does not close the window)."""
-        return self._sync.active and not self._window.closes_next()
+        """Whether this micro-step runs without gradient sync (it neither closes the window
+        nor ends the epoch)."""
+        return self._sync.active and not self._window.syncs_next()
 
     def before_forward(self) -> None:
         """Before a decorated step's forward: open the window, or check it; save the buffers."""
@@ -71,10 +72,11 @@ class MicroSteps:
             buffers.save()
 
     def backward(
-        self, loss: torch.Tensor, weight: object, *, decorated: bool
+        self, loss: torch.Tensor, weight: object, *, decorated: bool, paused: bool
     ) -> torch.Tensor | None:
         """Open the window if needed (clear the step's gradients), then backward.
 
+        ``paused``: this micro-step runs without gradient sync (decided when it began).
         Returns the token weight as a tensor (None: unweighted). A failed backward leaves
         the window as it was before this micro-step (:func:`.window.backward_in_window`).
         """
@@ -99,13 +101,17 @@ class MicroSteps:
             if window.scale is None:
                 window.scale = cast(torch.Tensor, scaler._scale).clone()
         if window.position:  # a failure puts the window's gradients back
-            backward_in_window(loss, window, self._sync, self._params.params(), self.drop)
+            backward_in_window(loss, window, self._sync, self._params.params(), self.drop, paused)
         else:
             try:
                 loss.backward()
             except BaseException:
                 self.clear_grads()  # the window's first micro-step: no gradient stays
                 raise
+        if paused:
+            window.mark_unsynced()
+        elif self._sync.active:
+            window.mark_synced()  # (a window it does not close: the epoch's last micro-step)
         window.backwarded = weakref.ref(given)
         # Counted only once its backward has run: a failed call adds no phantom weight.
         if weight_t is not None:

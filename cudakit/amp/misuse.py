@@ -26,6 +26,7 @@ __all__ = [
     "flush_before_backward_error",
     "flush_inside_error",
     "grads_changed_error",
+    "last_micro_step_busy_error",
     "load_busy_error",
     "mixed_weights_error",
     "nested_error",
@@ -101,6 +102,17 @@ def accumulate_busy_error() -> ValueError:
         "function, nor between the block and its step.backward(): this micro-step "
         "already decided whether it syncs gradients and steps. Set it between "
         "calls, after the window's optimizer step."
+    )
+
+
+def last_micro_step_busy_error() -> RuntimeError:
+    """``last_micro_step()`` entered once the micro-step has decided how it syncs."""
+    return RuntimeError(
+        "AutocastStep.last_micro_step() entered inside `with step:` or the step function, "
+        "or between the block and its step.backward(): this micro-step already decided "
+        "whether it syncs gradients. Enter it around the whole micro-step: "
+        "`with step.last_micro_step():` before `with step:` (or around the call of the "
+        "step function)."
     )
 
 
@@ -184,7 +196,10 @@ def comm_hook_flush_error(hook: str) -> RuntimeError:
         f"hook {hook} (register_comm_hook), and the window's micro-steps ran without "
         "gradient sync. flush() cannot run that hook on them (it reduces only during "
         "DDP's own backward), and a plain all-reduce would bypass it and differ from your "
-        "loop. Make each epoch a multiple of accumulate= (DataLoader(drop_last=True)), "
+        "loop. Let the epoch's last micro-step sync through DDP's backward: iterate with "
+        "Checkpointer.batches() or cudakit.prefetch(loader, step=step), which know where "
+        "the epoch ends, or run that micro-step inside `with step.last_micro_step():`. "
+        "Or make each epoch a multiple of accumulate= (DataLoader(drop_last=True)), "
         "or drop the hook. Nothing was changed."
     )
 

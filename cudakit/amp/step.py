@@ -12,8 +12,9 @@ window to the stepper.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -365,12 +366,11 @@ class AutocastStep(misuse.AttributeGuard):
                 with self._sync.paused():
                     output = self._forward(func, compiled, args, kwargs)
                     loss, weight = extract_loss(output)
-                    weight = micro.backward(loss, weight, decorated=True)
-                    self._window.mark_unsynced()
+                    weight = micro.backward(loss, weight, decorated=True, paused=True)
             else:
                 output = self._forward(func, compiled, args, kwargs)
                 loss, weight = extract_loss(output)
-                weight = micro.backward(loss, weight, decorated=True)
+                weight = micro.backward(loss, weight, decorated=True, paused=False)
             return micro.after_backward(loss.detach(), output, weight)
         except RuntimeError as exc:  # DDP's unused parameters, named
             note_unused_parameters(exc)
@@ -440,15 +440,15 @@ class AutocastStep(misuse.AttributeGuard):
             self._warned_block_compile = True
             misuse.warn_block_compile()
         block, micro = self._block, self._micro
-        if not block.inside and micro.pauses():
-            # backward() after the block closed: pause the sync around backward itself.
+        if block.inside:
+            weight = micro.backward(tensor, weight, decorated=False, paused=block.paused)
+        elif block.decided_pause if block.awaiting_backward else micro.pauses():
+            # backward() after the block closed: pause the sync around backward itself (as
+            # the block decided, even if last_micro_step() was left since).
             with self._sync.paused():
-                weight = micro.backward(tensor, weight, decorated=False)
-                self._window.mark_unsynced()
+                weight = micro.backward(tensor, weight, decorated=False, paused=True)
         else:
-            weight = micro.backward(tensor, weight, decorated=False)
-            if block.paused:
-                self._window.mark_unsynced()
+            weight = micro.backward(tensor, weight, decorated=False, paused=False)
         block.backward_done()  # the micro-step is counted below
         return micro.after_backward(tensor.detach(), loss, weight)
 
@@ -492,6 +492,49 @@ class AutocastStep(misuse.AttributeGuard):
         if self._block.awaiting_backward:
             raise misuse.flush_before_backward_error()
         return self._micro.flush()
+
+    @contextlib.contextmanager
+    def last_micro_step(self) -> Iterator[None]:
+        """Mark the micro-step run inside as the last of the epoch: it syncs its gradients.
+
+        Under DDP or FSDP2, the micro-steps of a window that do not fill it run without
+        gradient sync. The epoch's last one, inside this context, syncs in its own
+        backward instead (as a hand-written loop does), so a partial window's gradients
+        are reduced by DDP itself, communication hook included (``fp16_compress_hook``,
+        PowerSGD, yours); :meth:`flush` then steps on them with nothing left to reduce.
+        A full window steps as usual. :meth:`Checkpointer.batches
+        <cudakit.Checkpointer.batches>` and ``prefetch(loader, step=step)`` enter it
+        for the last batch themselves where the epoch's length is known.
+
+        >>> import cudakit.amp as amp
+        >>> model = torch.nn.Linear(3, 1)
+        >>> step = amp.autocast_step(
+        ...     torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4
+        ... )
+        >>> with step.last_micro_step():
+        ...     step.backward(model(torch.ones(2, 3)).float().mean()).stepped
+        False
+        >>> step.flush().stepped
+        True
+
+        Enter it before ``with step:`` (that block decides how its micro-step syncs).
+        Outside DDP and FSDP2, and on one process, it changes nothing.
+
+        Raises:
+            RuntimeError: entered inside the step function or ``with step:``, or
+                between that block and its ``step.backward(loss)``.
+
+        .. versionadded:: 0.1
+        """
+        active = _ACTIVE.get()
+        if self._block.awaiting_backward or (active is not None and active[0] is self):
+            raise misuse.last_micro_step_busy_error()
+        window = self._window
+        before, window.ends = window.ends, True
+        try:
+            yield
+        finally:
+            window.ends = before
 
     def state_dict(self) -> dict[str, Any]:
         """Return the step's checkpoint state: scaler, accumulation position, counters.

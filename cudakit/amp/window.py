@@ -59,6 +59,7 @@ class Window:
     __slots__ = (
         "accumulate",
         "backwarded",
+        "ends",
         "last_loss",
         "losses",
         "position",
@@ -86,6 +87,8 @@ class Window:
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # The loss tensor of the last good backward (any window), to refuse it twice.
         self.backwarded: Callable[[], torch.Tensor | None] | None = None
+        # Inside AutocastStep.last_micro_step(): the micro-steps run now end the epoch.
+        self.ends = False
 
     @property
     def opening(self) -> bool:
@@ -96,6 +99,11 @@ class Window:
         """True when the next micro-step fills the window (and so steps)."""
         return self.position + 1 >= self.accumulate
 
+    def syncs_next(self) -> bool:
+        """True when the next micro-step communicates its gradients: it fills the window,
+        or it is the epoch's last (a partial window's, which ``flush()`` then steps)."""
+        return self.ends or self.position + 1 >= self.accumulate
+
     def open(self) -> None:
         """The step's gradients were cleared for this window: it is open."""
         self.stage = Stage.OPEN
@@ -103,6 +111,11 @@ class Window:
     def mark_unsynced(self) -> None:
         """A micro-step of this open window ran its backward without gradient sync."""
         self.stage = Stage.UNSYNCED
+
+    def mark_synced(self) -> None:
+        """A micro-step of this open window synced every gradient so far (DDP's, FSDP2's
+        backward), without closing it: nothing is left for ``flush()`` to reduce."""
+        self.stage = Stage.OPEN
 
     def total_weight(self) -> torch.Tensor:
         """A token-weighted window's total weight: over all ranks once summed, else its own."""
@@ -198,6 +211,7 @@ def backward_in_window(
     sync: GradSync,
     params: list[torch.Tensor],
     drop: Callable[[], None],
+    paused: bool,
 ) -> None:
     """``loss.backward()`` as a micro-step after a window's first; a failure changes nothing.
 
@@ -206,10 +220,11 @@ def backward_in_window(
     cannot be set aside, in a micro-step that DDP synchronises (its reducer reads the
     accumulated ``.grad``) and under FSDP2 (which keeps unsynced gradients inside
     itself), a failure drops the window (``drop``) and the exception says so.
+    ``paused``: whether this micro-step runs without gradient sync.
     """
     window.check_grads()
     grads = None
-    if sync.kind != "fsdp" and not (sync.active and window.closes_next()):
+    if sync.kind != "fsdp" and (paused or not sync.active):
         grads = _set_aside(params)
     try:
         loss.backward()

@@ -372,7 +372,6 @@ class Checkpointer:
         try:
             self._writer.finish()
         finally:
-            self._stop.drain()
             self._signals.uninstall()
 
     def __enter__(self) -> Self:

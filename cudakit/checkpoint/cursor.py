@@ -26,7 +26,7 @@ from .data import (
     set_epoch,
     skip_batches,
 )
-from .state import step_marks
+from .state import epoch_end, step_marks
 
 __all__ = ["Cursor"]
 
@@ -99,7 +99,9 @@ class Cursor:
                 self.count_batch()
                 marks = step_marks(steps)
                 self.yielded = Yielded(self.position.total, marks, before, stateful, token)
-                yield batch
+                # (The epoch's last batch: a partial window's micro-step syncs, for flush().)
+                with epoch_end(steps, self.position.batch == length):
+                    yield batch
                 self.yielded = None
                 if length is None or self.position.batch < length:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),

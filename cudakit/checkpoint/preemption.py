@@ -4,15 +4,15 @@ SLURM (``--signal=USR1@90``, or SIGTERM before a preemption), Kubernetes and
 torchrun stop a job with a signal. The handler only notes it (and calls the
 handler that was installed before, so the user's own keep working). The loop asks
 :meth:`StopAgreement.poll` at each window boundary; under a process group every rank
-contributes its flags (one per stop signal) to an all-reduce (max) started
-asynchronously on a group of its own and read at the next boundary, so every rank sees
-the same answer (and the same signals) at the same boundary without ever waiting for a
-rank that did not see the signal, and without a blocking collective per step.
+contributes its flags (one per stop signal) to an all-reduce (max) on a gloo group of
+its own, and reads the answer there and then: every rank stops at the first boundary
+that any rank reached with a signal in hand, and exits with the same signals. It costs
+one tiny host collective per window (no device sync, no read per step), which
+``benchmarks/bench_checkpoint.py --stop`` measures against a window.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -187,11 +187,12 @@ def _settable(handler: _Handler) -> Callable[[int, FrameType | None], Any] | int
 
 
 class StopAgreement:
-    """Whether every rank should stop, agreed one window boundary after any rank asks.
+    """Whether every rank should stop, agreed at the window boundary where any rank asks.
 
     What is agreed is the set of stop signals any rank received (:attr:`signals`), so
     that a rank the signal did not reach exits as the others do, and rank 0 requeues
-    after a SIGUSR1 that reached another rank first.
+    after a SIGUSR1 that reached another rank first. Every rank calls :meth:`poll` at
+    the same boundaries (a collective under a process group).
     """
 
     def __init__(
@@ -199,7 +200,6 @@ class StopAgreement:
     ) -> None:
         self._group = group
         self._watched = watched
-        self._pending: tuple[Any, torch.Tensor] | None = None
         #: The signals any rank received, in the order of ``watched``.
         self.signals: tuple[int, ...] = ()
 
@@ -213,29 +213,21 @@ class StopAgreement:
         self.signals = tuple(int(s) for s in self._watched if int(s) in known)
 
     def poll(self, seen: Collection[int]) -> bool:
-        """The agreed answer now; starts the next round with the signals this rank saw."""
-        if self._group is None:
+        """Whether every rank stops here: some rank saw a signal by now (a collective).
+
+        Under a process group the ranks' flags meet in one all-reduce of a CPU tensor
+        (on the gloo group given), which waits only for the other ranks to reach this
+        boundary: no device sync.
+        """
+        if self._group is None or not self._watched:
             self._merge(seen)
             return self.agreed
         import torch.distributed as dist
 
-        if self._pending is not None:
-            work, flags = self._pending
-            work.wait()
-            # A CPU tensor: no device sync.
-            self._merge([int(s) for s, f in zip(self._watched, flags.tolist(), strict=True) if f])
         flags = torch.tensor([int(int(s) in seen) for s in self._watched], dtype=torch.int32)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, flags)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        self._merge([int(s) for s, f in zip(self._watched, flags.tolist(), strict=True) if f])
         return self.agreed
-
-    def drain(self) -> None:
-        """Finish the round in flight (every rank calls this at the same point)."""
-        if self._pending is not None:
-            work, _ = self._pending
-            self._pending = None
-            with contextlib.suppress(RuntimeError):
-                work.wait()
 
 
 #: What SLURM names a job by: digits, or ``<array job>_<task>``.

@@ -29,6 +29,7 @@ from ..parallel import unwrap
 
 __all__ = [
     "Parts",
+    "epoch_end",
     "failure_cause",
     "fresh_optimizers",
     "has_state",
@@ -240,6 +241,17 @@ def step_marks(steps: Sequence[Any]) -> tuple[Any, ...]:
     a step ran since a batch was yielded.
     """
     return tuple(s._window.backwarded for s in steps)
+
+
+def epoch_end(steps: Sequence[Any], last: bool) -> contextlib.AbstractContextManager[Any]:
+    """Around the epoch's last batch (``last``): each step's ``last_micro_step()``, so a
+    partial window's last micro-step syncs through DDP's or FSDP2's own backward."""
+    if not last or not steps:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for s in steps:
+        stack.enter_context(s.last_micro_step())
+    return stack
 
 
 def warn_open_window(steps: Sequence[Any], latest: Any) -> None:

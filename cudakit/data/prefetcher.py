@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 import torch
 
-from .._check import check_device, check_int
+from .._check import check_device, check_int, fail_type
 from .._tree import Staging, all_on_cpu, device_tensors_in, move_root
 from ..device import DeviceLike, resolve_device
 
@@ -213,6 +213,69 @@ class _CudaPrefetchIterator(_LookaheadIterator[T]):
         return batch  # type: ignore[no-any-return]
 
 
+def _marking_last(source: Iterator[T], step: Any, length: int | None) -> Iterator[T]:
+    """``source``'s batches, the last inside ``step.last_micro_step()``.
+
+    With ``length`` the last is the ``length``-th; without, ``source`` is read one batch
+    ahead to see its end (an error reading ahead comes after the batch before it).
+    """
+    try:
+        if length is not None:
+            for i, batch in enumerate(source, 1):
+                if i == length:
+                    with step.last_micro_step():
+                        yield batch
+                else:
+                    yield batch
+            return
+        try:
+            batch = next(source)
+        except StopIteration:
+            return
+        while True:
+            try:
+                following = next(source)
+            except StopIteration:
+                with step.last_micro_step():
+                    yield batch
+                return
+            except Exception:
+                yield batch  # the batch before the error, as a plain loop sees it
+                raise
+            yield batch
+            batch = following
+    finally:
+        close = getattr(source, "close", None)
+        if callable(close):
+            close()
+
+
+def _length(loader: object) -> int | None:
+    """``len(loader)``, or None where it has none (a DataLoader over an iterable dataset
+    without ``__len__`` raises TypeError)."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _check_step(func: str, step: object) -> Any:
+    """The ``AutocastStep`` of ``step=`` (or of the function it decorated); None stays."""
+    if step is None:
+        return None
+    found = getattr(step, "autocast_step", step)
+    if not callable(getattr(found, "last_micro_step", None)):
+        fail_type(
+            func,
+            "step",
+            "an autocast_step (or the function it decorated), or None",
+            step,
+            "pass the step the loop trains with, e.g. prefetch(loader, step=step): the "
+            "epoch's last batch then syncs a partial window's gradients for flush().",
+        )
+    return found
+
+
 # -- the public iterable -------------------------------------------------------------
 
 
@@ -233,14 +296,17 @@ class Prefetcher(Generic[T]):
     .. versionadded:: 0.1
     """
 
-    __slots__ = ("_depth", "_device", "_loader")
+    __slots__ = ("_depth", "_device", "_loader", "_step")
 
-    def __init__(self, loader: Iterable[T], device: torch.device, depth: int) -> None:
+    def __init__(
+        self, loader: Iterable[T], device: torch.device, depth: int, *, step: Any = None
+    ) -> None:
         name = type(self).__name__
         _check_source(loader, name)
         self._loader = loader
         self._device = check_device(name, "device", device, resolve_device)
         self._depth = _check_depth(name, depth)
+        self._step = _check_step(name, step)
 
     @property
     def loader(self) -> Iterable[T]:
@@ -262,9 +328,19 @@ class Prefetcher(Generic[T]):
         # A fresh iterator made for us (a DataLoader's, a generator function's) is ours
         # to close; an iterator the user passed in stays theirs to resume.
         owns = source is not self._loader
+        moved: Iterator[T]
         if self._device.type == "cuda":
-            return _CudaPrefetchIterator(source, self._device, self._depth, owns)
-        return _MovingIterator(source, self._device, owns)
+            moved = _CudaPrefetchIterator(source, self._device, self._depth, owns)
+        else:
+            moved = _MovingIterator(source, self._device, owns)
+        if self._step is None:
+            return moved
+        return _marking_last(moved, self._step, _length(self._loader))
+
+    @property
+    def step(self) -> Any:
+        """The step whose ``last_micro_step()`` the epoch's last batch enters (or None)."""
+        return self._step
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``set_epoch(epoch)`` on to the source or its (distributed) sampler.
@@ -393,11 +469,15 @@ def _check_depth(func: str, depth: object) -> int:
 
 @overload
 def prefetch(
-    loader: SizedIterable[T], device: DeviceLike = None, depth: int = 2
+    loader: SizedIterable[T], device: DeviceLike = None, depth: int = 2, *, step: Any = None
 ) -> SizedPrefetcher[T]: ...
 @overload
-def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> Prefetcher[T]: ...
-def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> Prefetcher[T]:
+def prefetch(
+    loader: Iterable[T], device: DeviceLike = None, depth: int = 2, *, step: Any = None
+) -> Prefetcher[T]: ...
+def prefetch(
+    loader: Iterable[T], device: DeviceLike = None, depth: int = 2, *, step: Any = None
+) -> Prefetcher[T]:
     """Wrap an iterable of batches so that each arrives already on ``device``.
 
     Batches are moved with :func:`~cudakit.device.on_device`, so every container it
@@ -428,6 +508,11 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
             (see :func:`~cudakit.device.resolve_device`).
         depth: How many batches are copied ahead on CUDA; each costs one batch of
             device memory. Ignored on other devices.
+        step: the :func:`~cudakit.autocast_step` the loop trains with (or the function
+            it decorated): the epoch's last batch is yielded inside its
+            ``last_micro_step()``, so under DDP or FSDP2 a partial window's last
+            micro-step syncs in its own backward (communication hooks included) for
+            ``flush()``. A source without ``len()`` is then read one batch ahead.
 
     Returns:
         A ``Prefetcher`` (a ``SizedPrefetcher`` with ``len()`` when the
@@ -435,7 +520,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
 
     Raises:
         TypeError: ``loader`` is not an iterable of batches (a tensor, a dict, a
-            number), or ``depth`` is not an int.
+            number), ``depth`` is not an int, or ``step`` is not an autocast_step.
         ValueError: ``depth`` is below 1.
         DeviceError: ``device`` does not exist on this machine.
 
@@ -444,6 +529,7 @@ def prefetch(loader: Iterable[T], device: DeviceLike = None, depth: int = 2) -> 
     _check_source(loader)
     depth = _check_depth("prefetch", depth)
     dev = check_device("prefetch", "device", device, resolve_device)
+    found = _check_step("prefetch", step)
     if hasattr(loader, "__len__"):
-        return SizedPrefetcher(loader, dev, depth)
-    return Prefetcher(loader, dev, depth)
+        return SizedPrefetcher(loader, dev, depth, step=found)
+    return Prefetcher(loader, dev, depth, step=found)
