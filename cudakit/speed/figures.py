@@ -163,7 +163,8 @@ class SpeedSummary:
 
         >>> f = SpeedFigures(steps=2, calls=2, seconds=1.0, samples=64, tokens=None,
         ...                  flops=None, mfu_reason="no FLOP count")
-        >>> SpeedSummary(8, f, f).line("speed_report", values={"loss": 2.5}, advice=False)
+        >>> summary = SpeedSummary(8, f, f)
+        >>> summary.line("speed_report", values={"loss": 2.5}, advice=False)
         'speed_report step 8: loss 2.5, 500.0 ms/step, 64.0 samples/s [last 2 steps]'
         """
         recent, total = self.recent, self.total

@@ -308,7 +308,7 @@ class SpeedMeter(ContextDecorator):
             TypeError, ValueError: a value that is not a number, a one-element tensor
                 or a function; nothing shown changes then.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         for name, value in values.items():
             _check_shown(name, value)
@@ -329,7 +329,7 @@ class SpeedMeter(ContextDecorator):
         >>> meter.state_dict()
         {'step': 30}
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         self._recorder.close_flushed()
         return {"step": self._recorder.tally.steps}
@@ -340,7 +340,7 @@ class SpeedMeter(ContextDecorator):
         Raises:
             TypeError, ValueError: not such a dict; the meter is unchanged then.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         func = "SpeedMeter.load_state_dict"
         expected = "a dict from SpeedMeter.state_dict() such as {'step': 3}"
