@@ -20,6 +20,7 @@ from typing_extensions import Self
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
 from . import arguments, layout, reader
+from .budget import budgeted
 from .data import (
     Position,
     Yielded,
@@ -369,22 +370,36 @@ class Checkpointer:
             if pos.epoch == epoch:  # the epoch's data came from the user's own loop
                 self._position = dataclasses.replace(pos, epoch=epoch + 1, batch=0)
             self._boundary()
+        self._finish_run()
+
+    def _finish_run(self) -> None:
+        """The end of a run (its epochs, its step budget): the last save, waited for."""
         if self._position.total != self._saved_total and self._at_window_end():
             self.save()
         self.wait()
         if self._position.total != self._saved_total:  # the last window is open
             warn_open_window(self._parts.steps, self.latest)
 
-    def batches(self, loader: Any = None) -> Iterator[Any]:
+    def batches(self, loader: Any = None, *, steps: int | None = None) -> Iterator[Any]:
         """Yield this epoch's batches from ``loader`` (default: the one passed at creation).
 
         A resumed run skips the batches its epoch already consumed, with the same order
         and RNG as the run that saved. Between batches, after the step has run, it saves
         when due and reacts to a stop signal.
-        """
-        return self._batches(arguments.batches_loader(loader, self.loader))
 
-    def _batches(self, loader: Any) -> Iterator[Any]:
+        With ``steps=N`` (instead of :meth:`epochs`), a run budgeted in optimizer steps:
+        the batches come epoch after epoch until the run has made ``N`` optimizer steps
+        in all (a resumed run makes those left); then the last checkpoint is saved and
+        waited for. A finished run started again yields no batch.
+        """
+        loader = arguments.batches_loader(loader, self.loader)
+        if steps is None:
+            return self._batches(loader)
+        budget = check_int("Checkpointer.batches", "steps", steps, minimum=0)
+        return budgeted(self, loader, budget)
+
+    def _batches(self, loader: Any, until: int | None = None) -> Iterator[Any]:
+        """One epoch's batches; ``until``: stop once the run has made that many steps."""
         self.resume()
         start = self._position
         stateful = is_stateful(loader)
@@ -416,6 +431,8 @@ class Checkpointer:
                     # (The last batch's save point is the epoch's end, as (epoch + 1, 0),
                     # once the iterator is exhausted: a sampler may still draw from the RNG.)
                     self._boundary()
+                    if until is not None and self._position.windows >= until:
+                        return  # a step budget's end, mid-epoch (see budget.py)
         finally:  # (a generator closed late leaves a newer one's batch as it is)
             if self._yielded is not None and self._yielded.owner is token:
                 self._yielded = None
