@@ -39,6 +39,7 @@ class Settings:
     log: LogTarget | None
     combine: bool
     start: int = 0  # optimizer steps done before this meter's first (a resumed run's)
+    loss: bool = False  # show the loss the decorated function returns in the line
 
 
 def step_of(value: object) -> AutocastStep | None:
@@ -89,6 +90,7 @@ def settle(
     log: object,
     combine: object,
     start: object = 0,
+    loss: object = False,
 ) -> Settings:
     """Check every argument, then decide; raises before anything is made."""
     if label is not None and not isinstance(label, str):
@@ -124,6 +126,7 @@ def settle(
         fix="It is the device's dense peak in TFLOP/s for the dtype trained in, e.g. 989.5.",
     )
     check_bool(_FUNC, "combine", combine)
+    check_bool(_FUNC, "loss", loss)
     start_n = check_int(
         _FUNC,
         "start",
@@ -149,4 +152,5 @@ def settle(
         checked_log,
         bool(combine),
         start_n,
+        bool(loss),
     )

@@ -71,7 +71,7 @@ class Recorder:
             ends = True
         s, t, f = counts
         if tally.add(mark, s, t, f, ends) and self._every and tally.steps % self._every == 0:
-            self.log()
+            self.log(out)
 
     def end_flushed(self) -> None:
         """Close the open step, stepped outside the meter (``flush()``); a line if it is due."""
@@ -186,10 +186,16 @@ class Recorder:
         self.tally.move_to(step)
         self.logged_at += step - before
 
-    def read_shown(self) -> dict[str, float]:
-        """The values shown, read now (a tensor from its device, a function called)."""
+    def read_shown(self, output: Any = None) -> dict[str, float]:
+        """The values shown, read now (a tensor from its device, a function called);
+        first the loss of ``output`` (the call's return value) with ``loss=True``."""
         out: dict[str, float] = {}
-        for name, value in self.shown.items():
+        shown = self.shown
+        if self.settings.loss and output is not None:
+            loss = output.loss if isinstance(output, StepResult) else output
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                shown = {"loss": loss, **shown}
+        for name, value in shown.items():
             try:
                 got = value() if callable(value) else value
                 out[name] = float(got.item() if isinstance(got, torch.Tensor) else got)
@@ -202,8 +208,11 @@ class Recorder:
         label = self.label
         return "speed_report" + (f" {label!r}" if label else "") + f" {self.device()}"
 
-    def log(self) -> None:
-        """Write the line: every rank's figures combined when a group runs (a collective)."""
+    def log(self, output: Any = None) -> None:
+        """Write the line: every rank's figures combined when a group runs (a collective).
+
+        ``output``: the return value of the call that reached the log step.
+        """
         tally = self.tally
         self.close_flushed()
         self.due = False
@@ -224,7 +233,7 @@ class Recorder:
             summary = self.summary()
         reason = summary.recent.mfu_reason
         advise = reason is not None and reason not in self.said
-        line = summary.line(self.head(), values=self.read_shown(), advice=advise)
+        line = summary.line(self.head(), values=self.read_shown(output), advice=advise)
         if advise and summary.recent.steps:
             self.said.add(reason)  # type: ignore[arg-type]
         self.last_line = line

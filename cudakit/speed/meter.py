@@ -262,7 +262,7 @@ class SpeedMeter(ContextDecorator):
                 if before == 0 and (tally.open_calls or recorder.due):
                     end_flushed()  # the window was stepped between calls (flush())
                 if add(mark, s, t, f, window.position == 0) and every and tally.steps % every == 0:
-                    log()
+                    log(out)
                 return out
 
         wrapped: Any = wrapper
@@ -294,7 +294,10 @@ class SpeedMeter(ContextDecorator):
 
         Each value is a number, a one-element tensor (kept as it is: no read of the
         device here) or a function that returns one (called for the line). A name
-        shown again replaces its value; the line shows the last one given.
+        shown again replaces its value; the line shows the last one given. A line is
+        written at the end of the call (or block) that reaches its step: show this
+        step's loss inside the ``with`` block, or pass ``speed_report(loss=True)`` to a
+        decorator (a value shown after the call is the next line's).
 
         >>> meter = speed_report(every=None, file=None)
         >>> with meter:
@@ -454,6 +457,7 @@ def speed_report(
     log: LogTarget | None = None,
     combine: bool = True,
     start: int = 0,
+    loss: bool = False,
 ) -> SpeedMeter: ...
 
 
@@ -474,6 +478,7 @@ def speed_report(
     log: LogTarget | None = None,
     combine: bool = True,
     start: int = 0,
+    loss: bool = False,
 ) -> SpeedMeter | SpeedReported[P, R]:
     """Measure a training step's throughput: time per step, samples/s, tokens/s, TFLOP/s, MFU.
 
@@ -549,6 +554,9 @@ def speed_report(
             position, ``ckpt.position.windows``): the line counts on from there, and
             the figures are those of the steps measured. A meter in a
             :class:`~cudakit.Checkpointer`'s ``extra=`` is given its count on a resume.
+        loss: show the loss the decorated function returns (a ``StepResult``'s, or a
+            one-element tensor) in the line, read when the line is written. Other
+            values, and the ``with`` form's loss: :meth:`SpeedMeter.show`.
 
     Returns:
         The meter, a ``SpeedMeter`` (``with`` yields it), or the decorated function when
@@ -581,6 +589,7 @@ def speed_report(
         log=log,
         combine=combine,
         start=start,
+        loss=loss,
     )
     meter = SpeedMeter(settings)
     if callable(label):  # bare @speed_report

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import cudakit
 from cudakit.speed import speed_report
 
 _ADVICE = "; MFU n/a: no FLOP count; pass flops=count_flops(...)"
@@ -161,3 +162,54 @@ def test_a_function_shown_that_fails_names_its_value() -> None:
     assert "cudakit.speed_report could not read show(ratio=...) for its line" in "\n".join(
         getattr(info.value, "__notes__", [])
     )
+
+
+def _loss_run(loss: bool, lines: list[str]) -> tuple[list[float], int]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    step = cudakit.autocast_step(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+
+    @speed_report(every=2, loss=loss, log=lines.append)
+    @step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    with _Reads() as reads:
+        results = [train(torch.full((2, 4), float(i))) for i in range(4)]
+    return [float(r.loss) for r in results], reads.n
+
+
+def test_loss_true_shows_the_loss_of_the_call_that_writes_the_line() -> None:
+    lines: list[str] = []
+    losses, reads = _loss_run(True, lines)
+    _, reads_without = _loss_run(False, [])
+    assert reads == reads_without + 1  # one line, one read: none at the other calls
+    assert len(lines) == 1
+    assert lines[0].startswith(f"speed_report 'train' cpu step 2: loss {losses[3]:.4g}, ")
+
+
+def test_loss_true_takes_a_returned_tensor_and_leaves_other_outputs_out() -> None:
+    lines: list[str] = []
+
+    @speed_report(every=1, loss=True, log=lines.append)
+    def train(x: torch.Tensor) -> Any:
+        return x.sum() if x.numel() else "no loss"
+
+    train(torch.ones(3))
+    train(torch.ones(0))
+    assert lines[0].startswith("speed_report 'train' cpu step 1: loss 3, ")
+    assert "loss" not in lines[1]
+
+
+def test_shown_inside_a_with_block_is_this_steps_value() -> None:
+    lines: list[str] = []
+    meter = speed_report(every=1, log=lines.append)
+    for i in range(2):
+        with meter:
+            meter.show(loss=torch.tensor(float(i)))
+    assert [line.split(",")[0].split(": ")[1] for line in lines] == ["loss 0", "loss 1"]
+
+
+def test_a_wrong_loss_switch_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"speed_report\(loss=...\) expects True or False, got str"):
+        speed_report(loss="yes")  # type: ignore[arg-type]
