@@ -421,8 +421,8 @@ class Checkpointer:
         length, token = loader_length(loader), object()
         try:
             for batch, before in fetched(iterator, rng=not stateful):
-                pos = self._position
-                self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+                pos = self._position  # (built directly: dataclasses.replace costs µs)
+                self._position = Position(pos.epoch, pos.batch + 1, pos.total + 1, pos.windows)
                 marks = step_marks(self._parts.steps)
                 self._yielded = Yielded(self._position.total, marks, before, stateful, token)
                 yield batch
@@ -453,8 +453,8 @@ class Checkpointer:
         if self._yielded is None:  # (inside batches(), which counted its batch: a check)
             if not self._resumed:
                 self._refuse_unresumed()
-            pos = self._position
-            self._position = dataclasses.replace(pos, batch=pos.batch + 1, total=pos.total + 1)
+            pos = self._position  # (built directly: dataclasses.replace costs µs)
+            self._position = Position(pos.epoch, pos.batch + 1, pos.total + 1, pos.windows)
         return self._boundary()
 
     def save(self) -> Path | None:
@@ -525,7 +525,8 @@ class Checkpointer:
         if pos.total == self._checked_total or not self._at_window_end():
             return None
         self._checked_total = pos.total
-        pos = dataclasses.replace(pos, windows=pos.windows + 1) if pos.batch or pos.total else pos
+        if pos.batch or pos.total:
+            pos = Position(pos.epoch, pos.batch, pos.total, pos.windows + 1)
         self._position = pos
         if self._writer.pending is not None and self._writer.done():
             self._writer.finish()

@@ -215,8 +215,9 @@ class StopAgreement:
     def poll(self, seen: Collection[int]) -> bool:
         """The agreed answer now; starts the next round with the signals this rank saw."""
         if self._group is None:
-            self._merge(seen)
-            return self.agreed
+            if seen:  # (once per batch: nothing to merge in the common case)
+                self._merge(seen)
+            return bool(self.signals)
         import torch.distributed as dist
 
         if self._pending is not None:
