@@ -17,6 +17,7 @@ from typing import Any, Self
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
 from . import arguments, layout, reader
+from .budget import budgeted
 from .cursor import Cursor
 from .data import Position, is_stateful
 from .policy import SavePolicy
@@ -293,30 +294,45 @@ class Checkpointer:
 
     def _epochs(self, stop: int) -> Iterator[int]:
         self.resume()
-        cursor, policy = self._cursor, self._policy
+        cursor = self._cursor
         while cursor.position.epoch < stop:
             epoch = cursor.position.epoch
             yield epoch
             cursor.end_epoch(epoch)
             self._boundary()
+        self._finish_run()
+
+    def _finish_run(self) -> None:
+        """The end of a run (its epochs, its step budget): the last save, waited for."""
+        cursor, policy = self._cursor, self._policy
         if policy.unsaved(cursor.position) and self._at_window_end():
             self.save()
         self.wait()
         if policy.unsaved(cursor.position):  # the last window is open
             warn_open_window(self._parts.steps, self.latest)
 
-    def batches(self, loader: Any = None) -> Iterator[Any]:
+    def batches(self, loader: Any = None, *, steps: int | None = None) -> Iterator[Any]:
         """Yield this epoch's batches from ``loader`` (default: the one passed at creation).
 
         A resumed run skips the batches its epoch already consumed, with the same order
         and RNG as the run that saved. Between batches, after the step has run, it saves
         when due and reacts to a stop signal.
-        """
-        return self._batches(arguments.batches_loader(loader, self.loader))
 
-    def _batches(self, loader: Any) -> Iterator[Any]:
+        With ``steps=N`` (instead of :meth:`epochs`), a run budgeted in optimizer steps:
+        the batches come epoch after epoch until the run has made ``N`` optimizer steps
+        in all (a resumed run makes those left); then the last checkpoint is saved and
+        waited for. A finished run started again yields no batch.
+        """
+        loader = arguments.batches_loader(loader, self.loader)
+        if steps is None:
+            return self._batches(loader)
+        budget = check_int("Checkpointer.batches", "steps", steps, minimum=0)
+        return budgeted(self, loader, budget)
+
+    def _batches(self, loader: Any, until: int | None = None) -> Iterator[Any]:
+        """One epoch's batches; ``until``: stop once the run has made that many steps."""
         self.resume()
-        yield from self._cursor.batches(loader, self._parts.steps, self._boundary)
+        yield from self._cursor.batches(loader, self._parts.steps, self._boundary, until)
 
     def maybe_save(self) -> Path | None:
         """Count one batch, and save if one is due (``every``, a request, a stop signal)

@@ -220,8 +220,9 @@ class StopAgreement:
         boundary: no device sync.
         """
         if self._group is None or not self._watched:
-            self._merge(seen)
-            return self.agreed
+            if seen:  # (once per batch: nothing to merge in the common case)
+                self._merge(seen)
+            return bool(self.signals)
         import torch.distributed as dist
 
         flags = torch.tensor([int(int(s) in seen) for s in self._watched], dtype=torch.int32)

@@ -38,6 +38,8 @@ class Settings:
     file: IO[str] | Stderr | None
     log: LogTarget | None
     combine: bool
+    start: int = 0  # optimizer steps done before this meter's first (a resumed run's)
+    loss: bool = False  # show the loss the decorated function returns in the line
 
 
 def step_of(value: object) -> AutocastStep | None:
@@ -87,6 +89,8 @@ def settle(
     file: object,
     log: object,
     combine: object,
+    start: object = 0,
+    loss: object = False,
 ) -> Settings:
     """Check every argument, then decide; raises before anything is made."""
     if label is not None and not isinstance(label, str):
@@ -122,6 +126,14 @@ def settle(
         fix="It is the device's dense peak in TFLOP/s for the dtype trained in, e.g. 989.5.",
     )
     check_bool(_FUNC, "combine", combine)
+    check_bool(_FUNC, "loss", loss)
+    start_n = check_int(
+        _FUNC,
+        "start",
+        start,
+        minimum=0,
+        fix="It is the optimizer steps a resumed run has done, e.g. start=ckpt.position.windows.",
+    )
     checked_dtype = _check_dtype(dtype)
     dev = _device(device, the_step)
     counter = CallCounter(samples, tokens, flops)  # type: ignore[arg-type]
@@ -139,4 +151,6 @@ def settle(
         checked_file,
         checked_log,
         bool(combine),
+        start_n,
+        bool(loss),
     )

@@ -32,7 +32,7 @@ class Recorder:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.tally = Tally(clock_for(settings.device), settings.window)
+        self.tally = Tally(clock_for(settings.device), settings.window, settings.start)
         self._every = settings.every
         self._accumulate = settings.accumulate
         #: The name in the line (a decorator's default: the function's name).
@@ -42,7 +42,12 @@ class Recorder:
         #: The last line written, and the all-rank figures of the last log point.
         self.last_line: str | None = None
         self.combined: SpeedSummary | None = None
-        self.logged_at = 0  # the step of the last line
+        self.logged_at = settings.start  # the step of the last line
+        #: The values :meth:`SpeedMeter.show` was given (numbers, tensors, functions),
+        #: read only when a line is written.
+        self.shown: dict[str, Any] = {}
+        #: The advices (why there is no MFU) a line has said: each is said once.
+        self.said: set[str] = set()
         #: A line is due: a read closed a flushed window at a log step (written at the
         #: next call, as reads make no collective call).
         self.due = False
@@ -65,7 +70,7 @@ class Recorder:
             ends = True
         s, t, f = counts
         if tally.add(mark, s, t, f, ends) and self._every and tally.steps % self._every == 0:
-            self.log()
+            self.log(out)
 
     def end_flushed(self) -> None:
         """Close the open step, stepped outside the meter (``flush()``); a line if it is due."""
@@ -174,12 +179,39 @@ class Recorder:
             self.figures(self.final(tally.total()), peak),
         )
 
+    def move_to(self, step: int) -> None:
+        """Count on from optimizer step ``step`` (a resumed run's); the figures stay."""
+        before = self.tally.steps
+        self.tally.move_to(step)
+        self.logged_at += step - before
+
+    def read_shown(self, output: Any = None) -> dict[str, float]:
+        """The values shown, read now (a tensor from its device, a function called);
+        first the loss of ``output`` (the call's return value) with ``loss=True``."""
+        out: dict[str, float] = {}
+        shown = self.shown
+        if self.settings.loss and output is not None:
+            loss = output.loss if isinstance(output, StepResult) else output
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                shown = {"loss": loss, **shown}
+        for name, value in shown.items():
+            try:
+                got = value() if callable(value) else value
+                out[name] = float(got.item() if isinstance(got, torch.Tensor) else got)
+            except Exception as exc:
+                exc.add_note(f"cudakit.speed_report could not read show({name}=...) for its line")
+                raise
+        return out
+
     def head(self) -> str:
         label = self.label
         return "speed_report" + (f" {label!r}" if label else "") + f" {self.device()}"
 
-    def log(self) -> None:
-        """Write the line: every rank's figures combined when a group runs (a collective)."""
+    def log(self, output: Any = None) -> None:
+        """Write the line: every rank's figures combined when a group runs (a collective).
+
+        ``output``: the return value of the call that reached the log step.
+        """
         tally = self.tally
         self.close_flushed()
         self.due = False
@@ -198,7 +230,11 @@ class Recorder:
             self.combined = summary
         else:
             summary = self.summary()
-        line = summary.line(self.head())
+        reason = summary.recent.mfu_reason
+        advise = reason is not None and reason not in self.said
+        line = summary.line(self.head(), values=self.read_shown(output), advice=advise)
+        if advise and summary.recent.steps:
+            self.said.add(reason)  # type: ignore[arg-type]
         self.last_line = line
         s = self.settings
         if s.file is None and s.log is None:

@@ -102,12 +102,15 @@ def _device_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 class Tally:
     """Calls, steps, their summed figures and the rolling window of the last steps."""
 
-    def __init__(self, clock: Clock, window: int) -> None:
+    def __init__(self, clock: Clock, window: int, start: int = 0) -> None:
         self.clock = clock
         self.window = window
-        #: Calls and closed steps counted on the host (no read needed), queued ones too.
+        #: Calls and closed steps counted on the host (no read needed), queued ones too;
+        #: ``steps`` counts on from ``start``, the steps done before the first call (a
+        #: resumed run's), so that the hot path tests the log interval on it as it is.
         self.calls = 0
-        self.steps = 0
+        self.start = start
+        self.steps = start
         #: Calls of the step that is open now.
         self.open_calls = 0
         # Calls not added to their steps yet, in order: (mark, samples, tokens, flops,
@@ -254,4 +257,10 @@ class Tally:
         """Every closed step (read: call :meth:`resolve` first)."""
         self._drain()
         t = self._total
-        return Sums(self.steps, t[0], t[1], t[2], t[3], t[4])
+        return Sums(self.steps - self.start, t[0], t[1], t[2], t[3], t[4])
+
+    def move_to(self, step: int) -> None:
+        """Count on from ``step`` (a resumed run's position): the figures are unchanged."""
+        delta = step - self.steps
+        self.start += delta
+        self.steps += delta

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -147,22 +148,35 @@ class SpeedSummary:
     .. versionadded:: 0.1
     """
 
-    #: Optimizer steps measured so far.
+    #: The optimizer step the figures reach (counted on from ``speed_report(start=)``).
     step: int
     #: The last ``window`` optimizer steps.
     recent: SpeedFigures
     #: Every optimizer step so far.
     total: SpeedFigures
 
-    def line(self, head: str) -> str:
-        """The log line: ``head``, the rolling window, the total, and the MFU's note."""
+    def line(
+        self, head: str, *, values: Mapping[str, float] | None = None, advice: bool = True
+    ) -> str:
+        """The log line: ``head``, the values shown, the rolling window, the total, and
+        the MFU's note (why there is none: only with ``advice``).
+
+        >>> f = SpeedFigures(steps=2, calls=2, seconds=1.0, samples=64, tokens=None,
+        ...                  flops=None, mfu_reason="no FLOP count")
+        >>> summary = SpeedSummary(8, f, f)
+        >>> summary.line("speed_report", values={"loss": 2.5}, advice=False)
+        'speed_report step 8: loss 2.5, 500.0 ms/step, 64.0 samples/s [last 2 steps]'
+        """
         recent, total = self.recent, self.total
         ranks = f" x{recent.ranks} ranks" if recent.ranks > 1 else ""
-        line = f"{head}{ranks} step {self.step}: {recent.summary()} [last {recent.steps} steps]"
+        shown = "".join(f"{name} {value:.4g}, " for name, value in (values or {}).items())
+        line = f"{head}{ranks} step {self.step}: {shown}{recent.summary()}"
+        line += f" [last {recent.steps} steps]"
         if total.steps != recent.steps:
             line += f"; all {total.steps} steps: {total.summary()}"
-        if recent.mfu_reason is not None and recent.steps:
-            line += f"; MFU n/a: {recent.mfu_reason}"
+        if recent.mfu_reason is not None:
+            if advice and recent.steps:
+                line += f"; MFU n/a: {recent.mfu_reason}"
         elif recent.peak_source is not None and recent.mfu is not None:
             line += f" (peak {recent.peak_tflops:g} TFLOP/s, {recent.peak_source})"
         return line

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import IO, Any, Protocol, Self, TypeVar, overload
 
@@ -20,7 +20,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from .. import _deprecated
-from .._check import describe
+from .._check import check_int, describe, fail_type, fail_value, is_real
 from .._contextlib import ContextDecorator, reject_deferred_body
 from .._output import STDERR, LogTarget, Stderr
 from ..device import DeviceLike
@@ -262,7 +262,7 @@ class SpeedMeter(ContextDecorator):
                 if before == 0 and (tally.open_calls or recorder.due):
                     end_flushed()  # the window was stepped between calls (flush())
                 if add(mark, s, t, f, window.position == 0) and every and tally.steps % every == 0:
-                    log()
+                    log(out)
                 return out
 
         wrapped: Any = wrapper
@@ -278,9 +278,82 @@ class SpeedMeter(ContextDecorator):
 
     @property
     def steps(self) -> int:
-        """Optimizer steps (closed accumulation windows) measured so far; no read."""
+        """Optimizer steps (closed accumulation windows) measured so far; no read.
+
+        The line's step counts on from ``start=`` (see :meth:`state_dict`); this counts
+        the steps this meter measured.
+        """
         self._recorder.close_flushed()
-        return self._recorder.tally.steps
+        tally = self._recorder.tally
+        return tally.steps - tally.start
+
+    # ------------------------------------------------------------------ the line's extras
+
+    def show(self, **values: Any) -> None:
+        """Put ``values`` in the line (``loss 2.314, ...``), read only when it is written.
+
+        Each value is a number, a one-element tensor (kept as it is: no read of the
+        device here) or a function that returns one (called for the line). A name
+        shown again replaces its value; the line shows the last one given. A line is
+        written at the end of the call (or block) that reaches its step: show this
+        step's loss inside the ``with`` block, or pass ``speed_report(loss=True)`` to a
+        decorator (a value shown after the call is the next line's).
+
+        >>> meter = speed_report(every=None, file=None)
+        >>> with meter:
+        ...     loss = torch.tensor(2.5)
+        >>> meter.show(loss=loss, lr=lambda: 3e-4)
+        >>> meter.flush()
+        >>> meter.last_line.split(",")[:2]
+        ['speed_report cpu step 1: loss 2.5', ' lr 0.0003']
+
+        Raises:
+            TypeError, ValueError: a value that is not a number, a one-element tensor
+                or a function; nothing shown changes then.
+
+        .. versionadded:: 0.1
+        """
+        for name, value in values.items():
+            _check_shown(name, value)
+        self._recorder.shown.update(values)
+
+    @property
+    def shown(self) -> dict[str, float]:
+        """The values given to :meth:`show`, read now (a tensor from its device)."""
+        return self._recorder.read_shown()
+
+    def state_dict(self) -> dict[str, int]:
+        """The meter's count, for a checkpoint: ``{"step": optimizer steps so far}``.
+
+        A meter passed to :class:`~cudakit.Checkpointer` in ``extra=`` is saved with
+        each checkpoint, and a resumed run's line counts on from its position.
+
+        >>> meter = speed_report(start=30, file=None)
+        >>> meter.state_dict()
+        {'step': 30}
+
+        .. versionadded:: 0.1
+        """
+        self._recorder.close_flushed()
+        return {"step": self._recorder.tally.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Count on from the step of ``state`` (from :meth:`state_dict`); figures stay.
+
+        Raises:
+            TypeError, ValueError: not such a dict; the meter is unchanged then.
+
+        .. versionadded:: 0.1
+        """
+        func = "SpeedMeter.load_state_dict"
+        expected = "a dict from SpeedMeter.state_dict() such as {'step': 3}"
+        if not isinstance(state, Mapping):
+            fail_type(func, "state", expected, state)
+        if set(state) != {"step"}:
+            fail_value(func, "state", expected, state, f"It has the keys {sorted(state)}.")
+        step = check_int(func, "step", state["step"], minimum=0, fix="")
+        self._recorder.close_flushed()
+        self._recorder.move_to(step)
 
     def summary(self) -> SpeedSummary:
         """This rank's rolling window and totals now (reads what is pending, no collective)."""
@@ -349,6 +422,19 @@ class SpeedMeter(ContextDecorator):
             recorder.log()
 
 
+def _check_shown(name: str, value: object) -> None:
+    expected = "a number, a one-element tensor or a function that returns one"
+    fix = "For example: meter.show(loss=loss), the loss tensor as it is."
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"SpeedMeter.show({name}=...) expects {expected}, got a tensor of "
+                f"{value.numel()} elements. Show one number, e.g. {name}=t.mean()."
+            )
+    elif not (callable(value) or is_real(value)):
+        fail_type("SpeedMeter.show", name, expected, value, fix)
+
+
 @overload
 def speed_report(label: Callable[P, R], /) -> SpeedReported[P, R]: ...
 
@@ -370,6 +456,8 @@ def speed_report(
     file: IO[str] | None = ...,
     log: LogTarget | None = None,
     combine: bool = True,
+    start: int = 0,
+    loss: bool = False,
 ) -> SpeedMeter: ...
 
 
@@ -389,6 +477,8 @@ def speed_report(
     file: IO[str] | Stderr | None = STDERR,
     log: LogTarget | None = None,
     combine: bool = True,
+    start: int = 0,
+    loss: bool = False,
 ) -> SpeedMeter | SpeedReported[P, R]:
     """Measure a training step's throughput: time per step, samples/s, tokens/s, TFLOP/s, MFU.
 
@@ -460,6 +550,13 @@ def speed_report(
             ``log`` is given); ``None`` silences it.
         log: a ``logging.Logger`` (lines at INFO) or a callable taking the line.
         combine: combine the ranks' figures at each line when a process group runs.
+        start: optimizer steps done before the meter's first call (a resumed run's
+            position, ``ckpt.position.windows``): the line counts on from there, and
+            the figures are those of the steps measured. A meter in a
+            :class:`~cudakit.Checkpointer`'s ``extra=`` is given its count on a resume.
+        loss: show the loss the decorated function returns (a ``StepResult``'s, or a
+            one-element tensor) in the line, read when the line is written. Other
+            values, and the ``with`` form's loss: :meth:`SpeedMeter.show`.
 
     Returns:
         The meter, a ``SpeedMeter`` (``with`` yields it), or the decorated function when
@@ -491,6 +588,8 @@ def speed_report(
         file=file,
         log=log,
         combine=combine,
+        start=start,
+        loss=loss,
     )
     meter = SpeedMeter(settings)
     if callable(label):  # bare @speed_report

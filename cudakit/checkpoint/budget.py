@@ -1,0 +1,35 @@
+"""A run budgeted in optimizer steps: ``for batch in ckpt.batches(steps=N)``.
+
+nanoGPT's ``max_iters`` and torchtitan's ``training.steps`` count optimizer steps, not
+epochs. :func:`budgeted` yields the loader's batches epoch after epoch (each epoch as
+:meth:`~cudakit.Checkpointer.batches` yields it: resumed mid-epoch, with its sampler's
+epoch and RNG) until the run's optimizer steps (``position.windows``, a resumed run's
+included) reach the budget, checked between batches after the step has run; then it
+saves the last checkpoint and waits for it. A run that has made its steps yields
+nothing: started again, it runs no forward or backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+__all__ = ["budgeted"]
+
+
+def budgeted(ckpt: Checkpointer, loader: Any, steps: int) -> Iterator[Any]:
+    """Yield ``loader``'s batches across epochs until ``steps`` optimizer steps in all."""
+    ckpt.resume()
+    while ckpt.position.windows < steps:
+        before = ckpt.position
+        yield from ckpt._batches(loader, until=steps)
+        if ckpt.position.total == before.total:
+            raise ValueError(
+                f"Checkpointer.batches(steps={steps}): the loader yielded no batch in epoch "
+                f"{before.epoch}, so no step of the {steps} can run. Check that the loader "
+                "has data (its dataset, drop_last= with a batch larger than the dataset)."
+            )
+    ckpt._finish_run()
