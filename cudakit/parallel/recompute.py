@@ -22,7 +22,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from .._check import check_choice, check_int, fail_type, fail_value
+from .._check import check_choice, check_int, check_number, fail_type, fail_value
 
 __all__ = ["POLICIES", "Recompute", "find_blocks", "recompute", "recomputed_blocks"]
 
@@ -74,12 +74,7 @@ def _check_budget(func: str, policy: str, budget: object) -> float | None:
     fix = "Pass the share of activation memory to keep, e.g. budget=0.5 (1.0 keeps all)."
     if budget is None:
         fail_value(func, "budget", "a number in (0, 1] with policy='budget'", budget, fix)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        fail_type(func, "budget", "a number in (0, 1]", budget, fix)
-    value = float(budget)
-    if not 0.0 < value <= 1.0:
-        fail_value(func, "budget", "a number in (0, 1]", budget, fix)
-    return value
+    return check_number(func, "budget", budget, positive=True, maximum=1.0, finite=False, fix=fix)
 
 
 @dataclass(frozen=True)
