@@ -90,12 +90,29 @@ def test_a_save_before_the_step_resumes_bit_for_bit(
     tmp_path: Path, save_at: int, accumulate: int, data: st.DataObject
 ) -> None:
     crash_at = data.draw(st.integers(save_at + 1, 13), label="crash_at")
+    _crash_and_resume(tmp_path, save_at, accumulate, crash_at)
+
+
+@pytest.mark.parametrize(("save_at", "accumulate", "crash_at"), [(2, 3, 3), (8, 3, 9), (2, 3, 4)])
+def test_a_save_asked_mid_window_waits_for_its_end(
+    tmp_path: Path, save_at: int, accumulate: int, crash_at: int
+) -> None:
+    _crash_and_resume(tmp_path, save_at, accumulate, crash_at)
+
+
+def _crash_and_resume(tmp_path: Path, save_at: int, accumulate: int, crash_at: int) -> None:
     root = tmp_path / f"{save_at}-{accumulate}-{crash_at}"
     ref = _run(root / "ref", 0, save_at, accumulate)
     # (crash_at 13 is never reached: the run ends, and resumes to nothing more)
     with contextlib.suppress(Crash):
         _run(root / "run", 0, save_at, accumulate, crash_at=crash_at)
-    resumed = _run(root / "run", 1, save_at, accumulate)
+    # Mid-window the save waits for the window's end (a checkpoint never holds half a
+    # window): a crash before that end leaves none, and the run starts again as it began.
+    # Else another seed proves the resumed state came from the checkpoint.
+    seed = 1 if cudakit.find_latest(root / "run") is not None else 0
+    saved_by_then = -(-save_at // accumulate) * accumulate < crash_at or save_at % accumulate == 1
+    assert (seed == 1) == (saved_by_then or accumulate == 1)
+    resumed = _run(root / "run", seed, save_at, accumulate)
     _same(ref, resumed)
     first = min(resumed["losses"], default=13)
     assert {k: v for k, v in ref["losses"].items() if k >= first} == resumed["losses"]
