@@ -98,7 +98,7 @@ def read(
             obj.load_state_dict(state)
         _load_tensors(root, tensors, parts, distributed, trust, safe_globals, fresh, storage)
         _load_extras(host, extras, loader)
-        fresh.copy_models(tensors)  # last: nothing can fail after it
+        fresh.install(tensors)  # last: nothing can fail after it
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
         failed = rollback.restore() if rollback is not None else None
@@ -146,67 +146,84 @@ class _Fresh:
     DCP's read of such a tensor keeps the tensor it read (:meth:`Planner.take
     <cudakit.checkpoint.safe_load.safe_planner>`) instead of copying it into the
     state dict's own: the optimizers then take the new tensors (their
-    ``load_state_dict`` keeps what it is given), and the models' tensors are copied in
-    at the very end, by one call (:meth:`copy_models`), after everything that can fail.
-    Tensors on a GPU, DTensor shards, tensor hyper-parameters and the state of models
-    with load hooks, extra state or a ``_load_from_state_dict`` of their own load in
-    place, with a host copy to put back (:class:`_Rollback`).
+    ``load_state_dict`` keeps what it is given), and the models' parameters and buffers
+    take them at the very end (:meth:`install`: ``tensor.data = new``, the objects
+    themselves stay), after everything that can fail. Tensors on a GPU, DTensor shards,
+    tensor hyper-parameters and the state of models with load hooks, extra state or a
+    ``_load_from_state_dict`` of their own load in place, with a host copy to put back
+    (:class:`_Rollback`).
     """
 
     def __init__(self, parts: Parts, tensors: dict[str, Any]) -> None:
-        #: Each plain model's state: its keys and the live tensors they name.
-        self.models: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        #: Each plain model's state: its keys, the tensors they name, and the model's
+        #: own parameters and buffers those are the data of.
+        self.models: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
         self.ids: set[int] = set()
         for name, state in tensors["model"].items():
-            if _plain_model(unwrap(parts.models[name]), state):
-                self.models[name] = list(state.items())
+            owners = _owners(unwrap(parts.models[name]), state)
+            if owners is not None:
+                self.models[name] = [(k, t, owners[k]) for k, t in state.items()]
                 self.ids.update(id(t) for t in state.values())
         for optim_state in tensors["optim"].values():
             for per_param in optim_state.get("state", {}).values():
                 values = per_param.values() if isinstance(per_param, dict) else ()
                 self.ids.update(id(v) for v in values if _plain_cpu(v))
 
-    def copy_models(self, tensors: dict[str, Any]) -> None:
-        """Copy the models' new tensors into their own, in one call (a KeyboardInterrupt
-        cannot stop it half-way)."""
-        live: list[torch.Tensor] = []
-        new: list[torch.Tensor] = []
-        for name, pairs in self.models.items():
-            loaded = tensors["model"][name]
-            for key, tensor in pairs:
-                if loaded[key] is not tensor:
-                    live.append(tensor)
-                    new.append(loaded[key])
-        if live:
+    def install(self, tensors: dict[str, Any]) -> None:
+        """Make the models' parameters and buffers hold the new tensors; all of them or,
+        should this be interrupted, none."""
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
             with torch.no_grad():
-                torch._foreach_copy_(live, new)
+                for name, entries in self.models.items():
+                    loaded = tensors["model"][name]
+                    for key, old, owners in entries:
+                        new = loaded[key]
+                        if new is old:
+                            continue
+                        if new.stride() != old.stride():
+                            new = torch.empty_strided(old.shape, old.stride()).copy_(new)
+                        for owner in owners:
+                            done.append((owner, old))
+                            owner.data = new
+        except BaseException:
+            for owner, old in reversed(done):
+                owner.data = old
+            raise
 
 
 def _plain_cpu(t: object) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu"
 
 
-def _plain_model(model: torch.nn.Module, state: dict[str, Any]) -> bool:
-    """Whether copying ``state``'s tensors into the model loads it as its
-    ``load_state_dict`` would: each is a CPU tensor that is one of the model's own
-    parameters or buffers, and no module loads in a way of its own."""
-
-    def key(t: torch.Tensor) -> tuple[Any, ...]:
-        return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-    own = itertools.chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    )
-    live = {key(t) for _, t in own}
-    if not all(_plain_cpu(t) and key(t) in live for t in state.values()):
-        return False
-    return not any(
+def _owners(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, list[torch.Tensor]] | None:
+    """For each key of ``state``, the model's parameters and buffers whose data it is;
+    None where that does not load the model as its ``load_state_dict`` would: a tensor
+    that is not a CPU tensor of the model's own, or a module that loads in a way of its
+    own (a load hook, extra state, its own ``_load_from_state_dict``)."""
+    if any(
         m._load_state_dict_pre_hooks
         or m._load_state_dict_post_hooks
         or type(m).set_extra_state is not torch.nn.Module.set_extra_state
         or not type(m)._load_from_state_dict.__module__.startswith("torch.nn.")
         for m in model.modules()
-    )
+    ):
+        return None
+
+    def key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+    live: dict[tuple[Any, ...], dict[int, torch.Tensor]] = {}
+    for _, t in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        live.setdefault(key(t), {})[id(t)] = t
+    owners = {}
+    for k, t in state.items():
+        if not _plain_cpu(t) or key(t) not in live:
+            return None
+        owners[k] = list(live[key(t)].values())
+    return owners
 
 
 class _Rollback:

@@ -155,3 +155,24 @@ def test_a_load_that_fails_after_reading_leaves_model_and_optimizer_as_they_were
     assert all(a is b for a, b in zip(tensors, after, strict=True))
     assert torch.equal(rng, torch.get_rng_state())
     assert bool(opt2.state) == stepped
+
+
+def test_tied_weights_load_and_stay_tied(tmp_path: Path) -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model, opt = build()
+    model(torch.arange(10)).sum().backward()
+    opt.step()
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.save()
+    torch.manual_seed(1)
+    model2, opt2 = build()
+    with cudakit.Checkpointer(tmp_path, model=model2, optimizer=opt2) as ckpt2:
+        ckpt2.resume()
+    assert model2[1].weight is model2[0].weight
+    assert torch.equal(model2[0].weight, model[0].weight)
+    assert _same_state(_optimizer_state(opt), _optimizer_state(opt2))
