@@ -6,16 +6,19 @@ it, the rank's host file, and every tensor's name and shape against DCP's metada
 only then does it load the step and scheduler states, the tensors, the extras and the
 loader's own state. What a load can still find wrong after the checks (a data file
 whose bytes changed but not its size, optimizer hyper-parameters that differ, an extra
-that refuses its state) puts everything back as it was (:class:`_Rollback`: the
-tensors from a copy in host memory) and raises :class:`CheckpointError`.
+that refuses its state) puts everything back as it was (:class:`_Rollback`) and raises
+:class:`CheckpointError`. On the CPU the tensors are read into new storage
+(:class:`_Fresh`), so a failure finds them untouched; the others are put back from a
+copy in host memory.
 :func:`apply_host` puts the RNG back.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +80,8 @@ def read(
         manifest = layout.read_manifest(root)
         _check_fits(root, manifest, parts, world)
         host = _read_host(root, manifest, rank, trust, safe_globals)
-        metadata = _read_metadata(root, trust)
+        storage = safe_load.dcp_reader(root, trust=trust)
+        metadata = _read_metadata(root, storage)
     except CheckpointError as exc:
         problem = exc
     except ValueError as exc:  # the manifest's
@@ -86,13 +90,15 @@ def read(
     tensors, fresh_now = _check_tensors(root, parts, metadata, group, distributed)
     rollback: _Rollback | None = None
     try:
-        rollback = _Rollback(parts, tensors, extras, loader, fresh_now)
+        fresh = _Fresh(parts, tensors)
+        rollback = _Rollback(parts, tensors, extras, loader, fresh_now, fresh.ids)
         for obj, state in zip(parts.steps, host["steps"], strict=True):
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
             obj.load_state_dict(state)
-        _load_tensors(root, tensors, parts, distributed, trust, safe_globals)
+        _load_tensors(root, tensors, parts, distributed, trust, safe_globals, fresh, storage)
         _load_extras(host, extras, loader)
+        fresh.install(tensors)  # last: nothing can fail after it
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
         failed = rollback.restore() if rollback is not None else None
@@ -133,11 +139,98 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t if to_local is None else to_local()
 
 
+class _Fresh:
+    """The tensors a load reads into new storage, so that a failed load needs no copy of
+    them: the plain CPU tensors of optimizer state and of plain models.
+
+    DCP's read of such a tensor keeps the tensor it read (:meth:`Planner.take
+    <cudakit.checkpoint.safe_load.safe_planner>`) instead of copying it into the
+    state dict's own: the optimizers then take the new tensors (their
+    ``load_state_dict`` keeps what it is given), and the models' parameters and buffers
+    take them at the very end (:meth:`install`: ``tensor.data = new``, the objects
+    themselves stay), after everything that can fail. Tensors on a GPU, DTensor shards,
+    tensor hyper-parameters and the state of models with load hooks, extra state or a
+    ``_load_from_state_dict`` of their own load in place, with a host copy to put back
+    (:class:`_Rollback`).
+    """
+
+    def __init__(self, parts: Parts, tensors: dict[str, Any]) -> None:
+        #: Each plain model's state: its keys, the tensors they name, and the model's
+        #: own parameters and buffers those are the data of.
+        self.models: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
+        self.ids: set[int] = set()
+        for name, state in tensors["model"].items():
+            owners = _owners(unwrap(parts.models[name]), state)
+            if owners is not None:
+                self.models[name] = [(k, t, owners[k]) for k, t in state.items()]
+                self.ids.update(id(t) for t in state.values())
+        for optim_state in tensors["optim"].values():
+            for per_param in optim_state.get("state", {}).values():
+                values = per_param.values() if isinstance(per_param, dict) else ()
+                self.ids.update(id(v) for v in values if _plain_cpu(v))
+
+    def install(self, tensors: dict[str, Any]) -> None:
+        """Make the models' parameters and buffers hold the new tensors; all of them or,
+        should this be interrupted, none."""
+        done: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for name, entries in self.models.items():
+                    loaded = tensors["model"][name]
+                    for key, old, owners in entries:
+                        new = loaded[key]
+                        if new is old:
+                            continue
+                        if new.stride() != old.stride():
+                            new = torch.empty_strided(old.shape, old.stride()).copy_(new)
+                        for owner in owners:
+                            done.append((owner, old))
+                            owner.data = new
+        except BaseException:
+            for owner, old in reversed(done):
+                owner.data = old
+            raise
+
+
+def _plain_cpu(t: object) -> bool:
+    return type(t) is torch.Tensor and t.device.type == "cpu"
+
+
+def _owners(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, list[torch.Tensor]] | None:
+    """For each key of ``state``, the model's parameters and buffers whose data it is;
+    None where that does not load the model as its ``load_state_dict`` would: a tensor
+    that is not a CPU tensor of the model's own, or a module that loads in a way of its
+    own (a load hook, extra state, its own ``_load_from_state_dict``)."""
+    if any(
+        m._load_state_dict_pre_hooks
+        or m._load_state_dict_post_hooks
+        or type(m).set_extra_state is not torch.nn.Module.set_extra_state
+        or not type(m)._load_from_state_dict.__module__.startswith("torch.nn.")
+        for m in model.modules()
+    ):
+        return None
+
+    def key(t: torch.Tensor) -> tuple[Any, ...]:
+        return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+    live: dict[tuple[Any, ...], dict[int, torch.Tensor]] = {}
+    for _, t in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        live.setdefault(key(t), {})[id(t)] = t
+    owners = {}
+    for k, t in state.items():
+        if not _plain_cpu(t) or key(t) not in live:
+            return None
+        owners[k] = list(live[key(t)].values())
+    return owners
+
+
 class _Rollback:
     """What a load may change, saved so that a load that fails part-way changes nothing.
 
-    The tensors DCP loads into (the parameters, buffers and optimizer state themselves)
-    are copied to host memory, so a resume needs no spare device memory; the
+    The tensors DCP loads into in place (those :class:`_Fresh` leaves out: on a GPU, FSDP2
+    shards) are copied to host memory, so a resume needs no spare device memory; the
     optimizers' state and parameter groups, the steps, schedulers, extras and the
     loader's state are kept as they were.
     """
@@ -149,9 +242,11 @@ class _Rollback:
         extras: dict[str, Any],
         loader: Any,
         fresh: Sequence[bool],
+        untouched: Collection[int] = (),
     ):
         # The state DCP made for optimizers that had none is emptied again on failure
-        # (reset_fresh): not copied (for AdamW, two thirds of a resume's state).
+        # (reset_fresh): not copied (for AdamW, two thirds of a resume's state). Nor are
+        # the tensors the load reads into new storage (``untouched``, see _Fresh).
         made = {
             name
             for name in tensors["optim"]
@@ -165,7 +260,7 @@ class _Rollback:
             self.data = [
                 (_local(t), _to_host(t))
                 for t in flat_keys(kept).values()
-                if isinstance(t, torch.Tensor)
+                if isinstance(t, torch.Tensor) and id(t) not in untouched
             ]
             # Tensor hyper-parameters (a tensor lr) go back into the same tensors.
             self.data += [
@@ -333,10 +428,11 @@ def _is_host(host: object) -> bool:
     )
 
 
-def _read_metadata(root: Path, trust: bool) -> Any:
-    """DCP's metadata of ``root``, through the allowlist (``trust``: plain pickle)."""
+def _read_metadata(root: Path, storage: Any) -> Any:
+    """DCP's metadata of ``root``, read by ``storage`` (:func:`safe_load.dcp_reader`),
+    which keeps it for the load."""
     try:
-        return safe_load.dcp_reader(root, trust=trust).read_metadata()
+        return storage.read_metadata()
     except CheckpointError:
         raise
     except Exception as exc:
@@ -404,19 +500,33 @@ def _load_tensors(
     distributed: bool,
     trust: bool,
     safe_globals: Sequence[Any],
+    fresh: _Fresh,
+    storage: Any,
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """DCP's load, then the optimizers' state (and the models' that :class:`_Fresh`
+    does not copy at the end) put into the objects."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
     safe_load.dcp_load(
-        tensors, root, distributed=distributed, trust=trust, safe_globals=safe_globals
+        tensors,
+        root,
+        distributed=distributed,
+        trust=trust,
+        safe_globals=safe_globals,
+        reader=storage,
+        fresh=fresh.ids,
     )
     for name, model in parts.models.items():
-        set_state_dict(
-            unwrap(model),
-            parts.optimizers_of(name),
-            model_state_dict=tensors["model"][name],
-            optim_state_dict=tensors["optim"].get(name, {}),
-        )
+        optimizers = parts.optimizers_of(name)
+        if name not in fresh.models:
+            set_state_dict(
+                unwrap(model),
+                optimizers,
+                model_state_dict=tensors["model"][name],
+                optim_state_dict=tensors["optim"].get(name, {}),
+            )
+        elif optimizers:
+            set_optimizer_state_dict(unwrap(model), optimizers, tensors["optim"][name])
 
 
 def written_before(root: Path, path: Path) -> Path | None:

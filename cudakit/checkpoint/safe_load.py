@@ -33,7 +33,7 @@ import pickletools
 import re
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -344,13 +344,22 @@ def _dcp_reader_class() -> type:
     class SafeReader(FileSystemReader):
         """DCP's ``FileSystemReader`` whose metadata goes through the allowlist."""
 
-        def __init__(self, path: str) -> None:
+        def __init__(self, path: str, trust: bool = False) -> None:
             super().__init__(path)
             #: The data file being read (for messages).
             self.current: str | None = None
+            self.trust = trust
+            self._metadata: Any = None  # read once: by the checks, then by DCP's load
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            file = self._get_metadata_path(kwargs.get("rank"))
+            if self._metadata is None or kwargs.get("rank") is not None:
+                self._metadata = self._read_metadata(kwargs.get("rank"))
+            return self._metadata
+
+        def _read_metadata(self, rank: int | None) -> Any:
+            file = self._get_metadata_path(rank)
+            if self.trust:
+                return super().read_metadata(rank=rank)
             with self.fs.create_stream(file, "rb") as stream:
                 try:
                     metadata = _MetadataUnpickler(stream).load()
@@ -376,7 +385,54 @@ def _dcp_reader_class() -> type:
             self.current = str(getattr(sinfo, "relative_path", None) or "") or None
             return super()._slice_file(file, sinfo)
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            """DCP's ``read_data``, except that a tensor read for a fresh tensor is
+            handed to the planner (:meth:`Planner.take`) instead of copied into the
+            state dict's own tensor."""
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            take = getattr(planner, "take", None)
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, [])
+                per_file[self.storage_data[item.storage_index].relative_path].append(item)
+            for relative_path, reqs in per_file.items():
+                path = self.fs.concat_path(self.path, relative_path)
+                with self.fs.create_stream(path, "rb") as stream:
+                    for req in reqs:
+                        info = self.storage_data[req.storage_index]
+                        view = self.transforms.transform_load_stream(
+                            req, info.transform_descriptors or (), self._slice_file(stream, info)
+                        )
+                        if req.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(req, io.BytesIO(view.read(-1)))
+                            continue
+                        if not view.seekable():
+                            view = io.BytesIO(view.read(-1))
+                        loaded = torch.load(view, map_location="cpu", weights_only=True)
+                        if take is not None and take(req, loaded):
+                            continue
+                        part = _narrow(loaded, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != part.size():
+                            raise ValueError(
+                                f"{req.storage_index.fqn} holds a chunk of shape "
+                                f"{tuple(part.size())} where {tuple(target.size())} was expected"
+                            )
+                        target.copy_(part)
+                        planner.commit_tensor(req, target)
+            done: torch.futures.Future[None] = torch.futures.Future()
+            done.set_result(None)
+            return done
+
     return SafeReader
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    out: torch.Tensor = narrow_tensor_by_index(tensor, offsets, lengths)
+    return out
 
 
 _READER: list[type] = []
@@ -385,13 +441,9 @@ _READER: list[type] = []
 def dcp_reader(root: Path, *, trust: bool = False) -> Any:
     """The storage reader of every DCP load in cudakit: DCP's ``FileSystemReader``, its
     ``.metadata`` read through the allowlist (``trust``: DCP's own, plain pickle)."""
-    if trust:
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-        return FileSystemReader(str(root))
     if not _READER:
         _READER.append(_dcp_reader_class())
-    return _READER[0](str(root))
+    return _READER[0](str(root), trust=trust)
 
 
 def _planner_class() -> type:
@@ -399,14 +451,24 @@ def _planner_class() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class Planner(DefaultLoadPlanner):
-        """DCP's default load planner, reading pickled values with the safe loader."""
+        """DCP's default load planner, reading pickled values with the safe loader
+        (``trust``: with pickle's full loader), and loading the tensors named in
+        ``fresh`` into new storage instead of into themselves (:meth:`take`)."""
 
-        def __init__(self, reader: Any, safe_globals: Sequence[Any]) -> None:
+        def __init__(
+            self, reader: Any, safe_globals: Sequence[Any], fresh: Collection[int], trust: bool
+        ) -> None:
             super().__init__()
             self.reader = reader
             self.user_globals = tuple(safe_globals)
+            self.fresh = fresh  # ids of the state dict's tensors to leave untouched
+            self.trust = trust
+            self.taken: dict[str, torch.Tensor] = {}  # each fresh tensor's new storage
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            if self.trust:
+                super().load_bytes(read_item, value)
+                return
             try:
                 with allowed_globals(self.user_globals), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=".*pickle protocol")
@@ -416,10 +478,43 @@ def _planner_class() -> type:
                 refused = _reason(exc, _pickle_of_bytes(value))
                 what = f"torch.load(weights_only=True), value {read_item.dest_index.fqn}"
                 raise _refusal(file, refused, what) from None
+            self._put(read_item.dest_index.fqn, obj)
+
+        def _put(self, fqn: str, obj: Any) -> None:
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
-                self.state_dict[read_item.dest_index.fqn] = obj
+                self.original_state_dict[fqn] = obj
+            self.state_dict[fqn] = obj
+
+        def take(self, read_item: Any, loaded: torch.Tensor) -> bool:
+            """Load a chunk of a fresh tensor into new storage: the chunk itself where it
+            is the whole tensor, else a new tensor it is copied into. False: the
+            tensor is loaded in place (DCP's way)."""
+            fqn = read_item.dest_index.fqn
+            new = self.taken.get(fqn)
+            target = self.state_dict.get(fqn)
+            fresh = new is not None or id(target) in self.fresh
+            if not fresh or not isinstance(target, torch.Tensor):
+                return False
+            lengths = list(read_item.lengths)
+            whole = (
+                new is None
+                and list(target.size()) == lengths == list(loaded.size())
+                and loaded.dtype == target.dtype
+                and not any(read_item.dest_offsets)
+                and not any(read_item.storage_offsets)
+            )
+            if whole:
+                new = loaded
+            else:
+                if new is None:
+                    new = torch.empty_like(target)
+                part = _narrow(loaded, read_item.storage_offsets, lengths)
+                _narrow(new, read_item.dest_offsets, lengths).copy_(part)
+            self.taken[fqn] = new
+            self._put(fqn, new)
+            return True
 
     return Planner
 
@@ -436,11 +531,20 @@ def _pickle_of_bytes(value: io.BytesIO) -> bytes:
 _PLANNER: list[type] = []
 
 
-def safe_planner(reader: Any, safe_globals: Sequence[Any] = ()) -> Any:
-    """DCP's ``DefaultLoadPlanner``, its pickled values read with torch's safe loader."""
+def safe_planner(
+    reader: Any,
+    safe_globals: Sequence[Any] = (),
+    *,
+    fresh: Collection[int] = (),
+    trust: bool = False,
+) -> Any:
+    """DCP's ``DefaultLoadPlanner``, its pickled values read with torch's safe loader
+    (``trust``: pickle's full loader), the tensors whose ids are in ``fresh`` loaded into
+    new storage: the state dict then holds the new tensors, and those it held before
+    are left as they were."""
     if not _PLANNER:
         _PLANNER.append(_planner_class())
-    return _PLANNER[0](reader, safe_globals)
+    return _PLANNER[0](reader, safe_globals, fresh, trust)
 
 
 def dcp_load(
@@ -451,8 +555,11 @@ def dcp_load(
     trust: bool = False,
     safe_globals: Sequence[Any] = (),
     reader: Any = None,
+    fresh: Collection[int] = (),
 ) -> None:
-    """DCP's ``load`` of ``state`` from ``root`` in place, through the safe reader and planner.
+    """DCP's ``load`` of ``state`` from ``root``, through the safe reader and planner: in
+    place, except the tensors whose ids are in ``fresh``, which ``state`` then holds new
+    (CPU) tensors for, and which are left untouched.
 
     Raises:
         RefusedCheckpointError: a file holds a global the allowlists refuse.
@@ -463,8 +570,7 @@ def dcp_load(
 
     reader = reader if reader is not None else dcp_reader(root, trust=trust)
     kwargs: dict[str, Any] = {} if distributed else {"no_dist": True}
-    if not trust:
-        kwargs["planner"] = safe_planner(reader, safe_globals)
+    kwargs["planner"] = safe_planner(reader, safe_globals, fresh=fresh, trust=trust)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         warnings.filterwarnings("ignore", message=".*pickle protocol")

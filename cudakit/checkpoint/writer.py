@@ -13,11 +13,13 @@ The loop waits only while DCP stages the state (a copy in host memory).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
 import pickle
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -97,15 +99,23 @@ class Writer:
                 result: Any = async_save(tensors, storage_writer=writer, process_group=self.group)
                 pending.future = getattr(result, "upload_completion", result)
             else:
-                staged = _staged(tensors, self._staging)  # the loop waits only for this
-                pending.future = _executor().submit(self._save, staged, writer)
+                # DCP writes each tensor as soon as it is copied: the loop waits for the
+                # copy, the save finishes about when the last tensor is written.
+                staged, copies = _staged(tensors, self._staging)
+                planner = _waiting_planner(copies)
+                pending.future = _executor().submit(self._save, staged, writer, planner)
+                try:
+                    _copy_all(copies)
+                except BaseException:
+                    concurrent.futures.wait([pending.future])  # before the partial goes
+                    raise
         except BaseException as exc:
             self._failed(pending, exc)
         self.pending = pending
         if not self.background:
             self.finish()
 
-    def _save(self, tensors: dict[str, Any], writer: Any) -> None:
+    def _save(self, tensors: dict[str, Any], writer: Any, planner: Any = None) -> None:
         """DCP's save; in one process through its inner function, which does not warn that
         no process group runs (a warning in a background thread cannot be filtered)."""
         from torch.distributed.checkpoint import state_dict_saver
@@ -114,9 +124,9 @@ class Writer:
         if self.distributed:
             state_dict_saver.save(tensors, storage_writer=writer, process_group=self.group)
         elif inner is not None:
-            inner(state_dict=tensors, storage_writer=writer, no_dist=True)
+            inner(state_dict=tensors, storage_writer=writer, no_dist=True, planner=planner)
         else:  # pragma: no cover - a torch without the inner function
-            state_dict_saver.save(tensors, storage_writer=writer, no_dist=True)
+            state_dict_saver.save(tensors, storage_writer=writer, no_dist=True, planner=planner)
 
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
@@ -185,27 +195,66 @@ class Writer:
         ) from exc
 
 
-def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> Any:
-    """A host copy of a nested state dict: its tensors copied, the rest as it is.
+_Copy = tuple[torch.Tensor, torch.Tensor, threading.Event]
 
-    The copies go into the buffers of the previous save where shapes and dtypes match
-    (at most one save is in flight, so they are free again): after the first save the
-    loop waits for a memory copy only, not for the allocation and first touch of
-    fresh pages.
+
+def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> tuple[Any, list[_Copy]]:
+    """Host buffers for a nested state dict's tensors, and the copies to make into them
+    (source, buffer, the event set once copied: :func:`_copy_all`); the rest as it is.
+
+    The buffers are those of the previous save where shapes and dtypes match (at most
+    one save is in flight, so they are free again): after the first save the loop waits
+    for a memory copy only, not for the allocation and first touch of fresh pages.
     """
-    if isinstance(tree, torch.Tensor):
-        src = tree.detach()
-        buf = cache.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            cache[path] = buf
-        buf.copy_(src)
-        return buf
-    if isinstance(tree, dict):
-        return {k: _staged(v, cache, f"{path}.{k}") for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_staged(v, cache, f"{path}.{i}") for i, v in enumerate(tree)]
-    return copy.deepcopy(tree)
+    copies: list[_Copy] = []
+
+    def walk(tree: Any, path: str) -> Any:
+        if isinstance(tree, torch.Tensor):
+            src = tree.detach()
+            buf = cache.get(path)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+                cache[path] = buf
+            copies.append((src, buf, threading.Event()))
+            return buf
+        if isinstance(tree, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(tree)]
+        return copy.deepcopy(tree)
+
+    return walk(tree, path), copies
+
+
+def _copy_all(copies: list[_Copy]) -> None:
+    """Make the copies, each announced when done; all are announced even on a failure,
+    so that the writing thread never waits for ever (it then writes what is there, and
+    the save is failed by the error raised here)."""
+    try:
+        for src, buf, done in copies:
+            buf.copy_(src)
+            done.set()
+    finally:
+        for _, _, done in copies:
+            done.set()
+
+
+def _waiting_planner(copies: list[_Copy]) -> Any:
+    """DCP's default save planner, whose ``resolve_data`` waits until a tensor's copy
+    has been made (:func:`_copy_all`) before DCP writes it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    events = {id(buf): done for _, buf, done in copies}
+
+    class WaitingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            found = self.lookup_object(write_item.index)
+            done = events.get(id(found))
+            if done is not None:
+                done.wait()
+            return self.transform_object(write_item, found)
+
+    return WaitingPlanner()
 
 
 _POOL: list[ThreadPoolExecutor] = []

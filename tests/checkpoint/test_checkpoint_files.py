@@ -178,9 +178,9 @@ def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwr
 
     slow = writer.Writer._save
 
-    def slowly(self: Any, tensors: Any, storage: Any) -> None:
+    def slowly(self: Any, tensors: Any, storage: Any, planner: Any = None) -> None:
         time.sleep(0.3)  # still writing when the next run starts
-        slow(self, tensors, storage)
+        slow(self, tensors, storage, planner)
 
     monkeypatch.setattr(writer.Writer, "_save", slowly)
     ref = run(None, accumulate=1)
@@ -188,3 +188,32 @@ def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwr
         run(tmp_path, accumulate=1, every=3, async_save=True, crash_at=8)
     resumed = run(tmp_path, accumulate=1, every=3, async_save=True, noise=3)
     assert same_state(resumed, ref)
+
+
+def test_a_background_save_whose_copy_fails_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy into host buffers fails (here: interrupted): the writing thread has
+    finished before the partial checkpoint is removed, and nothing is visible."""
+    from cudakit.checkpoint import writer
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    ckpt = cudakit.Checkpointer(
+        tmp_path, model=model, optimizer=opt, async_save=True, preemption=False
+    )
+
+    def interrupted(copies: Any) -> None:
+        for _, _, done in copies:
+            done.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "_copy_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save()
+    monkeypatch.undo()
+    writer.drain_background()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == []
+    assert ckpt.save() is not None
+    ckpt.close()
+    assert cudakit.find_latest(tmp_path) is not None
