@@ -46,7 +46,6 @@ _NOT_YET: set[str] = {
     "amp/watch.py",
     "checkpoint/arguments.py",
     "checkpoint/layout.py",
-    "device/resolve.py",
     "parallel/_args.py",
     "parallel/launcher.py",
     "parallel/loaders.py",
@@ -54,7 +53,6 @@ _NOT_YET: set[str] = {
     "parallel/strategy.py",
     "speed/counts.py",
     "speed/meter.py",
-    "warmup/_reserve.py",
 }
 
 
