@@ -46,11 +46,6 @@ _NOT_YET: set[str] = {
     "amp/watch.py",
     "checkpoint/arguments.py",
     "checkpoint/layout.py",
-    "parallel/_args.py",
-    "parallel/launcher.py",
-    "parallel/loaders.py",
-    "parallel/ranks.py",
-    "parallel/strategy.py",
     "speed/counts.py",
     "speed/meter.py",
 }
@@ -95,7 +90,11 @@ def _kind_test(test: ast.expr, *, anywhere: bool = True) -> str | None:
             if name == "callable" and isinstance(call.args[0], (ast.Name, ast.Attribute)):
                 return "not callable(...)"
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-            calls = [v for v in node.values if isinstance(v, ast.Call)]
+            calls = [
+                v.operand if isinstance(v, ast.UnaryOp) else v
+                for v in node.values
+                if isinstance(v.operand if isinstance(v, ast.UnaryOp) else v, ast.Call)
+            ]
             if any(
                 _name(v) == "isinstance" and len(v.args) == 2 and ast.unparse(v.args[1]) == "bool"
                 for v in calls
