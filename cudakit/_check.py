@@ -105,11 +105,14 @@ def check_int(
     *,
     minimum: int | None = None,
     maximum: int | None = None,
+    expected: str = "",
     fix: str = "",
 ) -> int:
-    """``int(value)`` for an int (NumPy's too; bools refused) within ``[minimum, maximum]``."""
-    bounds = _bounds(minimum, maximum)
-    expected = f"an int{bounds}"
+    """``int(value)`` for an int (NumPy's too; bools refused) within ``[minimum, maximum]``.
+
+    ``expected`` replaces the words for what is expected (``"an int >= 1 or None"``).
+    """
+    expected = expected or f"an int{_bounds(minimum, maximum)}"
     fix = fix or _example(arg, _int_example(minimum, maximum))
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail_type(func, arg, expected, value, fix)
@@ -140,14 +143,15 @@ def check_number(
     maximum: float | None = None,
     below: float | None = None,
     finite: bool = True,
+    expected: str = "",
     fix: str = "",
 ) -> float:
     """``float(value)`` for a real number (NumPy's too; bools refused), finite and in range.
 
     ``minimum`` and ``maximum`` are inclusive bounds, ``below`` an exclusive upper one,
-    ``positive`` means ``> 0``.
+    ``positive`` means ``> 0``; ``expected`` replaces the words for what is expected.
     """
-    expected = _number_expected(positive, minimum, maximum, below, finite)
+    expected = expected or _number_expected(positive, minimum, maximum, below, finite)
     fix = fix or _example(arg, _number_example(positive, minimum, maximum, below))
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         fail_type(func, arg, expected, value, fix)

@@ -54,7 +54,6 @@ from .locate import NonFiniteSource, NonFiniteWarning, Phase, find_nonfinite
 from .result import Verdict
 from .spikes import SpikeRule, Statistic
 from .step import AutocastStep, SteppedFunction, StepResult
-from .watch import WatchOptions
 
 __all__ = [
     "AutocastStep",
@@ -66,7 +65,6 @@ __all__ = [
     "StepResult",
     "SteppedFunction",
     "Verdict",
-    "WatchOptions",
     "autocast_step",
     "find_nonfinite",
 ]

@@ -114,7 +114,7 @@ def resolve_spec(spec: DeviceLike) -> torch.device:
         return torch.device("cpu")
     if is_int(spec) and type(spec) is not int:
         spec = int(spec)  # a NumPy int: a CUDA index like any other
-    if isinstance(spec, bool) or not isinstance(spec, (str, int, torch.device)):
+    if not (is_int(spec) or isinstance(spec, (str, torch.device))):
         raise TypeError(
             "device must be a torch.device, a string such as 'cuda:0', an int CUDA index or "
             f"None, got {type(spec).__name__} {spec!r}. Pass device='auto' to let cudakit choose."

@@ -13,13 +13,21 @@ Pure: nothing is read from the process (``device_count`` is passed in).
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
-from .._check import check_bool, check_callable, check_type, describe, fail_type, fail_value
+from .._check import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_number,
+    check_type,
+    describe,
+    fail_type,
+    fail_value,
+)
 from ..exceptions import DistributedSetupError
 
 __all__ = ["WRAPPER_NAMES", "check_option_names", "check_options", "cuda_index", "fully_shard"]
@@ -163,10 +171,8 @@ def _check_output_device(func: str, value: object) -> None:
 
 def _check_bucket_cap(func: str, name: str, value: object) -> None:
     fix = "Pass a size in MiB such as 25 (DDP's default), or None for the default."
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail_type(func, name, "a positive number of MiB, or None", value, fix)
-    if not (math.isfinite(value) and value > 0):
-        fail_value(func, name, "a positive finite number of MiB, or None", value, fix)
+    expected = "a positive finite number of MiB, or None"
+    check_number(func, name, value, positive=True, expected=expected, fix=fix)
 
 
 _DDP_BOOLS = (
@@ -281,8 +287,8 @@ def check_options(
     if kind in ("ddp", "dp"):
         _check_device_ids(func, opts.get("device_ids"), kind, device_count)
         _check_output_device(func, opts.get("output_device"))
-        if "dim" in opts and (isinstance(opts["dim"], bool) or not isinstance(opts["dim"], int)):
-            fail_type(func, "dim", "an int (the batch dimension)", opts["dim"], "Pass dim=0.")
+        if "dim" in opts:
+            check_int(func, "dim", opts["dim"], fix="It is the batch dimension: pass dim=0.")
     if kind == "ddp":
         _check_ddp(func, opts)
     elif kind == "fsdp":

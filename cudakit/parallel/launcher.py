@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
-import math
 import os
 import pickle
 import shutil
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch.distributed as dist
 
-from .._check import describe, is_int, is_real
+from .._check import check_callable, check_int, check_number, describe
 from ._failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
 from .unused import unused_parameters_hint
@@ -178,7 +177,7 @@ def launch(
     >>> cp.launch(print, nprocs=0)
     Traceback (most recent call last):
     ...
-    ValueError: launch() needs nprocs >= 1 ...
+    ValueError: launch(nprocs=...) expects an int >= 1, got int 0. ...
 
     Each process gets the environment ``torchrun --standalone --nproc-per-node N``
     gives it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
@@ -221,33 +220,30 @@ def launch(
 
     .. versionadded:: 0.1
     """
-    if not callable(fn):
-        raise TypeError(
-            f"launch(fn=...) expects a function to run, got {describe(fn)}. Pass a function "
-            "defined at module level, e.g. launch(train, nprocs=2)."
-        )
-    if not is_int(nprocs):
-        raise TypeError(
-            f"launch() needs nprocs, the number of processes, as an int, got "
-            f"{type(nprocs).__name__} {nprocs!r}; e.g. nprocs=2."
-        )
-    nprocs = int(nprocs)  # a NumPy int too
-    if nprocs < 1:
-        raise ValueError(
-            f"launch() needs nprocs >= 1 (the number of processes), got {nprocs!r}; "
-            "e.g. nprocs=torch.cuda.device_count()."
-        )
+    check_callable(
+        "launch",
+        "fn",
+        fn,
+        expected="a function to run",
+        fix="Pass a function defined at module level, e.g. launch(train, nprocs=2).",
+    )
+    nprocs = check_int(
+        "launch",
+        "nprocs",
+        nprocs,
+        minimum=1,
+        fix="It counts the processes: e.g. nprocs=2, or nprocs=torch.cuda.device_count().",
+    )  # a NumPy int too
     if timeout is not None:
-        if not is_real(timeout):
-            raise TypeError(
-                f"launch() timeout must be a number of seconds or None, got "
-                f"{type(timeout).__name__} {timeout!r}; e.g. timeout=600."
-            )
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(
-                f"launch() timeout must be a positive, finite number of seconds or None, got "
-                f"{timeout!r}; e.g. timeout=600, or None to wait for as long as the ranks run."
-            )
+        timeout = check_number(
+            "launch",
+            "timeout",
+            timeout,
+            positive=True,
+            expected="a positive finite number of seconds, or None",
+            fix="It counts seconds: e.g. timeout=600, or None to wait for as long as the "
+            "ranks run.",
+        )
     if start_method not in ("spawn", "forkserver", "fork"):
         exc_type = ValueError if isinstance(start_method, str) else TypeError
         raise exc_type(

@@ -17,7 +17,6 @@ from .._check import (
     check_optional,
     describe,
     fail_type,
-    is_int,
 )
 from .ranks import rank, world_size
 
@@ -60,17 +59,13 @@ class DistributedLoader(DataLoader[T_co]):
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (to resume from a checkpoint)."""
-        if not is_int(epoch):
-            raise TypeError(
-                f"DistributedLoader.set_epoch(): epoch must be an int >= 0, got "
-                f"{describe(epoch)}. Pass the epoch number, e.g. set_epoch(0)."
-            )
-        if epoch < 0:
-            raise ValueError(
-                f"DistributedLoader.set_epoch(): epoch must be an int >= 0, got {epoch!r}. "
-                "Pass the epoch number, e.g. set_epoch(0)."
-            )
-        self.epoch = int(epoch)
+        self.epoch = check_int(
+            "DistributedLoader.set_epoch",
+            "epoch",
+            epoch,
+            minimum=0,
+            fix="Pass the epoch number, e.g. set_epoch(0).",
+        )  # a NumPy int too
 
     def __iter__(self) -> _BaseDataLoaderIter:
         self.sampler.set_epoch(self.epoch)

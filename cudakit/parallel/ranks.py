@@ -13,7 +13,7 @@ from typing import Self
 import torch
 import torch.distributed as dist
 
-from .._check import check_bool, describe
+from .._check import check_bool
 from .._contextlib import ContextDecorator
 from .._dist import (
     current_rank,
@@ -116,11 +116,12 @@ class main_process_first(ContextDecorator):
     """
 
     def __init__(self, *, local: bool = False) -> None:
-        if not isinstance(local, bool):
-            raise TypeError(
-                f"main_process_first(): local must be True or False, got {describe(local)}. "
-                "Pass local=True for one main process per node, local=False for rank 0."
-            )
+        check_bool(
+            "main_process_first",
+            "local",
+            local,
+            fix="Pass local=True for one main process per node, local=False for rank 0.",
+        )
         self.local = local
         self._sync = False
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import _deprecated
 from .._accel import current_cuda_index
-from .._check import check_bool, describe, fail_type, fail_value, is_int
+from .._check import check_bool, check_int, describe, fail_type, fail_value
 from .._dist import (
     LAUNCHER_VARS,
     DistributedEnv,
@@ -195,17 +195,13 @@ def choose_strategy(
     """
     request = check_strategy(strategy, func="choose_strategy")
     check_env("choose_strategy", env)
-    if not is_int(device_count):
-        raise TypeError(
-            f"choose_strategy(): device_count must be an int, got {describe(device_count)}. "
-            "Pass torch.cuda.device_count()."
-        )
-    device_count = int(device_count)  # a NumPy int too
-    if device_count < 0:
-        raise ValueError(
-            f"choose_strategy(): device_count must be >= 0, got {device_count}. "
-            "Pass torch.cuda.device_count()."
-        )
+    device_count = check_int(
+        "choose_strategy",
+        "device_count",
+        device_count,
+        minimum=0,
+        fix="Pass torch.cuda.device_count().",
+    )  # a NumPy int too
     if not isinstance(device_type, str):
         raise TypeError(
             f"choose_strategy(): device_type must be a string such as 'cuda' or 'cpu', got "
@@ -217,18 +213,13 @@ def choose_strategy(
             f"'cpu', got {device_type!r}; pass torch.device(...).type (lower case)."
         )
     if group_world_size is not None:
-        if not is_int(group_world_size):
-            raise TypeError(
-                f"choose_strategy(): group_world_size must be an int or None, got "
-                f"{describe(group_world_size)}. Pass torch.distributed.get_world_size(), or "
-                "None without a process group."
-            )
-        group_world_size = int(group_world_size)
-        if group_world_size < 1:
-            raise ValueError(
-                f"choose_strategy(): group_world_size must be >= 1, got {group_world_size}. "
-                "Pass torch.distributed.get_world_size(), or None without a process group."
-            )
+        group_world_size = check_int(
+            "choose_strategy",
+            "group_world_size",
+            group_world_size,
+            minimum=1,
+            fix="Pass torch.distributed.get_world_size(), or None without a process group.",
+        )
         world: int | None = group_world_size
     else:
         launcher = read_launcher_env(env, strict=request in ("ddp", "fsdp"))
@@ -272,25 +263,21 @@ class ParallelFacts:
             _fail_field("best_device", "a torch.device", self.best_device)
 
 
+_FACTS_FIX = (
+    "Read the facts with cudakit.parallel.strategy.gather_facts(device, strict_env=False, "
+    "func='...'), or build them as docs/parallel.md shows."
+)
+
+
 def _fail_field(name: str, expected: str, value: object) -> NoReturn:
-    fail_type(
-        "ParallelFacts",
-        name,
-        expected,
-        value,
-        "Read the facts with cudakit.parallel.strategy.gather_facts(device, strict_env=False, "
-        "func='...'), or build them as docs/parallel.md shows.",
-    )
+    fail_type("ParallelFacts", name, expected, value, _FACTS_FIX)
 
 
 def _check_count(name: str, value: object, *, minimum: int, optional: bool) -> None:
     if optional and value is None:
         return
     expected = f"an int >= {minimum}" + (" or None" if optional else "")
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail_field(name, expected, value)
-    elif value < minimum:
-        fail_value("ParallelFacts", name, expected, value, "")
+    check_int("ParallelFacts", name, value, minimum=minimum, expected=expected, fix=_FACTS_FIX)
 
 
 def requested_device(func: str, device: DeviceLike, *, cuda_available: bool) -> torch.device | None:

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import torch
 
-from .._check import describe, fail_type, fail_value
+from .._check import check_number, describe, fail_type, fail_value
 from .flops import FlopCount
 
 __all__ = ["CallCounter", "Count", "CountSpec", "FlopSpec", "check_count", "check_spec"]
@@ -43,10 +43,7 @@ def check_spec(func: str, arg: str, value: object) -> Any:
     expected = "a number >= 0 per call, a function of the batch, or None"
     if arg == "flops":
         expected = "a number >= 0 per call, a function of the batch, a FlopCount, or None"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        fail_type(func, arg, expected, value, _FIX[arg])
-    if not math.isfinite(float(value)) or value < 0:
-        fail_value(func, arg, expected, value, _FIX[arg])
+    check_number(func, arg, value, minimum=0, expected=expected, fix=_FIX[arg])
     return value
 
 
@@ -74,14 +71,14 @@ def check_count(arg: str, value: object) -> Count:
         if 0 <= value < math.inf:
             return value
     if kind is bool or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"speed_report({arg}=...) expects a number >= 0 or a one-element tensor for "
-            f"each call, got {describe(value)}. {_FIX[arg]}"
+        fail_type(
+            "speed_report",
+            arg,
+            "a number >= 0 or a one-element tensor for each call",
+            value,
+            _FIX[arg],
         )
-    raise ValueError(
-        f"speed_report({arg}=...) expects a finite number >= 0 for each call, got {value!r}. "
-        f"{_FIX[arg]}"
-    )
+    fail_value("speed_report", arg, "a finite number >= 0 for each call", value, _FIX[arg])
 
 
 def _number(arg: str, value: object, where: str) -> float:

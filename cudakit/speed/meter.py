@@ -20,7 +20,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from .. import _deprecated
-from .._check import check_int, describe, fail_type, fail_value, is_real
+from .._check import check_callable, check_int, fail_type, fail_value, is_real
 from .._contextlib import ContextDecorator, reject_deferred_body
 from .._output import STDERR, LogTarget, Stderr
 from ..device import DeviceLike
@@ -179,11 +179,13 @@ class SpeedMeter(ContextDecorator):
         A method's batch is the argument after ``self`` (or ``cls``): the first
         parameter's name says which.
         """
-        if not callable(func):
-            raise TypeError(
-                f"speed_report used as a decorator expects a function, got {describe(func)}; "
-                "write `@speed_report(...)` above a `def`, or `with meter:` around a block."
-            )
+        check_callable(
+            "speed_report",
+            "func",
+            func,
+            expected="a function to decorate",
+            fix="Write `@speed_report(...)` above a `def`, or `with meter:` around a block.",
+        )
         reject_deferred_body(
             func,
             "speed_report cannot decorate",

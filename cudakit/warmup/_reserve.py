@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 import re
 
 import torch
 
+from .._check import check_int, check_number, fail_type, fail_value, is_int, is_real
 from .._oom import is_oom_error
 from .._units import format_bytes
 from ..exceptions import MemoryReserveError
@@ -40,32 +40,32 @@ def parse_reserve(spec: object) -> tuple[str, float]:
         'Pass bytes (an int, or a string like "12GiB"), a fraction of total device memory '
         '(a float in (0, 1], or a string like "80%"), or None.'
     )
-    if isinstance(spec, bool) or not isinstance(spec, (numbers.Real, str)):
-        raise TypeError(f"warmup(): reserve= got {type(spec).__name__} {spec!r}. {fix}")
-    if isinstance(spec, numbers.Integral):  # NumPy's too
-        spec = int(spec)
-        if spec <= 0:
-            raise ValueError(f"warmup(): reserve={spec} bytes must be positive. {fix}")
-        return "bytes", float(spec)
+    if is_int(spec):  # NumPy's too
+        nbytes = check_int("warmup", "reserve", spec, minimum=1, fix=f"An int counts bytes. {fix}")
+        return "bytes", float(nbytes)
+    if is_real(spec):  # a NumPy float too
+        share = check_number(
+            "warmup",
+            "reserve",
+            spec,
+            positive=True,
+            maximum=1.0,
+            fix=f"A float is a fraction of total device memory. {fix}",
+        )
+        return "fraction", share
     if not isinstance(spec, str):
-        spec = float(spec)  # a NumPy float too
-        if not 0.0 < spec <= 1.0:
-            raise ValueError(
-                f"warmup(): reserve={spec} is read as a fraction of total device memory and "
-                f"must be in (0, 1]. {fix}"
-            )
-        return "fraction", spec
+        fail_type("warmup", "reserve", "bytes, a fraction, a size string or None", spec, fix)
     m = _SIZE_RE.match(spec)
     unit = m.group(2).lower() if m else ""
     if m is None or (unit != "%" and unit not in _UNITS):
-        raise ValueError(f"warmup(): reserve={spec!r} is not a size cudakit understands. {fix}")
+        fail_value("warmup", "reserve", "a size such as '12GiB' or '80%'", spec, fix)
     value = float(m.group(1))
     if unit == "%":
         if not 0.0 < value <= 100.0:
-            raise ValueError(f"warmup(): reserve={spec!r} must be a percentage in (0, 100]. {fix}")
+            fail_value("warmup", "reserve", "a percentage in (0, 100]", spec, fix)
         return "fraction", value / 100.0
     if value * _UNITS[unit] < 1:
-        raise ValueError(f"warmup(): reserve={spec!r} asks for no memory. {fix}")
+        fail_value("warmup", "reserve", "a size of at least 1 byte", spec, fix)
     return "bytes", value * _UNITS[unit]
 
 

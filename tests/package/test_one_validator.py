@@ -44,17 +44,7 @@ _NOT_YET: set[str] = {
     "amp/result.py",
     "amp/spikes.py",
     "amp/watch.py",
-    "checkpoint/arguments.py",
     "checkpoint/layout.py",
-    "device/resolve.py",
-    "parallel/_args.py",
-    "parallel/launcher.py",
-    "parallel/loaders.py",
-    "parallel/ranks.py",
-    "parallel/strategy.py",
-    "speed/counts.py",
-    "speed/meter.py",
-    "warmup/_reserve.py",
 }
 
 
@@ -79,9 +69,10 @@ def _kind_test(test: ast.expr, *, anywhere: bool = True) -> str | None:
     ``label is not None and not callable(label)`` is not a single-kind test).
     """
     if not anywhere and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        # ``key in opts and not is_int(opts[key])``: a guard, then one kind test
+        # ``key in opts and not is_int(opts[key])``: guards, then one kind test
         kinds = [v for v in test.values if _kind_test(v) or _tests_kind(v)]
-        return _kind_test(kinds[0], anywhere=False) if len(kinds) == 1 else None
+        guards = all(_is_guard(v) for v in test.values if v not in kinds)
+        return _kind_test(kinds[0], anywhere=False) if len(kinds) == 1 and guards else None
     for node in ast.walk(test) if anywhere else [test]:
         if (
             isinstance(node, ast.UnaryOp)
@@ -97,13 +88,29 @@ def _kind_test(test: ast.expr, *, anywhere: bool = True) -> str | None:
             if name == "callable" and isinstance(call.args[0], (ast.Name, ast.Attribute)):
                 return "not callable(...)"
         if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
-            calls = [v for v in node.values if isinstance(v, ast.Call)]
+            calls = [
+                v.operand if isinstance(v, ast.UnaryOp) else v
+                for v in node.values
+                if isinstance(v.operand if isinstance(v, ast.UnaryOp) else v, ast.Call)
+            ]
             if any(
                 _name(v) == "isinstance" and len(v.args) == 2 and ast.unparse(v.args[1]) == "bool"
                 for v in calls
             ) and (anywhere or all(_numeric(v.args[1]) for v in calls if len(v.args) == 2)):
                 return "isinstance(..., bool) or ..."
     return None
+
+
+def _is_guard(node: ast.expr) -> bool:
+    """``x is not None`` or ``key in mapping``: the guard before an optional check."""
+    return (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and (
+            isinstance(node.ops[0], ast.In)
+            or (isinstance(node.ops[0], ast.IsNot) and ast.unparse(node.comparators[0]) == "None")
+        )
+    )
 
 
 def _tests_kind(node: ast.AST) -> bool:
@@ -180,6 +187,8 @@ def test_the_scan_finds_each_hand_written_form(tmp_path: Path) -> None:
         "        fail_type('f', 'dim', 'an int', fn)  # a guard, then one kind\n"
         "    if fn is not None and not isinstance(fn, str) and not callable(fn):\n"
         "        fail_type('f', 'fn', 'a str or a function', fn)  # two kinds: fine\n"
+        "    if fn != 'auto' and not isinstance(fn, bool):\n"
+        "        fail_type('f', 'fn', \"'auto', True or False\", fn)  # a choice or a bool\n"
     )
     assert [line for _, line, _ in hand_written_checks(tmp_path)] == [2, 4, 6, 8, 12, 14, 16]
 

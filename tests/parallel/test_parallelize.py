@@ -118,15 +118,17 @@ def test_choose_strategy_bad_request(bad: Any, exc: type[Exception], match: str)
 
 
 def test_choose_strategy_argument_errors() -> None:
-    with pytest.raises(ValueError, match=r"device_count must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"device_count=\.\.\.\) expects an int >= 0, got int -1"):
         cp.choose_strategy(env={}, device_count=-1, device_type="cpu")
-    with pytest.raises(TypeError, match=r"device_count must be an int, got bool"):
+    with pytest.raises(TypeError, match=r"device_count=\.\.\.\) expects an int >= 0, got bool"):
         cp.choose_strategy(env={}, device_count=True, device_type="cpu")
     with pytest.raises(TypeError, match=r"device_type must be a string .* pass torch.device"):
         cp.choose_strategy(env={}, device_count=0, device_type=torch.device("cpu"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"group_world_size must be >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"group_world_size=\.\.\.\) expects an int >= 1, got int 0"
+    ):
         cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size=0)
-    with pytest.raises(TypeError, match=r"group_world_size must be an int or None, got str"):
+    with pytest.raises(TypeError, match=r"group_world_size=\.\.\.\) expects an int >= 1, got str"):
         cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size="2")  # type: ignore[arg-type]
 
 
@@ -430,7 +432,7 @@ def test_main_process_first_without_group() -> None:
 
     assert f() == 2
     assert ran == [1]
-    with pytest.raises(TypeError, match=r"local must be True or False, got int"):
+    with pytest.raises(TypeError, match=r"local=\.\.\.\) expects True or False, got int"):
         cp.main_process_first(local=1)  # type: ignore[arg-type]
 
 
@@ -529,7 +531,7 @@ def test_distributed_loader_single_process_reshuffles_each_epoch() -> None:
     loader.set_epoch(0)
     assert torch.cat([b[0] for b in loader]).tolist() == first  # resumable
     assert "next_epoch=1" in repr(loader)
-    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"epoch=\.\.\.\) expects an int >= 0, got int -1"):
         loader.set_epoch(-1)
 
 
@@ -561,14 +563,22 @@ def test_distributed_loader_errors() -> None:
 
 
 def test_launch_argument_errors() -> None:
-    with pytest.raises(ValueError, match=r"needs nprocs >= 1 .* got 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"launch\(nprocs=\.\.\.\) expects an int >= 1, got int 0\. It counts the processes",
+    ):
         cp.launch(print, nprocs=0)
-    with pytest.raises(TypeError, match=r"nprocs, the number of processes, as an int, got str"):
+    with pytest.raises(TypeError, match=r"launch\(nprocs=\.\.\.\) expects an int >= 1, got str"):
         cp.launch(print, nprocs="2")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"timeout must be a number of seconds or None, got str"):
+    with pytest.raises(
+        TypeError, match=r"launch\(timeout=\.\.\.\) expects a positive finite number of seconds"
+    ):
         cp.launch(print, nprocs=1, timeout="10")  # type: ignore[arg-type]
     for bad in (0, -1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"positive, finite number of seconds or None, got"):
+        with pytest.raises(
+            ValueError,
+            match=r"timeout=\.\.\.\) expects a positive finite number of seconds, or None, got",
+        ):
             cp.launch(print, nprocs=1, timeout=bad)
     with pytest.raises(TypeError, match=r"cannot be pickled .* Define it at module level"):
         cp.launch(lambda: None, nprocs=1)

@@ -119,7 +119,11 @@ def test_dataparallel_device_ids_name_its_devices() -> None:
         ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive finite"),
         ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive finite"),
         ({"bucket_cap_mb": float("nan")}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive"),
-        ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb=\.\.\.\) expects a positive number"),
+        (
+            {"bucket_cap_mb": "25"},
+            TypeError,
+            r"bucket_cap_mb=\.\.\.\) expects a positive finite number of MiB",
+        ),
         ({"bucket_cap_mb_list": [25, -1]}, ValueError, r"bucket_cap_mb_list=\.\.\.\) expects a"),
         ({"find_unused_parameters": "yes"}, TypeError, r"find_unused_parameters=\.\.\.\) expects"),
         ({"broadcast_buffers": 1}, TypeError, r"broadcast_buffers=\.\.\.\) expects True or False"),

@@ -160,7 +160,7 @@ def test_decorator_errors() -> None:
     meter = speed_report(file=None)
     with pytest.raises(
         TypeError,
-        match=r"speed_report used as a decorator expects a function, "
+        match=r"speed_report\(func=\.\.\.\) expects a function to decorate, "
         r"got int 3",
     ):
         meter(3)  # type: ignore[arg-type]
@@ -214,7 +214,7 @@ def test_block_errors() -> None:
             -1,
             ValueError,
             r"speed_report\(samples=...\) expects a finite number >= 0 for each call, "
-            r"got -1",
+            r"got int -1",
         ),
         (
             torch.ones(2),

@@ -609,16 +609,16 @@ def test_reserve_specs(spec: Any, expected: tuple[str, float]) -> None:
 @pytest.mark.parametrize(
     ("spec", "exc", "match"),
     [
-        (True, TypeError, r"reserve= got bool True\. Pass bytes"),
-        ([1], TypeError, r"reserve= got list"),
-        (0, ValueError, r"reserve=0 bytes must be positive"),
-        (-5, ValueError, r"must be positive"),
-        (1.5, ValueError, r"fraction of total device memory and must be in \(0, 1\]"),
-        (0.0, ValueError, r"must be in \(0, 1\]"),
-        ("lots", ValueError, r"reserve='lots' is not a size.*\"80%\""),
-        ("12 parsecs", ValueError, r"not a size"),
-        ("150%", ValueError, r"percentage in \(0, 100\]"),
-        ("0GiB", ValueError, r"asks for no memory"),
+        (True, TypeError, r"^warmup\(reserve=\.\.\.\) expects bytes.*got bool True\. Pass bytes"),
+        ([1], TypeError, r"reserve=\.\.\.\) expects bytes.*got list"),
+        (0, ValueError, r"reserve=\.\.\.\) expects an int >= 1, got int 0\. An int counts bytes"),
+        (-5, ValueError, r"expects an int >= 1, got int -5"),
+        (1.5, ValueError, r"expects a finite number in \(0, 1\].*fraction of total device memory"),
+        (0.0, ValueError, r"expects a finite number in \(0, 1\], got float 0\.0"),
+        ("lots", ValueError, r"expects a size such as '12GiB'.*got str 'lots'.*\"80%\""),
+        ("12 parsecs", ValueError, r"expects a size such as"),
+        ("150%", ValueError, r"expects a percentage in \(0, 100\]"),
+        ("0GiB", ValueError, r"expects a size of at least 1 byte"),
     ],
 )
 def test_reserve_spec_errors(spec: Any, exc: type[Exception], match: str) -> None:

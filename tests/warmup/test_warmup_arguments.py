@@ -189,7 +189,7 @@ def test_step_function_that_is_really_a_criterion_gets_a_note_naming_both_forms(
         ),
         ({"optimizer": "sgd"}, TypeError, r"Optimizer or None, got str"),
         ({"extra": 1}, TypeError, r"extra=\.\.\.\) expects a tuple"),
-        ({"reserve": "lots"}, ValueError, r"reserve='lots' is not a size"),
+        ({"reserve": "lots"}, ValueError, r"reserve=\.\.\.\) expects a size such as '12GiB'"),
         ({"device": "gpu"}, DeviceError, r"did you mean"),
     ],
 )
@@ -414,9 +414,14 @@ def test_a_refused_warmed_changes_nothing() -> None:
 @pytest.mark.parametrize(
     ("spec", "exc", "match"),
     [
-        ("lots", ValueError, r"^warmup\(\): reserve='lots' is not a size.*\"80%\""),
-        ([1], TypeError, r"^warmup\(\): reserve= got list \[1\]\. Pass bytes"),
-        (2.0, ValueError, r"^warmup\(\): reserve=2\.0 is read as a fraction.*\(0, 1\]"),
+        ("lots", ValueError, r"^warmup\(reserve=\.\.\.\) expects a size.*got str 'lots'.*\"80%\""),
+        ([1], TypeError, r"^warmup\(reserve=\.\.\.\) expects bytes.*got list \[1\]\. Pass bytes"),
+        (
+            2.0,
+            ValueError,
+            r"^warmup\(reserve=\.\.\.\) expects a finite number in \(0, 1\], got float 2\.0\. "
+            r"A float",
+        ),
     ],
 )
 def test_reserve_errors_name_warmup_and_change_nothing(
