@@ -46,8 +46,17 @@ OPTIMIZER_VARIANTS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]
 
 
 def is_fused(variant: str) -> bool:
-    """Whether the variant's optimizer skips on the device (torch's fused kernels)."""
-    return bool(OPTIMIZER_VARIANTS[variant][1].get("fused"))
+    """Whether the variant's optimizer skips on the device (torch's fused kernels).
+
+    A fused optimizer does so only where it declares ``_step_supports_amp_scaling``:
+    torch 2.11's fused Adagrad does not, so GradScaler and cudakit both unscale its
+    gradients and skip it on the host, as they do a plain optimizer.
+    """
+    cls, kwargs = OPTIMIZER_VARIANTS[variant]
+    if not kwargs.get("fused"):
+        return False
+    probe = cls([nn.Parameter(torch.zeros(1))], **kwargs)
+    return bool(getattr(probe, "_step_supports_amp_scaling", False))
 
 
 def make_optimizer(
