@@ -27,7 +27,7 @@ Design notes:
 # (aggregate output), _notes (out-of-memory notes).
 
 from .. import _deprecated
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, estimate_memory, largest_batch
 from .reporter import MemoryMeter, MemoryReported, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot
 from .snapshot import memory_snapshot
@@ -40,6 +40,7 @@ __all__ = [
     "MemoryReported",
     "MemorySnapshot",
     "estimate_memory",
+    "largest_batch",
     "memory_report",
     "memory_snapshot",
 ]

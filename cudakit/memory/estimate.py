@@ -26,7 +26,7 @@ from .._check import check_choice, check_int, fail_type, fail_value
 from .._units import format_bytes
 from ._live import Event, LiveBytes
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "largest_batch"]
 
 EstimateStrategy = Literal["none", "ddp", "fsdp"]
 _STRATEGIES = ("none", "ddp", "fsdp")
@@ -447,3 +447,75 @@ def estimate_memory(
         precision=precision,
         **parts,
     )
+
+
+def _resized(batch: Any, size: int) -> Any:
+    """``batch`` with dim 0 of every tensor set to ``size`` (meta tensors: no memory)."""
+    if isinstance(batch, torch.Tensor):
+        return torch.empty((size, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_resized(b, size) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_resized(b, size) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _resized(v, size) for k, v in batch.items()}
+    return batch
+
+
+def largest_batch(
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Any,
+    capacity: int,
+    *,
+    limit: int = 1 << 16,
+    **options: Any,
+) -> tuple[int, MemoryEstimate | None]:
+    """The largest batch per rank whose estimated peak fits ``capacity`` bytes.
+
+    >>> import torch, cudakit.memory as cm
+    >>> with torch.device("meta"):
+    ...     net = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(),
+    ...                               torch.nn.Linear(4096, 256))
+    >>> size, est = cm.largest_batch(net, torch.empty(1, 256), 64 * 2**20)
+    >>> size, est.fits(64 * 2**20)
+    (751, True)
+
+    ``batch`` is one example (its dim 0 is the batch); the search doubles the size,
+    then bisects, each step one :func:`estimate_memory` with ``options`` (strategy,
+    world size, precision, recompute, optimizer, ``loss_fn``).
+
+    Returns:
+        The size and its estimate; ``(0, None)`` when not even one sample fits.
+
+    Raises:
+        TypeError, ValueError: as :func:`estimate_memory`; ``capacity`` or ``limit``
+            not a positive int.
+
+    .. versionadded:: 0.1
+    """
+    capacity = check_int("largest_batch", "capacity", capacity, minimum=1)
+    limit = check_int("largest_batch", "limit", limit, minimum=1)
+
+    def at(size: int) -> MemoryEstimate:
+        return estimate_memory(model, _resized(batch, size), **options)
+
+    first = at(1)
+    if not first.fits(capacity):
+        return 0, None
+    good, best = 1, first
+    bad = None
+    while bad is None and good < limit:
+        size = min(2 * good, limit)
+        est = at(size)
+        if est.fits(capacity):
+            good, best = size, est
+        else:
+            bad = size
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        est = at(mid)
+        if est.fits(capacity):
+            good, best = mid, est
+        else:
+            bad = mid
+    return good, best

@@ -223,3 +223,23 @@ def test_wrong_kinds(kwargs: dict[str, Any], arg: str) -> None:
     call.update(kwargs)
     with pytest.raises(TypeError, match=rf"estimate_memory\({arg}=\.\.\.\) expects"):
         estimate_memory(call.pop("model"), call.pop("batch"), **call)
+
+
+def test_largest_batch_is_the_edge_of_fitting() -> None:
+    from cudakit.memory import largest_batch
+
+    example = torch.empty(1, 8, 64, device="meta")
+    capacity = estimate_memory(_meta(), torch.empty(37, 8, 64, device="meta")).peak
+    size, est = largest_batch(_meta(), example, capacity)
+    assert size >= 37
+    assert est is not None
+    assert est.fits(capacity)
+    assert not estimate_memory(_meta(), torch.empty(size + 1, 8, 64, device="meta")).fits(capacity)
+    assert largest_batch(_meta(), example, 1000) == (0, None)
+
+
+def test_largest_batch_refuses_a_capacity_that_is_no_size() -> None:
+    from cudakit.memory import largest_batch
+
+    with pytest.raises(ValueError, match=r"largest_batch\(capacity=\.\.\.\) expects an int >= 1"):
+        largest_batch(_meta(), torch.empty(1, 64, device="meta"), 0)

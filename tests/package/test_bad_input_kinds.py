@@ -529,6 +529,12 @@ ROWS: list[Bad] = [
         [("strategy", 3), ("world_size", "2"), ("precision", 16), ("optimizer", 3)],
     ),
     _one("estimate_memory(", "model", 3, lambda w: memory.estimate_memory(3, w.batch[0])),
+    _one(
+        "largest_batch(",
+        "capacity",
+        "1GB",
+        lambda w: memory.largest_batch(w.model, w.batch[0], "1GB"),
+    ),
     _one("estimate_memory(", "batch", "x", lambda w: memory.estimate_memory(w.model, "x")),
     *_rows(
         "process_group(",
