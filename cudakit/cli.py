@@ -1,4 +1,4 @@
-"""The ``cudakit`` command: ``cudakit info`` and ``cudakit demo``."""
+"""The ``cudakit`` command: ``cudakit info``, ``cudakit demo`` and ``cudakit estimate``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
         help="train a small CNN with every cudakit utility (see `cudakit demo --help`)",
         add_help=False,
     )
+    from .memory._command import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -43,5 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = device_info(init_cuda=True)
         print(report.to_json() if args.json else report)
         return 0
+    if args.command == "estimate":
+        from .memory._command import run
+
+        return run(args)
     parser.print_help()
     return 2

@@ -5,6 +5,7 @@
 block, free and total device memory, and the wall time. On CUDA it reads the
 caching allocator; on the CPU it reads the process's resident set size (RSS), so
 the same code runs on a laptop. :func:`memory_snapshot` gives the numbers now.
+:func:`estimate_memory` predicts every rank's peak before launch, on fake tensors.
 
 Design notes:
 
@@ -17,7 +18,8 @@ Design notes:
 """
 
 # Modules: results (the report types and their one renderer), reporter
-# (memory_report and its MemoryMeter), snapshot (memory_snapshot); private: _frames
+# (memory_report and its MemoryMeter), snapshot (memory_snapshot), estimate
+# (estimate_memory); private: _live (live tensor bytes), _frames
 # (the peaks of nested reports), _probes, _targets, _throttle, _notes.
 
 # Private modules: _probes (every read of torch.cuda or /proc; tests replace its
@@ -25,16 +27,20 @@ Design notes:
 # (aggregate output), _notes (out-of-memory notes).
 
 from .. import _deprecated
+from .estimate import MemoryEstimate, estimate_memory, largest_batch
 from .reporter import MemoryMeter, MemoryReported, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot
 from .snapshot import memory_snapshot
 
 __all__ = [
     "DeviceMemory",
+    "MemoryEstimate",
     "MemoryMeter",
     "MemoryReport",
     "MemoryReported",
     "MemorySnapshot",
+    "estimate_memory",
+    "largest_batch",
     "memory_report",
     "memory_snapshot",
 ]

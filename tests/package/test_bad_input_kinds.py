@@ -524,6 +524,19 @@ ROWS: list[Bad] = [
     ),
     _one("recomputed_blocks(", "model", [], lambda w: parallel.recomputed_blocks([])),
     *_rows(
+        "estimate_memory(",
+        lambda w, **kw: memory.estimate_memory(w.model, w.batch[0], **kw),
+        [("strategy", 3), ("world_size", "2"), ("precision", 16), ("optimizer", 3)],
+    ),
+    _one("estimate_memory(", "model", 3, lambda w: memory.estimate_memory(3, w.batch[0])),
+    _one(
+        "largest_batch(",
+        "capacity",
+        "1GB",
+        lambda w: memory.largest_batch(w.model, w.batch[0], "1GB"),
+    ),
+    _one("estimate_memory(", "batch", "x", lambda w: memory.estimate_memory(w.model, "x")),
+    *_rows(
         "process_group(",
         lambda w, **kw: cudakit.process_group(**kw),
         [("backend", 3), ("timeout", "x"), ("timeout", True), ("device", 1.5)],
@@ -943,6 +956,7 @@ def test_the_sweep_covers_every_public_callable() -> None:
         "StepResult", "WarmupReport", "NonFiniteSource", "DevicePeak", "FlopCount", "Peak",
         "SpeedFigures", "SpeedSummary", "DeviceMemory", "DistributedEnv", "LoadResult",
         "PretrainedLoad",
+        "MemoryEstimate",
         "ProcessGroupInfo", "DemoSummary", "EpochStats", "LoaderKwargs", "WatchOptions",
         # Types, protocols and constants.
         "DeviceLike", "Count", "CountSpec", "FlopSpec", "LogTarget", "ReserveSpec", "Phase",
