@@ -191,3 +191,24 @@ def test_cpu_offload_on_a_gpu() -> None:
     ref = _one_process(11, 6)  # initialised on the CPU, where the shards live
     for key, value in res["full"].items():
         assert torch.equal(value, ref[key]), key
+
+
+def test_a_meta_built_model_composes_with_autocast_step_and_warmup() -> None:
+    import cudakit
+
+    model = cp.parallelize(_meta_gpt(13, 6), "none", device="cpu", init=gpt_init)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cudakit.autocast_step(opt, model=model, dtype=torch.float32)
+    before = model.embed.weight.clone()
+    with step:
+        loss = model(torch.arange(6).reshape(2, 3)).logsumexp(-1).mean()
+    assert step.backward(loss).stepped
+    assert not torch.equal(model.embed.weight, before)
+    assert model.head.weight is model.embed.weight  # still tied after a step
+    report = cudakit.warmup(
+        model,
+        torch.arange(6).reshape(2, 3),
+        loss_fn=lambda m, b: m(b).logsumexp(-1).mean(),
+        device="cpu",
+    )
+    assert report is not None
