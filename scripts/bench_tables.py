@@ -242,6 +242,40 @@ def checkpoint_table(record: Record) -> list[str]:
     return _table(header, "lrrrr", body)
 
 
+def meta_init_table(record: Record) -> list[str]:
+    """Per world size and phase: peak memory per rank against shard + largest tensor,
+    time (setup: against building the model on every rank) and bytes read."""
+    body = []
+    for r in record["rows"]:
+        ratio = f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else ""
+        read = f"{r['read_mib']:,.1f}" if r["read_mib"] is not None else ""
+        body.append(
+            [
+                str(r["ranks"]),
+                r["phase"],
+                r["series"],
+                f"{r['value']:,.1f}",
+                f"{r['over_goal']:.2f}",
+                f"{r['seconds']:.2f}",
+                ratio,
+                read,
+                f"{r['shard_mib']:,.1f}",
+            ]
+        )
+    header = [
+        "ranks",
+        "phase",
+        "implementation",
+        "peak MiB",
+        "x (shard + largest)",
+        "time s",
+        "x build, then shard",
+        "read MiB",
+        "shard MiB",
+    ]
+    return _table(header, "lll" + "r" * 6, body)
+
+
 def bars_table(record: Record) -> list[str]:
     """Any bar chart's rows: group, series, value."""
     body = [[r["group"], r["series"], f"{r['value']:g}"] for r in record["rows"]]
@@ -259,6 +293,7 @@ TABLES: dict[str, Callable[[Record], list[str]]] = {
     "bench_prefetch": prefetch_table,
     "bench_speed_report": speed_report_table,
     "bench_checkpoint": checkpoint_table,
+    "bench_meta_init": meta_init_table,
 }
 
 

@@ -306,23 +306,24 @@ def bars_figure(data: Path, out: Path) -> Path:
     rows = record["rows"]
     groups = list(dict.fromkeys(r["group"] for r in rows))
     series = list(dict.fromkeys(r["series"] for r in rows))
-    colors = dict(
-        zip(series, ("#90caf9", _GREEN[0]) if len(series) > 1 else (_GREEN[0],), strict=False)
-    )
+    palette = ("#90caf9", _GREEN[0], "#ffcc80", "#ce93d8", "#b0bec5", "#ef9a9a")
+    colors = dict(zip(series, palette if len(series) > 1 else (_GREEN[0],), strict=False))
     n = len(series)
-    height = 0.8 / n
-    fig = _figure(figsize=(9, 1.3 + 0.3 * n * len(groups) + 0.1 * len(groups)))
+    per_group = max(len({r["series"] for r in rows if r["group"] == g}) for g in groups)
+    fig = _figure(figsize=(9, 1.3 + 0.3 * per_group * len(groups) + 0.1 * len(groups)))
     ax = fig.subplots()
     top = max(r["value"] for r in rows)
     low = min(0, *(r["value"] for r in rows))  # a bar can go below 0 (a share saved)
+    labelled: set[str] = set()
     for g, group in enumerate(groups):
-        for k, name in enumerate(series):
-            matches = [r for r in rows if r["group"] == group and r["series"] == name]
-            if not matches:
-                continue
-            y = g + (k - (n - 1) / 2) * height
-            value = matches[0]["value"]
-            label = name if g == 0 and n > 1 else None
+        # The series this group has (a group may lack some), spread over its row.
+        present = [s for s in series if any(r["group"] == group and r["series"] == s for r in rows)]
+        height = 0.8 / len(present)
+        for k, name in enumerate(present):
+            (value,) = [r["value"] for r in rows if r["group"] == group and r["series"] == name]
+            y = g + (k - (len(present) - 1) / 2) * height
+            label = name if n > 1 and name not in labelled else None
+            labelled.add(name)
             ax.barh(y, value, height=height * 0.9, color=colors[name], label=label)
             ax.text(
                 value,
@@ -345,7 +346,7 @@ def bars_figure(data: Path, out: Path) -> Path:
     ax.set_xlabel(record["unit"])
     ax.set_title(textwrap.fill(record["title"], 80), fontsize=11)
     if n > 1:
-        ax.legend(loc="upper right", fontsize=8, frameon=False)
+        ax.legend(loc="best", fontsize=8, frameon=False)
     return _finish(fig, record, out / f"{data.stem}.png")
 
 

@@ -53,7 +53,7 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
         devices = [index]
     kind = device.type if devices else "cuda"
     with torch.random.fork_rng(devices=devices, device_type=kind):
-        torch.manual_seed(seed) if not devices else torch.default_generator.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # the CPU only: no lazy CUDA seeding
         if devices:
             with torch.get_device_module(device.type).device(devices[0]):
                 torch.get_device_module(device.type).manual_seed(seed)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -194,9 +194,29 @@ def _untouched_error(func: str, model: nn.Module, names: list[str], init: InitFn
 # --------------------------------------------------------------------------- allocation
 
 
-def _allocate(model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], dev: Any) -> None:
-    """``to_empty(device=dev)``, then every tied tensor one object again."""
-    model.to_empty(device=dev)
+def params_device(options: Mapping[str, Any], device: torch.device) -> torch.device:
+    """Where a sharded model's parameters live: the CPU under FSDP2's
+    ``offload_policy=CPUOffloadPolicy()``, else ``device`` (its buffers stay there)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    offload = getattr(fsdp, "CPUOffloadPolicy", None) if fsdp is not None else None
+    policy = options.get("offload_policy")
+    return torch.device("cpu") if offload is not None and isinstance(policy, offload) else device
+
+
+def _allocate(
+    model: nn.Module,
+    groups: list[tuple[str, nn.Module, list[_Slot]]],
+    dev: Any,
+    params_on: Any = None,
+) -> None:
+    """``to_empty(device=dev)`` (parameters on ``params_on`` if given), then every
+    tied tensor one object again."""
+    model.to_empty(device=params_on if params_on is not None else dev)
+    if params_on is not None and torch.device(params_on) != torch.device(dev):
+        for _, _, slots in groups:
+            for s in slots:
+                if s.first and s.table == "_buffers":
+                    s.put(torch.empty_like(s.get(), device=dev))
     first: dict[int, _Slot] = {}
     for _, _, slots in groups:
         for s in slots:
@@ -407,10 +427,17 @@ class MetaBuild:
     init: InitFn | None
     seed: int
 
-    def run(self, func: str, model: nn.Module, device: torch.device) -> None:
-        """Allocate ``model`` (sharded or not) on ``device`` and initialise it."""
+    def run(
+        self,
+        func: str,
+        model: nn.Module,
+        device: torch.device,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Allocate ``model`` (sharded or not) on ``device`` and initialise it; under
+        ``fully_shard``'s ``options`` CPU offload, its parameters on the CPU."""
         groups = _slots(model)
-        _allocate(model, groups, device)
+        _allocate(model, groups, device, params_device(options or {}, device))
         untouched, on_meta = _initialise(func, groups, call_init(self.init), self.seed)
         if on_meta:
             raise InitError(_meta_error(func, model, on_meta))

@@ -438,7 +438,7 @@ def _distribute(
         if plan.strategy == "fsdp":
             wrapped = _shard(model, plan.wrapper_kwargs)
             if build is not None:  # sharded on meta: only this rank's shards allocated
-                build.run("parallelize", wrapped, dev)
+                build.run("parallelize", wrapped, dev, plan.wrapper_kwargs)
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, **plan.wrapper_kwargs)
             remember(wrapped)  # to name the parameters of DDP's unused-parameter error

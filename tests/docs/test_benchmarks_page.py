@@ -35,6 +35,7 @@ BENCHMARKS = {
     "bench_checkpoint.py": "checkpoint.md",
     "bench_speed_report.py": "observe.md",
     "bench_loss_spikes.py": "observe.md",
+    "bench_meta_init.py": "big-models.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")

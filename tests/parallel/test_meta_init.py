@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from meta_gpt import GPT, gpt_init
 from torch import nn
 
@@ -186,3 +189,65 @@ def test_seeds_differ_by_name_and_seed() -> None:
     assert len(seeds) == 12
     assert all(0 <= s < 2**63 for s in seeds)
     assert math.isfinite(float(module_seed(0, "x")))
+
+
+# --------------------------------------------------------------------------- random models
+
+_LEAVES = st.one_of(
+    st.tuples(st.just("linear"), st.integers(1, 5), st.integers(1, 5), st.booleans()),
+    st.tuples(st.just("norm"), st.integers(1, 5)),
+    st.tuples(st.just("embed"), st.integers(1, 5), st.integers(1, 5)),
+)
+_TREES = st.recursive(_LEAVES, lambda kids: st.lists(kids, min_size=1, max_size=3), max_leaves=8)
+
+
+def _build(spec: Any) -> nn.Module:
+    if isinstance(spec, list):
+        return nn.Sequential(*(_build(s) for s in spec))
+    if spec[0] == "linear":
+        return nn.Linear(spec[1], spec[2], bias=spec[3])
+    if spec[0] == "norm":
+        return nn.LayerNorm(spec[1])
+    return nn.Embedding(spec[1], spec[2])
+
+
+def _tie_some(model: nn.Module, pick: int) -> None:
+    """Tie the weights of two leaves of the same shape, if there are any."""
+    leaves = [m for m in model.modules() if getattr(m, "weight", None) is not None]
+    pairs = [
+        (a, b)
+        for i, a in enumerate(leaves)
+        for b in leaves[i + 1 :]
+        if a.weight.shape == b.weight.shape and type(a) is type(b)
+    ]
+    if pairs:
+        a, b = pairs[pick % len(pairs)]
+        b.weight = a.weight
+
+
+@settings(deadline=None, max_examples=30)
+@given(spec=_TREES, seed=st.integers(0, 2**31), tie=st.integers(0, 9))
+def test_any_model_equals_the_hand_written_loop(spec: Any, seed: int, tie: int) -> None:
+    """Over random module trees (tied weights included): materialize() gives what
+    seeding each module by its name and calling reset_parameters() gives."""
+    with torch.device("meta"):
+        model = _build(spec if isinstance(spec, list) else [spec])
+        _tie_some(model, tie)
+    ref = _build(spec if isinstance(spec, list) else [spec])
+    _tie_some(ref, tie)
+    seen: set[int] = set()
+    for name, module in ref.named_modules():
+        own = [
+            t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None
+        ]
+        if not own or all(id(t) in seen for t in own):
+            continue
+        seen.update(id(t) for t in own)
+        with seeded(module_seed(seed, name), torch.device("cpu")), torch.no_grad():
+            module.reset_parameters()  # type: ignore[operator]
+    cp.materialize(model, "cpu", init_seed=seed)
+    got = model.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(got[key], value), key
+    tied = {id(p) for p in model.parameters()}
+    assert len(tied) == len({id(p) for p in ref.parameters()})

@@ -155,3 +155,60 @@ def test_a_meta_model_under_data_parallel_is_refused() -> None:
     build = wrap.plan_build("parallelize", model, None, 0, plan.device)
     with pytest.raises(ValueError, match=r"DataParallel copies the whole model.*materialize"):
         wrap._check_plan(model, plan, build)
+
+
+def test_cpu_offload_keeps_the_parameters_on_the_cpu() -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from cudakit.parallel.meta import params_device
+
+    gpu = torch.device("cuda", 0)
+    assert params_device({"offload_policy": CPUOffloadPolicy()}, gpu) == torch.device("cpu")
+    assert params_device({"offload_policy": OffloadPolicy()}, gpu) == gpu
+    assert params_device({}, gpu) == gpu
+
+
+def _offloaded() -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    with cp.process_group(timeout=120):
+        model = cp.parallelize(
+            _meta_gpt(11, 6), "fsdp", init=gpt_init, init_seed=7, offload_policy=CPUOffloadPolicy()
+        )
+        devices = {p.to_local().device.type for p in model.parameters()}
+        buffer = model.rope.inv_freq.device.type
+        model(torch.arange(6, device="cuda").reshape(2, 3)).sum().backward()
+        full = {k: v.clone() for k, v in cp.state_dict(model).items()}
+        return {"devices": devices, "buffer": buffer, "full": full}
+
+
+@pytest.mark.cuda
+@pytest.mark.distributed
+def test_cpu_offload_on_a_gpu() -> None:
+    (res,) = cp.launch(_offloaded, nprocs=1, timeout=300)
+    assert res["devices"] == {"cpu"}
+    assert res["buffer"] == "cuda"
+    ref = _one_process(11, 6)  # initialised on the CPU, where the shards live
+    for key, value in res["full"].items():
+        assert torch.equal(value, ref[key]), key
+
+
+def test_a_meta_built_model_composes_with_autocast_step_and_warmup() -> None:
+    import cudakit
+
+    model = cp.parallelize(_meta_gpt(13, 6), "none", device="cpu", init=gpt_init)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cudakit.autocast_step(opt, model=model, dtype=torch.float32)
+    before = model.embed.weight.clone()
+    with step:
+        loss = model(torch.arange(6).reshape(2, 3)).logsumexp(-1).mean()
+    assert step.backward(loss).stepped
+    assert not torch.equal(model.embed.weight, before)
+    assert model.head.weight is model.embed.weight  # still tied after a step
+    report = cudakit.warmup(
+        model,
+        torch.arange(6).reshape(2, 3),
+        loss_fn=lambda m, b: m(b).logsumexp(-1).mean(),
+        device="cpu",
+    )
+    assert report is not None
