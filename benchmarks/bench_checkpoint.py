@@ -23,7 +23,8 @@ accelerate's ``save_state``/``load_state`` join when accelerate is installed (th
 held before, against its own shard (parameters and optimizer state).
 
 ``--stop``: only the cost of agreeing on a stop signal across ranks, which every window
-boundary pays under a process group (one all-reduce of a few flags on a gloo group).
+boundary pays under a process group (one asynchronous all-reduce of a few flags on a
+gloo group, read at the next boundary).
 2 gloo processes train a DDP model through ``Checkpointer.batches()``, ``preemption=False``
 and ``True`` taking turns; the agreement itself is timed inside the run, and its time per
 window is printed as a ratio of the window's (goal: at most 1 %), beside the ratio of the
@@ -335,7 +336,7 @@ def stop_worker(rank: int, port: int, sizes: tuple[int, int, int, int, int], out
                     per_window[name].append(elapsed / windows)
                     if name.endswith("True"):
                         agreement.append(sum(polls) / len(polls))
-        # The collective alone: back-to-back polls (no rank waits for another's compute).
+        # One round alone: back-to-back polls (each waits for the one before it).
         stop = preemption.StopAgreement(torch.distributed.new_group(backend="gloo"))
         alone = []
         for _ in range(5):
@@ -378,20 +379,20 @@ def stop_cost(quick: bool, rounds: int | None) -> dict[str, Any]:
         f"{os.cpu_count()} CPUs, torch {torch.__version__}"
     )
     print(f"{'rank':>4} {'window off ms':>14} {'window on ms':>13} {'on / off':>9} "
-          f"{'agreement us':>13} {'of a window':>12} {'in loop us':>11}")  # fmt: skip
+          f"{'round us':>9} {'in loop us':>11} {'of a window':>12}")  # fmt: skip
     for item in ranks:
         off, on = item["window_s"]["preemption=False"], item["window_s"]["preemption=True"]
-        cost = item["agreement_s"]
+        cost = item["in_loop_s"]
         item["on_over_off"] = on / off
         item["agreement_of_window"] = cost / off
         print(
             f"{item['rank']:>4} {off * 1e3:14.2f} {on * 1e3:13.2f} {on / off:9.3f} "
-            f"{cost * 1e6:13.1f} {cost / off:12.3%} {item['in_loop_s'] * 1e6:11.1f}"
+            f"{item['agreement_s'] * 1e6:9.1f} {cost * 1e6:11.1f} {cost / off:12.3%}"
         )
     print(
-        "(agreement: the all-reduce alone, back to back; in loop: the same call at each "
-        "boundary, with the wait for the other rank's compute that the next gradient "
-        "all-reduce would otherwise pay)"
+        "(round: one all-reduce alone, polls back to back; in loop: what the poll at each "
+        "boundary costs the loop: it reads the round started a window before and starts "
+        "the next; of a window: in loop / window off)"
     )
     worst = max(item["agreement_of_window"] for item in ranks)
     print(f"the stop agreement costs at most {worst:.3%} of a window (goal <= 1 %)")

@@ -461,7 +461,9 @@ class AutocastStep(misuse.AttributeGuard):
         ``accumulate / k``, so the step equals one on their mean loss (token-weighted
         windows divide by their own total weight instead). Under DDP or FSDP2 the
         pending micro-steps ran without gradient sync, so their gradients are reduced
-        across ranks here first. Returns None when nothing is pending.
+        across ranks here first, unless the last of them ran inside
+        :meth:`last_micro_step` and synced them itself. Returns None when nothing is
+        pending.
 
         >>> import cudakit.amp as amp
         >>> model = torch.nn.Linear(3, 1)
@@ -483,7 +485,8 @@ class AutocastStep(misuse.AttributeGuard):
             RuntimeError: called inside a step function or a ``with step:`` block, or
                 before that block's ``step.backward(loss)``; under DDP with a
                 communication hook (``register_comm_hook``), which the flush cannot
-                run (nothing is changed).
+                run, when the window's last micro-step did not sync inside
+                :meth:`last_micro_step` (nothing is changed).
             ValueError: the window's losses reached none of the optimizers' parameters.
             NonFiniteStepsError: ``max_skipped`` optimizer steps in a row were skipped.
         """

@@ -388,6 +388,7 @@ class Checkpointer:
         try:
             self._writer.finish()
         finally:
+            self._stop.drain()
             self._signals.uninstall()
 
     def __enter__(self) -> Self:

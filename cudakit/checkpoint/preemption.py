@@ -4,15 +4,17 @@ SLURM (``--signal=USR1@90``, or SIGTERM before a preemption), Kubernetes and
 torchrun stop a job with a signal. The handler only notes it (and calls the
 handler that was installed before, so the user's own keep working). The loop asks
 :meth:`StopAgreement.poll` at each window boundary; under a process group every rank
-contributes its flags (one per stop signal) to an all-reduce (max) on a gloo group of
-its own, and reads the answer there and then: every rank stops at the first boundary
-that any rank reached with a signal in hand, and exits with the same signals. It costs
-one tiny host collective per window (no device sync, no read per step), which
-``benchmarks/bench_checkpoint.py --stop`` measures against a window.
+contributes its flags to an all-reduce started asynchronously on a group of its own
+and read at the next boundary, so a rank without a signal never waits and no
+collective blocks a step. A rank with a signal in hand waits for the round at once,
+so when every rank has the signal they all stop at that boundary; otherwise at the
+next one, where every rank reads the round (see :class:`StopAgreement`).
+``benchmarks/bench_checkpoint.py --stop`` measures the cost per window.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -187,12 +189,20 @@ def _settable(handler: _Handler) -> Callable[[int, FrameType | None], Any] | int
 
 
 class StopAgreement:
-    """Whether every rank should stop, agreed at the window boundary where any rank asks.
+    """Whether every rank should stop, agreed at a window boundary.
+
+    Every rank calls :meth:`poll` at the same boundaries. Under a process group each
+    call starts one round: an all-reduce (max) of the rank's flags (one per watched
+    signal, and one for "no signal here") on a gloo group of its own, asynchronously. A
+    round is read at the next boundary, so a rank without a signal never waits for the
+    others. A rank with a signal in hand waits for its round at once: when every rank
+    had a signal, all stop there; else all stop at the next boundary, where every rank
+    reads that round. So a signal that every rank has before a boundary stops them all
+    at it, and one that some rank has stops them all one boundary later at the latest.
 
     What is agreed is the set of stop signals any rank received (:attr:`signals`), so
     that a rank the signal did not reach exits as the others do, and rank 0 requeues
-    after a SIGUSR1 that reached another rank first. Every rank calls :meth:`poll` at
-    the same boundaries (a collective under a process group).
+    after a SIGUSR1 that reached another rank first.
     """
 
     def __init__(
@@ -200,6 +210,7 @@ class StopAgreement:
     ) -> None:
         self._group = group
         self._watched = watched
+        self._pending: tuple[Any, torch.Tensor] | None = None
         #: The signals any rank received, in the order of ``watched``.
         self.signals: tuple[int, ...] = ()
 
@@ -212,23 +223,46 @@ class StopAgreement:
         known = {*self.signals, *received}
         self.signals = tuple(int(s) for s in self._watched if int(s) in known)
 
-    def poll(self, seen: Collection[int]) -> bool:
-        """Whether every rank stops here: some rank saw a signal by now (a collective).
+    def _read(self, flags: torch.Tensor) -> bool:
+        """Merge a finished round's signals; whether every rank had one (a CPU tensor)."""
+        values = flags.tolist()
+        self._merge([int(s) for s, f in zip(self._watched, values, strict=False) if f])
+        return not values[-1]
 
-        Under a process group the ranks' flags meet in one all-reduce of a CPU tensor
-        (on the gloo group given), which waits only for the other ranks to reach this
-        boundary: no device sync.
-        """
+    def poll(self, seen: Collection[int]) -> bool:
+        """Whether every rank stops here; starts this boundary's round (a collective)."""
         if self._group is None or not self._watched:
             if seen:  # (once per batch: nothing to merge in the common case)
                 self._merge(seen)
             return bool(self.signals)
         import torch.distributed as dist
 
-        flags = torch.tensor([int(int(s) in seen) for s in self._watched], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        self._merge([int(s) for s, f in zip(self._watched, flags.tolist(), strict=True) if f])
-        return self.agreed
+        if self._pending is not None:  # the last boundary's round: every rank reads it
+            work, flags = self._pending
+            self._pending = None
+            work.wait()
+            self._read(flags)
+            if self.agreed:
+                return True
+        mine = [int(int(s) in seen) for s in self._watched]
+        flags = torch.tensor([*mine, int(not any(mine))], dtype=torch.int32)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flags)
+        if any(mine):  # this rank stops anyway: wait, to stop here if every rank can
+            work.wait()
+            if self._read(flags):
+                self._pending = None
+                return True
+            self.signals = ()  # (not yet: every rank reads this round at the next boundary)
+        return False
+
+    def drain(self) -> None:
+        """Finish the round in flight (every rank calls this at the same point)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            with contextlib.suppress(RuntimeError):
+                work.wait()
 
 
 #: What SLURM names a job by: digits, or ``<array job>_<task>``.

@@ -1,7 +1,7 @@
 """``step.last_micro_step()``: who enters it, when it may be entered, what it changes.
 
-Under DDP the epoch's last micro-step syncs inside it (tests/amp/
-test_ddp_epoch_end_syncs_through_the_hook.py); here, on one process: it is refused
+Under DDP and FSDP2 the epoch's last micro-step syncs inside it (tests/amp/
+test_epoch_end_syncs_a_partial_window.py); here, on one process: it is refused
 once a micro-step has decided how it syncs, it nests, it changes no bits without a
 process group, and ``Checkpointer.batches()`` and ``prefetch(loader, step=step)``
 enter it for the epoch's last batch, and only where that batch is known.

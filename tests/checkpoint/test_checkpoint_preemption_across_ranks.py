@@ -1,11 +1,11 @@
 """A stop signal under several ranks saves at the first window boundary after it.
 
 Two gloo processes, DDP and FSDP2, ``accumulate=2`` and ``every=3`` (saves at batches
-6 and 12): a SIGTERM that every rank has before batch 10's boundary saves there on
-every rank, not a window later; one that reached some ranks only after a boundary saves
-at the next one at the latest. Each scenario runs in the same two processes one after
-the other (the stop's ``SystemExit`` is caught), so one spawn serves them all. Free
-port, finite timeouts.
+6 and 12): a SIGTERM that every rank has before a boundary (torchrun passes it to
+every rank) saves there on every rank, not a window later; one that some rank has
+only after that boundary, or never, saves at the next boundary. Each scenario runs in
+the same two processes one after the other (the stop's ``SystemExit`` is caught), so
+one spawn serves them all. Free port, finite timeouts.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ WORLD = 2
 #: Scenario: the batch (1-based, in hand, before its step) at which each rank gets a
 #: SIGTERM, and the checkpoint the stop must save.
 SCENARIOS: dict[str, tuple[dict[int, int], int]] = {
-    "both_before_10": ({0: 9, 1: 9}, 10),  # torchrun passes the signal to every rank
-    "one_before_10": ({1: 9}, 10),
-    "one_before_10_other_after": ({0: 9, 1: 11}, 10),
-    "one_after_10": ({1: 11}, 12),
-    "one_at_the_boundary_batch": ({0: 10}, 10),
+    "both_before_10": ({0: 9, 1: 9}, 10),
+    "both_at_the_boundary_batch": ({0: 10, 1: 10}, 10),
+    "both_before_10_one_earlier": ({0: 7, 1: 9}, 10),
+    "one_before_10_other_after": ({0: 9, 1: 11}, 12),
+    "one_before_10": ({1: 9}, 12),
+    "one_at_the_boundary_batch": ({0: 10}, 12),
 }
 
 

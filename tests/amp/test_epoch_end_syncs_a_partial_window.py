@@ -7,7 +7,9 @@ over epochs of 5 micro-batches (a full window, then a partial one of 2). Inside
 ``prefetch(loader, step=step)``) the partial window's last micro-step syncs, the hook
 runs on it, ``flush()`` steps, and the weights equal a hand-written DDP loop's bit for
 bit, in the decorated form and in the explicit one (``backward()`` inside the block, or
-after it). One launch runs every case; free port, finite timeouts.
+after it). Under FSDP2 the same micro-step reduce-scatters in its own backward, and the
+weights equal a hand-written FSDP2 loop's. One launch runs every case; free port,
+finite timeouts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ BATCHES = 5  # a window of 3, then a partial one of 2
 EPOCHS = 2
 FORMS = ("decorated", "block", "after_block", "batches", "prefetch")
 HOOKS = ("fp16", "counting", "none")
+FSDP_FORMS = ("decorated", "after_block", "batches")
 
 
 def _net() -> torch.nn.Module:
@@ -136,7 +139,68 @@ def _cudakit(
 
 
 def _flat(net: Any) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    full = [getattr(p, "full_tensor", p.detach)() for p in net.parameters()]
+    return torch.cat([p.detach().reshape(-1) for p in full])
+
+
+def _fsdp() -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    net = _net()
+    fully_shard(net[0])
+    fully_shard(net)
+    return net
+
+
+def _fsdp_hand_written(xs: list[torch.Tensor]) -> Any:
+    """A plain FSDP2 loop: gradient sync off but on a window's (and the epoch's) last."""
+    net = _fsdp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(EPOCHS):
+        for i, x in enumerate(xs):
+            closes = (i + 1) % ACCUMULATE == 0
+            last = closes or i + 1 == len(xs)
+            if i % ACCUMULATE == 0:
+                opt.zero_grad(set_to_none=True)
+            net.set_requires_gradient_sync(last)
+            (_loss(net, x) / ACCUMULATE).backward()
+            if last:
+                if not closes:
+                    grads = [p.grad.to_local() for p in net.parameters() if p.grad is not None]
+                    torch._foreach_mul_(grads, ACCUMULATE / (i % ACCUMULATE + 1))
+                opt.step()
+    net.set_requires_gradient_sync(True)
+    return net
+
+
+def _fsdp_cudakit(form: str, xs: list[torch.Tensor], root: str) -> Any:
+    import cudakit
+    from cudakit.amp import autocast_step
+
+    net = _fsdp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = autocast_step(opt, model=net, dtype=torch.float32, accumulate=ACCUMULATE)
+    fn = step(lambda x: _loss(net, x))
+    if form == "batches":
+        ckpt = cudakit.Checkpointer(root, step=step, loader=xs, preemption=False)
+        for _ in ckpt.epochs(EPOCHS):
+            for x in ckpt.batches():
+                fn(x)
+            fn.flush()
+        ckpt.close()
+        return net
+    for _ in range(EPOCHS):
+        for i, x in enumerate(xs):
+            last = i + 1 == len(xs)
+            if form == "after_block":
+                with step.last_micro_step() if last else contextlib.nullcontext(), step:
+                    loss = _loss(net, x)
+                step.backward(loss)
+            else:
+                with step.last_micro_step() if last else contextlib.nullcontext():
+                    fn(x)
+        step.flush()
+    return net
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -153,6 +217,10 @@ def _worker(rank: int, port: int, out: str) -> None:
                     results[f"{key}-equal"] = torch.equal(_flat(net), _flat(ref))
                     results[f"{key}-calls"] = (calls, ref_calls)
                     results[f"{key}-flushed"] = flushed
+        ref = _fsdp_hand_written(xs)
+        for form in FSDP_FORMS:
+            net = _fsdp_cudakit(form, xs, f"{out}/fsdp-{form}")
+            results[f"fsdp-{form}-equal"] = torch.equal(_flat(net), _flat(ref))
         torch.save(results, f"{out}/{rank}.pt")
         torch.distributed.barrier()
     finally:
@@ -178,3 +246,11 @@ def test_a_partial_window_steps_as_the_hand_written_loop(
         assert calls == ref_calls, (rank, key)  # the hook ran on the partial window too
         if hook == "counting":
             assert calls > 0
+
+
+@pytest.mark.parametrize("form", FSDP_FORMS)
+def test_under_fsdp2_a_partial_window_steps_as_the_hand_written_loop(
+    ranks: list[dict[str, Any]], form: str
+) -> None:
+    for rank, r in enumerate(ranks):
+        assert r[f"fsdp-{form}-equal"], (rank, form)
