@@ -259,6 +259,7 @@ TABLES: dict[str, Callable[[Record], list[str]]] = {
     "bench_prefetch": prefetch_table,
     "bench_speed_report": speed_report_table,
     "bench_checkpoint": checkpoint_table,
+    "bench_watching": ratio_table,
 }
 
 
