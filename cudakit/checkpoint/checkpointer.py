@@ -24,6 +24,7 @@ from .budget import budgeted
 from .data import (
     Position,
     Yielded,
+    advance,
     capture_rng,
     fetched,
     generators_of,
@@ -421,8 +422,7 @@ class Checkpointer:
         length, token = loader_length(loader), object()
         try:
             for batch, before in fetched(iterator, rng=not stateful):
-                pos = self._position  # (built directly: dataclasses.replace costs µs)
-                self._position = Position(pos.epoch, pos.batch + 1, pos.total + 1, pos.windows)
+                self._position = advance(self._position, 1, 0)
                 marks = step_marks(self._parts.steps)
                 self._yielded = Yielded(self._position.total, marks, before, stateful, token)
                 yield batch
@@ -453,8 +453,7 @@ class Checkpointer:
         if self._yielded is None:  # (inside batches(), which counted its batch: a check)
             if not self._resumed:
                 self._refuse_unresumed()
-            pos = self._position  # (built directly: dataclasses.replace costs µs)
-            self._position = Position(pos.epoch, pos.batch + 1, pos.total + 1, pos.windows)
+            self._position = advance(self._position, 1, 0)
         return self._boundary()
 
     def save(self) -> Path | None:
@@ -526,7 +525,7 @@ class Checkpointer:
             return None
         self._checked_total = pos.total
         if pos.batch or pos.total:
-            pos = Position(pos.epoch, pos.batch, pos.total, pos.windows + 1)
+            pos = advance(pos, 0, 1)
         self._position = pos
         if self._writer.pending is not None and self._writer.done():
             self._writer.finish()
