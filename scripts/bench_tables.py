@@ -294,6 +294,7 @@ TABLES: dict[str, Callable[[Record], list[str]]] = {
     "bench_speed_report": speed_report_table,
     "bench_checkpoint": checkpoint_table,
     "bench_meta_init": meta_init_table,
+    "bench_watching": ratio_table,
 }
 
 

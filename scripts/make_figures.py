@@ -35,6 +35,8 @@ bench_checkpoint.json             bench_checkpoint.png              save and loa
                                                                     time blocked
 bench_speed_report.json           bench_speed_report.png            what the meter adds to
                                                                     a step
+bench_watching.json               bench_watching.png                a watched run over the
+                                                                    hand-written loop
 ================================  ================================  ==========================
 
 Each ``bench_*.json`` is what its script writes with ``--json`` (``benchmarks/_report.py``):

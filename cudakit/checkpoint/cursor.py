@@ -17,6 +17,7 @@ from typing import Any
 from .data import (
     Position,
     Yielded,
+    advance,
     capture_rng,
     fetched,
     generators_of,
@@ -52,14 +53,13 @@ class Cursor:
 
     def count_batch(self) -> None:
         """One more batch consumed (a loop with its own data, through ``maybe_save()``)."""
-        pos = self.position  # (built directly: dataclasses.replace costs µs)
-        self.position = Position(pos.epoch, pos.batch + 1, pos.total + 1, pos.windows)
+        self.position = advance(self.position, 1, 0)
 
     def count_window(self) -> Position:
         """A window ended at this batch: counted, unless nothing ran yet."""
         pos = self.position
         if pos.batch or pos.total:
-            self.position = pos = Position(pos.epoch, pos.batch, pos.total, pos.windows + 1)
+            self.position = pos = advance(pos, 0, 1)
         return pos
 
     def end_epoch(self, epoch: int) -> None:

@@ -58,6 +58,33 @@ class Position:
     windows: int = 0
 
 
+_new = object.__new__
+
+
+def advance(pos: Position, batches: int, windows: int) -> Position:
+    """``pos`` with ``batches`` more batches (of its epoch, and in all) and ``windows``
+    more windows.
+
+    The per-batch path of :class:`Checkpointer` (``maybe_save()``, ``batches()``): it
+    fills the new instance's fields directly, as a frozen dataclass's ``__init__``
+    would with one ``object.__setattr__`` per field (about 4x as long, and twice per
+    batch).
+
+    >>> advance(Position(1, 2, 10, 5), 1, 0)
+    Position(epoch=1, batch=3, total=11, windows=5)
+    >>> advance(Position(1, 2, 10, 5), 0, 1) == Position(1, 2, 10, 6)
+    True
+    """
+    new = _new(Position)
+    new.__dict__.update(
+        epoch=pos.epoch,
+        batch=pos.batch + batches,
+        total=pos.total + batches,
+        windows=pos.windows + windows,
+    )
+    return new
+
+
 def is_stateful(loader: object) -> bool:
     """Whether ``loader`` saves its own position (``state_dict``/``load_state_dict``)."""
     return callable(getattr(loader, "state_dict", None)) and callable(

@@ -36,6 +36,7 @@ BENCHMARKS = {
     "bench_speed_report.py": "observe.md",
     "bench_loss_spikes.py": "observe.md",
     "bench_meta_init.py": "big-models.md",
+    "bench_watching.py": "observe.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
@@ -179,7 +180,10 @@ _QUICK_RUNS = {
     "bench_memory_report": ["--quick", "--rounds", "1", "--calls", "20"],
     "bench_prefetch": ["--quick", "--rounds", "1"],
     "bench_loss_spikes": ["--quick", "--rounds", "1", "--sets", "1", "--block", "1"],
-}
+    "bench_watching": [
+        "--quick", "--rounds", "1", "--block", "0.002", "--calls", "64", "--dtype", "fp32"
+    ],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(_QUICK_RUNS))
@@ -292,3 +296,23 @@ def test_the_command_leaves_out_where_the_data_went() -> None:
     assert record["command"] == "python benchmarks/bench_x.py --quick --rounds 3"
     assert record["machine"]["cores"]
     assert record["machine"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize(
+    ("device", "flags", "cuda_bf16", "expected"),
+    [
+        ("cpu", "fpu sse avx2 avx512f avx512_bf16", False, "native"),
+        ("cpu", "fpu avx512f amx_tile amx_bf16", False, "native"),
+        ("cpu", "fpu sse avx2 avx512f", False, "emulated"),
+        ("cpu", "fpu sse avx2 avx512f", True, "emulated"),  # a GPU's says nothing of the CPU
+        ("cpu", "", False, "unknown"),  # no flags to read (not Linux)
+        ("cuda", "", True, "native"),
+        ("cuda", "avx512_bf16", False, "emulated"),  # the CPU's say nothing of the GPU
+    ],
+)
+def test_the_watched_run_decides_bf16_support_from_capabilities_passed_in(
+    device: str, flags: str, cuda_bf16: bool, expected: str
+) -> None:
+    """bench_watching labels bf16 emulated where the machine lacks it, never assuming."""
+    watching = _import("benchmarks", "bench_watching")
+    assert watching.bf16_support(device, flags, cuda_bf16) == expected
