@@ -33,7 +33,7 @@ def free_memory() -> None:
 
 
 def _positive_int(name: str, value: object) -> int:
-    fix = f"Batch sizes count samples, from 1: pass e.g. {name}=32."
+    fix = f"Batch sizes count samples, so {name} >= 1: pass e.g. {name}=32."
     return check_int("find_batch_size", name, value, minimum=1, fix=fix)  # a NumPy int too
 
 
