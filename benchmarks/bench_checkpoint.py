@@ -18,9 +18,16 @@ the comparison is like for like; each writes a new directory, removed afterwards
 accelerate's ``save_state``/``load_state`` join when accelerate is installed (the
 ``bench`` extra).
 
+A small model follows (a GPT of 2 layers, width 64, ~135k parameters, on one thread):
+one save against the hand-written loop's own (``torch.save`` to a temporary file made
+durable, then renamed; goal: at most 1.5x), and a 60-step loop saving every 5 steps
+against that loop (goal: at most 1.02x), with accelerate's ``save_state`` where present.
+
 ``--fsdp``: 2 gloo processes shard the model with FSDP2; each measures, with
 ``memory_report``, its resident-memory peak during ``Checkpointer.save()`` above what it
-held before, against its own shard (parameters and optimizer state).
+held before, against its own shard (parameters and optimizer state), then times a
+``Checkpointer`` save and load against DCP's own ``save``/``load`` written by hand, in
+interleaved rounds.
 
 ``--stop``: only the cost of agreeing on a stop signal across ranks, which every window
 boundary pays under a process group (one asynchronous all-reduce of a few flags on a
@@ -221,7 +228,231 @@ def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) 
     return out
 
 
-def fsdp_worker(rank: int, port: int, width: int, layers: int, out: str) -> None:
+# -- a small model: a save's fixed cost, and a loop that saves every 5 steps ----------
+
+
+def tiny_gpt(
+    width: int = 64, layers: int = 2, vocab: int = 256, context: int = 32
+) -> torch.nn.Module:
+    """A GPT-style model: token and position embeddings, ``layers`` pre-norm blocks of
+    causal attention and an MLP, a final norm and the head."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(width)
+            self.attn = torch.nn.MultiheadAttention(width, 4, batch_first=True)
+            self.ln2 = torch.nn.LayerNorm(width)
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(width, 4 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.ln1(x)
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = torch.nn.Embedding(vocab, width)
+            self.pos = torch.nn.Embedding(context, width)
+            self.blocks = torch.nn.Sequential(*[Block() for _ in range(layers)])
+            self.ln = torch.nn.LayerNorm(width)
+            self.head = torch.nn.Linear(width, vocab)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            return self.head(self.ln(self.blocks(x)))
+
+    return GPT()
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    logits = model(batch[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+
+
+def _atomic_save(state: dict[str, Any], path: Path) -> None:
+    """The hand-written loop's save: a temporary file made durable, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hand_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "step": step,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _accelerate_save(acc: Any, path: Path) -> None:
+    acc.save_state(str(path))
+    for f in path.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+
+
+def small_saves(root: Path, repeats: int) -> dict[str, float]:
+    """The median time of one save of the small model with AdamW state, each variant in
+    turn: ``torch.save`` made durable and renamed (the hand-written loop's), a
+    ``Checkpointer.save()`` (``keep=2``), a background one until written, accelerate's
+    ``save_state`` made durable."""
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, opt, torch.randint(0, 256, (8, 33)))
+    root.mkdir()
+    ckpts = {
+        background: cudakit.Checkpointer(
+            root / f"ckpt-{background}",
+            model=model,
+            optimizer=opt,
+            keep=2,
+            async_save=background,
+            preemption=False,
+        )
+        for background in (False, True)
+    }
+    count = [0]
+
+    def torch_save() -> None:
+        count[0] += 1
+        _atomic_save(_hand_state(model, opt, count[0]), root / "hand.pt")
+
+    def checkpointer(background: bool) -> Callable[[], None]:
+        def run() -> None:
+            ckpt = ckpts[background]
+            ckpt.maybe_save()  # one batch further: a new checkpoint, not the same again
+            ckpt.save()
+            ckpt.wait()
+
+        return run
+
+    variants = {
+        "torch.save": torch_save,
+        "Checkpointer": checkpointer(False),
+        "Checkpointer async": checkpointer(True),
+    }
+    try:
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=True)
+        acc.prepare(model, opt)
+        variants["accelerate save_state"] = lambda: _accelerate_save(acc, root / "acc")
+    except ImportError:
+        pass
+    for fn in variants.values():  # warm: the first save makes what later ones reuse
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+    for ckpt in ckpts.values():
+        ckpt.close()
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def small_loops(root: Path, rounds: int, steps: int = 60, every: int = 5) -> dict[str, float]:
+    """The median time of a training loop of ``steps`` steps on the small model that
+    saves every ``every`` steps: hand-written with its own atomic saves, with a
+    ``Checkpointer(every=5)`` (``maybe_save()`` after each step), in the background, with
+    accelerate's ``save_state``; and the same loop saving nothing."""
+    batches = [torch.randint(0, 256, (8, 33)) for _ in range(steps)]
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, Path]:
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        path = root / f"loop{time.perf_counter_ns()}"
+        path.mkdir(parents=True)
+        return model, opt, path
+
+    def plain() -> float:
+        model, opt, _ = fresh()
+        t0 = time.perf_counter()
+        for batch in batches:
+            _train_step(model, opt, batch)
+        return time.perf_counter() - t0
+
+    def hand() -> float:
+        model, opt, path = fresh()
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches, 1):
+            _train_step(model, opt, batch)
+            if i % every == 0:
+                _atomic_save(_hand_state(model, opt, i), path / "last.pt")
+        return time.perf_counter() - t0
+
+    def checkpointer(background: bool) -> Callable[[], float]:
+        def run() -> float:
+            model, opt, path = fresh()
+            t0 = time.perf_counter()
+            ckpt = cudakit.Checkpointer(
+                path, model=model, optimizer=opt, every=every, keep=2,
+                async_save=background, preemption=False,
+            )  # fmt: skip
+            ckpt.resume()
+            for batch in batches:
+                _train_step(model, opt, batch)
+                ckpt.maybe_save()
+            ckpt.close()
+            return time.perf_counter() - t0
+
+        return run
+
+    variants: dict[str, Callable[[], float]] = {
+        "no saves": plain,
+        "hand-written": hand,
+        "Checkpointer": checkpointer(False),
+        "Checkpointer async": checkpointer(True),
+    }
+    try:
+        from accelerate import Accelerator
+
+        def accelerate_loop() -> float:
+            model, opt, path = fresh()
+            t0 = time.perf_counter()
+            acc = Accelerator(cpu=True)
+            model, opt = acc.prepare(model, opt)
+            for i, batch in enumerate(batches, 1):
+                _train_step(model, opt, batch)
+                if i % every == 0:
+                    _accelerate_save(acc, path / "acc")
+            return time.perf_counter() - t0
+
+        variants["accelerate save_state"] = accelerate_loop
+    except ImportError:
+        pass
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            took = variants[name]()
+            if r:  # the first round warms up
+                times[name].append(took)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def fsdp_worker(rank: int, port: int, width: int, layers: int, out: str, rounds: int) -> None:
     import datetime
 
     import cudakit.parallel as cp
@@ -254,12 +485,65 @@ def fsdp_worker(rank: int, port: int, width: int, layers: int, out: str) -> None
         import dataclasses
 
         figures = dataclasses.asdict(rep.figures())
-        result = {"rank": rank, "shard_bytes": shard, "figures": figures}
+        timed = fsdp_times(model, opt, Path(out), rounds)
+        result = {"rank": rank, "shard_bytes": shard, "figures": figures, "times": timed}
         with open(Path(out) / f"rank{rank}.json", "w") as f:
             json.dump(result, f, default=str)
 
 
-def fsdp_memory(width: int, layers: int) -> list[dict[str, Any]]:
+def fsdp_times(model: Any, opt: Any, out: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """Median save and load wall times on this rank (each ended by a barrier) of a
+    Checkpointer and of DCP's own ``save``/``load`` with ``get_state_dict`` and
+    ``set_state_dict`` written by hand, durable files both, in interleaved rounds."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def by_hand(path: Path) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        writer = dcp.FileSystemWriter(str(path), sync_files=True)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+        dist.barrier()
+        saved = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        dist.barrier()
+        return saved, time.perf_counter() - t0
+
+    def checkpointer(path: Path) -> tuple[float, float]:
+        ckpt = cudakit.Checkpointer(path, model=model, optimizer=opt, preemption=False)
+        t0 = time.perf_counter()
+        written = ckpt.save()
+        dist.barrier()
+        saved = time.perf_counter() - t0
+        assert written is not None
+        t0 = time.perf_counter()
+        ckpt.load(written)
+        dist.barrier()
+        loaded = time.perf_counter() - t0
+        ckpt.close()
+        return saved, loaded
+
+    variants = {"DCP by hand": by_hand, "Checkpointer": checkpointer}
+    names = list(variants)
+    times: dict[str, dict[str, list[float]]] = {n: {"save": [], "load": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % 2 :] + names[: r % 2]:
+            path = out / f"timed-{r}-{names.index(name)}"
+            dist.barrier()
+            saved, loaded = variants[name](path)
+            times[name]["save"].append(saved)
+            times[name]["load"].append(loaded)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    return {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
+
+
+def fsdp_memory(width: int, layers: int, rounds: int) -> list[dict[str, Any]]:
     import socket
 
     import torch.multiprocessing as mp
@@ -269,7 +553,7 @@ def fsdp_memory(width: int, layers: int) -> list[dict[str, Any]]:
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="bench_ckpt_fsdp")
     try:
-        mp.start_processes(fsdp_worker, args=(port, width, layers, out), nprocs=2,
+        mp.start_processes(fsdp_worker, args=(port, width, layers, out, rounds), nprocs=2,
                            start_method="spawn")  # fmt: skip
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
     finally:
@@ -505,8 +789,31 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"params": params, "rounds": rounds, "table": table}
     result["async_blocked_ratio"] = blocked_ratio
     result["safe_reader"] = {"parts": cost, "added_s": added, "of_load": added / full}
+    small_root = Path(tempfile.mkdtemp(prefix="bench_ckpt_small", dir=args.dir))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model's step: on a shared machine, more spin
+    try:
+        saves = small_saves(small_root / "saves", repeats=5 if args.quick else 25)
+        loops = small_loops(small_root / "loops", rounds=1 if args.quick else 5)
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(small_root, ignore_errors=True)
+    small_params = sum(p.numel() for p in tiny_gpt().parameters())
+    result["small"] = {"params": small_params, "save": saves, "loop": loops}
+    print(
+        f"\nsmall model ({small_params / 1e3:.0f}k parameters + AdamW state, one thread), "
+        "one save (median; goal: Checkpointer at most 1.5x torch.save):"
+    )
+    for name, value in saves.items():
+        print(f"  {name:24} {value * 1e3:7.1f} ms {value / saves['torch.save']:6.2f}x")
+    print(
+        "a 60-step loop saving every 5 steps (median; goal: Checkpointer at most 1.02x "
+        "the hand-written loop with its own atomic saves):"
+    )
+    for name, value in loops.items():
+        print(f"  {name:24} {value:7.3f} s {value / loops['hand-written']:7.3f}x")
     if args.fsdp:
-        ranks = fsdp_memory(width, layers)
+        ranks = fsdp_memory(width, layers, rounds)
         result["fsdp"] = ranks
         for item in ranks:
             fig = item["figures"]
@@ -517,6 +824,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"extra resident peak during save {extra / 2**20:.0f} MiB "
                 f"({extra / item['shard_bytes']:.2f}x the shard; memory_report)"
             )
+        timed = ranks[0]["times"]
+        mine, theirs = timed["Checkpointer"], timed["DCP by hand"]
+        print(
+            f"FSDP2, 2 ranks, rank 0 (median of {rounds}): save {mine['save']:.3f} s against "
+            f"{theirs['save']:.3f} s for DCP by hand ({mine['save'] / theirs['save']:.2f}x), "
+            f"load {mine['load']:.3f} s against {theirs['load']:.3f} s "
+            f"({mine['load'] / theirs['load']:.2f}x)"
+        )
     if args.json:
         settings = f"model on {args.device}, {rounds} round(s), median wall time"
         data = json.loads(json.dumps(figure_data(result, settings, argv, load), default=str))
