@@ -91,10 +91,12 @@ def check_type(
     return value
 
 
-def check_bool(func: str, arg: str, value: object, *, fix: str = "") -> bool:
+def check_bool(
+    func: str, arg: str, value: object, *, expected: str = "True or False", fix: str = ""
+) -> bool:
     """``value`` if it is a bool (not merely truthy: ``"no"`` is refused)."""
     if not isinstance(value, bool):
-        fail_type(func, arg, "True or False", value, fix or f"Pass {arg}=True or {arg}=False.")
+        fail_type(func, arg, expected, value, fix or f"Pass {arg}=True or {arg}=False.")
     return value
 
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from .._check import describe
+from .._check import check_int, check_number, describe, fail_type, fail_value
 from .._dist import group_world_size
 from .buffers import BufferSnapshot
 from .counters import StepCounters
@@ -36,6 +36,8 @@ KEYS = (
     "window_losses",
 )
 _WHERE = "AutocastStep.load_state_dict()"
+_FUNC = "AutocastStep.load_state_dict"
+_AGAIN = "Pass the dict returned by AutocastStep.state_dict(), unchanged."
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -59,20 +61,16 @@ def _fail(
     exc: type[Exception] = ValueError,
 ) -> NoReturn:
     """Raise for ``state[field]`` (or ``state[field][key]`` for a ``(field, key)`` pair)."""
-    path = f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
-    raise exc(
-        f"{_WHERE}: state{path} must be {expected}, got {describe(got)}. "
-        "Pass the dict returned by AutocastStep.state_dict(), unchanged."
-    )
+    fail = fail_type if exc is TypeError else fail_value
+    fail(_FUNC, f"state{_path(field)}", expected, got, _AGAIN)
+
+
+def _path(field: str | tuple[str, object]) -> str:
+    return f"[{field!r}]" if isinstance(field, str) else f"[{field[0]!r}][{field[1]!r}]"
 
 
 def _count(state: Mapping[str, Any], field: str) -> int:
-    value = state[field]
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(field, "an int >= 0", value, TypeError)
-    if value < 0:
-        _fail(field, "an int >= 0", value)
-    return int(value)
+    return check_int(_FUNC, f"state{_path(field)}", state[field], minimum=0, fix=_AGAIN)
 
 
 def _scalar_tensor(value: object, field: str) -> torch.Tensor:
@@ -140,19 +138,15 @@ def _scaler_number(
     state: Mapping[str, Any], key: str, expected: str, ok: Callable[[float], bool]
 ) -> None:
     number = _plain(state[key])
-    if isinstance(number, bool) or not isinstance(number, (int, float)):
-        _fail(("scaler", key), expected, state[key], TypeError)
-    if not ok(float(number)):
+    arg = f"state{_path(('scaler', key))}"
+    value = check_number(_FUNC, arg, number, finite=False, expected=expected, fix=_AGAIN)
+    if not ok(value):
         _fail(("scaler", key), expected, state[key])
 
 
 def _scaler_int(state: Mapping[str, Any], key: str, minimum: int) -> None:
-    number = _plain(state[key])
-    expected = f"an int >= {minimum}"
-    if isinstance(number, bool) or not isinstance(number, int):
-        _fail(("scaler", key), expected, state[key], TypeError)
-    if number < minimum:
-        _fail(("scaler", key), expected, state[key])
+    arg = f"state{_path(('scaler', key))}"
+    check_int(_FUNC, arg, _plain(state[key]), minimum=minimum, fix=_AGAIN)
 
 
 def validate(
@@ -177,11 +171,9 @@ def validate(
             f"AutocastStep.load_state_dict(state=...): the state is missing {missing}; pass "
             "the dict returned by AutocastStep.state_dict()."
         )
-    saved_accumulate = state["accumulate"]
-    if isinstance(saved_accumulate, bool) or not isinstance(saved_accumulate, int):
-        _fail("accumulate", "an int >= 1", saved_accumulate, TypeError)
-    if saved_accumulate < 1:
-        _fail("accumulate", "an int >= 1", saved_accumulate)
+    saved_accumulate = check_int(
+        _FUNC, "state['accumulate']", state["accumulate"], minimum=1, fix=_AGAIN
+    )
     position = _count(state, "position")
     if position >= saved_accumulate:
         _fail("position", f"an int from 0 to accumulate - 1 = {saved_accumulate - 1}", position)

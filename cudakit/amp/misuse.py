@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .._check import check_callable
+
 __all__ = [
     "AttributeGuard",
     "accumulate_busy_error",
@@ -44,11 +46,13 @@ def check_decorated(func: Any) -> None:
             "AutocastStep called with a tensor: the step object decorates a loss "
             "function. To step on a loss you computed yourself, call step.backward(loss)."
         )
-    if not callable(func):
-        raise TypeError(
-            f"AutocastStep used as a decorator expects a function, got "
-            f"{type(func).__name__}; write @autocast_step(optimizer, ...) above a `def`."
-        )
+    check_callable(
+        "AutocastStep",
+        "func",
+        func,
+        expected="a function to decorate",
+        fix="Write @autocast_step(optimizer, ...) above a `def`.",
+    )
     if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
         raise TypeError(
             f"autocast_step cannot decorate the generator or coroutine function "

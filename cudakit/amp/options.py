@@ -18,7 +18,16 @@ from typing import Any, NoReturn
 
 import torch
 
-from .._check import check_bool, check_int, check_number, check_optional, describe
+from .._check import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_number,
+    check_optional,
+    describe,
+    fail_type,
+    fail_value,
+)
 from .policy import (
     Capabilities,
     Precision,
@@ -228,26 +237,24 @@ _KNOWN_BACKENDS = frozenset({"inductor", "eager", "aot_eager", "cudagraphs"})
 def _compile_fail(
     error: type[Exception], key: str, expected: str, value: object, fix: str
 ) -> NoReturn:
-    raise error(
-        f"autocast_step(compile=...) expects compile[{key!r}] to be {expected}, got "
-        f"{describe(value)}. {fix}"
-    )
+    fail = fail_type if error is TypeError else fail_value
+    fail("autocast_step", f"compile[{key!r}]", expected, value, fix)
 
 
 def _check_compile_values(options: Mapping[str, Any]) -> None:
     """The values of ``compile=``'s options, as torch.compile takes them."""
     for key in ("fullgraph", "disable"):
-        if key in options and not isinstance(options[key], bool):
-            _compile_fail(TypeError, key, "True or False", options[key], f"Pass {key}=True.")
+        if key in options:
+            check_bool("autocast_step", f"compile[{key!r}]", options[key], fix=f"Pass {key}=True.")
     dynamic = options.get("dynamic")
-    if dynamic is not None and not isinstance(dynamic, bool):
-        _compile_fail(
-            TypeError,
-            "dynamic",
-            "True, False or None",
-            dynamic,
-            "None (the default) lets torch.compile mark a size dynamic once it changes.",
-        )
+    check_optional(
+        check_bool,
+        "autocast_step",
+        "compile['dynamic']",
+        dynamic,
+        expected="True, False or None",
+        fix="None (the default) lets torch.compile mark a size dynamic once it changes.",
+    )
     mode = options.get("mode")
     if mode is not None:
         expected = (
@@ -274,13 +281,13 @@ def _check_compile_values(options: Mapping[str, Any]) -> None:
                     backend,
                     f"Known here: {sorted(known)}.",
                 )
-        elif not callable(backend):
-            _compile_fail(
-                TypeError,
-                "backend",
-                "a backend name or a callable",
+        else:
+            check_callable(
+                "autocast_step",
+                "compile['backend']",
                 backend,
-                "For example 'inductor'.",
+                expected="a backend name or a callable",
+                fix="For example 'inductor'.",
             )
     inductor = options.get("options")
     if inductor is not None:

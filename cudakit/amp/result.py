@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from typing_extensions import ParamSpec
 
-from .._check import describe, fail_type
+from .._check import check_number, describe, fail_type
 
 __all__ = [
     "SpikeVerdict",
@@ -178,18 +177,16 @@ def weight_tensor(weight: object, like: torch.Tensor) -> torch.Tensor:
                 "{'loss': loss_sum, 'weight': mask.sum()}."
             )
         return weight.detach().reshape(()).to(device=like.device, dtype=torch.float32)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(
-            "autocast_step: the returned 'weight' must be a number or a one-element tensor "
-            f"(the count of items the summed loss covers), got {type(weight).__name__} "
-            f"{weight!r}. Return e.g. {{'loss': loss_sum, 'weight': mask.sum()}}."
-        )
-    if not math.isfinite(weight) or weight < 0:
-        raise ValueError(
-            f"autocast_step: the returned 'weight' must be a finite number >= 0, got {weight!r}."
-            " It counts the items (e.g. non-padding tokens) the summed loss covers."
-        )
-    return torch.tensor(float(weight), dtype=torch.float32, device=like.device)
+    number = check_number(
+        "autocast_step",
+        "weight",
+        weight,
+        minimum=0,
+        expected="a finite number >= 0 or a one-element tensor",
+        fix="The 'weight' the step function returns counts the items (e.g. non-padding "
+        "tokens) its summed loss covers: return e.g. {'loss': loss_sum, 'weight': mask.sum()}.",
+    )
+    return torch.tensor(number, dtype=torch.float32, device=like.device)
 
 
 class Verdict:

@@ -425,26 +425,10 @@ def check_state(value: object) -> dict[str, RunningStat]:
                 f"and 'count', got {describe(entry)}. {again}"
             )
         mean, var, count = entry["mean"], entry["var"], entry["count"]
+        func, path = "AutocastStep.load_state_dict", f"state['spike_stats'][{name!r}]"
         for key, number in (("mean", mean), ("var", var)):
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise TypeError(
-                    f"{where}: state['spike_stats'][{name!r}][{key!r}] must be a number, "
-                    f"got {describe(number)}. {again}"
-                )
-            if not math.isfinite(number) or (key == "var" and number < 0):
-                raise ValueError(
-                    f"{where}: state['spike_stats'][{name!r}][{key!r}] must be a finite "
-                    f"number{' >= 0' if key == 'var' else ''}, got {number!r}. {again}"
-                )
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise TypeError(
-                f"{where}: state['spike_stats'][{name!r}]['count'] must be an int >= 0, "
-                f"got {describe(count)}. {again}"
-            )
-        if count < 0:
-            raise ValueError(
-                f"{where}: state['spike_stats'][{name!r}]['count'] must be an int >= 0, "
-                f"got {count!r}. {again}"
-            )
-        out[name] = RunningStat(float(mean), float(var), int(count))
+            low = 0.0 if key == "var" else None
+            check_number(func, f"{path}[{key!r}]", number, minimum=low, fix=again)
+        count = check_int(func, f"{path}['count']", count, minimum=0, fix=again)
+        out[name] = RunningStat(float(mean), float(var), count)
     return out

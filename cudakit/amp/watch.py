@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .._check import describe
+from .._check import check_int
 from .._dist import group_world_size
 from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
 from .ops import step_on_device
@@ -355,18 +355,13 @@ class Watch:
 
 
 def _count(state: Mapping[str, Any], key: str) -> int:
-    value = state.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"AutocastStep.load_state_dict(): state[{key!r}] must be an int >= 0, got "
-            f"{describe(value)}. Pass the dict returned by AutocastStep.state_dict(), unchanged."
-        )
-    if value < 0:
-        raise ValueError(
-            f"AutocastStep.load_state_dict(): state[{key!r}] must be an int >= 0, got "
-            f"{value!r}. Pass the dict returned by AutocastStep.state_dict(), unchanged."
-        )
-    return value
+    return check_int(
+        "AutocastStep.load_state_dict",
+        f"state[{key!r}]",
+        state.get(key, 0),
+        minimum=0,
+        fix="Pass the dict returned by AutocastStep.state_dict(), unchanged.",
+    )
 
 
 def scaler_step_on_device(

@@ -728,7 +728,7 @@ def test_bad_optimizer_and_decorator_misuse() -> None:
     step = autocast_step(opt)
     with pytest.raises(TypeError, match="called with a tensor.*step.backward\\(loss\\)"):
         step(torch.ones(()))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="expects a function, got int"):
+    with pytest.raises(TypeError, match="expects a function to decorate, got int"):
         step(3)  # type: ignore[arg-type]
 
     def gen() -> Iterator[torch.Tensor]:

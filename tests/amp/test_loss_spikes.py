@@ -341,8 +341,8 @@ def test_a_checkpoint_from_before_spikes_still_loads() -> None:
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
-        ({"spike_steps": -1}, ValueError, r"state\['spike_steps'\] must be an int >= 0"),
-        ({"spike_steps": "1"}, TypeError, r"state\['spike_steps'\] must be an int >= 0"),
+        ({"spike_steps": -1}, ValueError, r"state\['spike_steps'\]=\.\.\.\) expects an int >= 0"),
+        ({"spike_steps": "1"}, TypeError, r"state\['spike_steps'\]=\.\.\.\) expects an int >= 0"),
         ({"spike_steps": 5}, ValueError, "must not exceed the skipped steps"),
         ({"consecutive_spikes": 2}, ValueError, "must not exceed the skipped steps"),
         ({"spike_stats": []}, TypeError, "must be a dict of running statistics"),
@@ -351,22 +351,22 @@ def test_a_checkpoint_from_before_spikes_still_loads() -> None:
         (
             {"spike_stats": {"loss": {"mean": "1", "var": 0.0, "count": 1}}},
             TypeError,
-            r"\['mean'\] must be a number",
+            r"\['mean'\]=\.\.\.\) expects a finite number",
         ),
         (
             {"spike_stats": {"loss": {"mean": 1.0, "var": -1.0, "count": 1}}},
             ValueError,
-            r"\['var'\] must be a finite number >= 0",
+            r"\['var'\]=\.\.\.\) expects a finite number >= 0",
         ),
         (
             {"spike_stats": {"loss": {"mean": math.nan, "var": 0.0, "count": 1}}},
             ValueError,
-            r"\['mean'\] must be a finite number",
+            r"\['mean'\]=\.\.\.\) expects a finite number",
         ),
         (
             {"spike_stats": {"loss": {"mean": 1.0, "var": 0.0, "count": -2}}},
             ValueError,
-            r"\['count'\] must be an int >= 0",
+            r"\['count'\]=\.\.\.\) expects an int >= 0",
         ),
     ],
 )

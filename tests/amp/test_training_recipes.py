@@ -315,9 +315,16 @@ def test_token_weighted_errors() -> None:
     idx, y, mask = _padded_batch()
     step = autocast_step(torch.optim.SGD(m.parameters(), lr=0.1), accumulate=2)
     fn = step(lambda w: {"loss": _summed(m, idx, y, mask), "weight": w})
-    with pytest.raises(TypeError, match="'weight' must be a number or a one-element tensor"):
+    with pytest.raises(
+        TypeError,
+        match=r"autocast_step\(weight=\.\.\.\) expects a finite number >= 0 or a one-element "
+        r"tensor, got str",
+    ):
         fn("12")
-    with pytest.raises(ValueError, match="'weight' must be a finite number >= 0, got -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"weight=\.\.\.\) expects a finite number >= 0 .*, got int -1\. The 'weight'",
+    ):
         fn(-1)
     with pytest.raises(ValueError, match="one-element real tensor"):
         fn(torch.ones(3))
@@ -458,19 +465,39 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 BAD_FIELDS = [
-    ("position", -1, ValueError, "state\\['position'\\] must be an int >= 0, got int -1"),
-    ("position", 5, ValueError, "state\\['position'\\] must be an int from 0 to"),
-    ("position", "1", TypeError, "state\\['position'\\] must be an int >= 0, got str '1'"),
+    (
+        "position",
+        -1,
+        ValueError,
+        "state\\['position'\\]=\\.\\.\\.\\) expects an int >= 0, got int -1",
+    ),
+    ("position", 5, ValueError, "state\\['position'\\]=\\.\\.\\.\\) expects an int from 0 to"),
+    (
+        "position",
+        "1",
+        TypeError,
+        "state\\['position'\\]=\\.\\.\\.\\) expects an int >= 0, got str '1'",
+    ),
     ("position", True, TypeError, "state\\['position'\\]"),
-    ("accumulate", 0, ValueError, "state\\['accumulate'\\] must be an int >= 1"),
-    ("steps", "x", TypeError, "state\\['steps'\\] must be an int >= 0, got str 'x'"),
+    ("accumulate", 0, ValueError, "state\\['accumulate'\\]=\\.\\.\\.\\) expects an int >= 1"),
+    ("steps", "x", TypeError, "state\\['steps'\\]=\\.\\.\\.\\) expects an int >= 0, got str 'x'"),
     ("consecutive_skipped", math.nan, TypeError, "state\\['consecutive_skipped'\\]"),
     ("consecutive_skipped", 3, ValueError, "at most skipped_steps=0"),
     ("grads", [torch.zeros(5, 5), None], ValueError, "has shape \\(5, 5\\) but its parameter"),
-    ("grads", ["g", None], TypeError, "state\\['grads'\\]\\[0\\] must be a tensor or None"),
+    (
+        "grads",
+        ["g", None],
+        TypeError,
+        "state\\['grads'\\]\\[0\\]=\\.\\.\\.\\) expects a tensor or None",
+    ),
     ("grads", [torch.zeros(2, 3, dtype=torch.long), None], ValueError, "floating-point"),
-    ("grads", "nope", TypeError, "state\\['grads'\\] must be a list"),
-    ("window_losses", ["a"], TypeError, "state\\['window_losses'\\] must be a one-element"),
+    ("grads", "nope", TypeError, "state\\['grads'\\]=\\.\\.\\.\\) expects a list"),
+    (
+        "window_losses",
+        ["a"],
+        TypeError,
+        "state\\['window_losses'\\]=\\.\\.\\.\\) expects a one-element",
+    ),
     ("window_losses", [torch.ones(()), torch.ones(())], ValueError, "at most position=1"),
     ("scaler", {"scale": 1.0}, ValueError, "taken with a GradScaler but this step has none"),
 ]

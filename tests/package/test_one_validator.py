@@ -38,12 +38,6 @@ _NUMERIC = {"int", "float", "bool", "Integral", "Real", "numbers"}
 
 #: Modules whose checks still wait to be moved onto the validators (empties out).
 _NOT_YET: set[str] = {
-    "amp/checkpoint.py",
-    "amp/misuse.py",
-    "amp/options.py",
-    "amp/result.py",
-    "amp/spikes.py",
-    "amp/watch.py",
     "checkpoint/layout.py",
 }
 
