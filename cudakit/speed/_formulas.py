@@ -46,8 +46,28 @@ def _sdpa_rescored(grad_out: Any, query: Any, key: Any, *args: Any, **kwargs: An
     return _scores(query.shape, key.shape)
 
 
-def _nested_rescored(unpack: str, names: tuple[str, ...]) -> Callable[..., int] | None:
-    """The recomputed scores of torch's varlen kernels, by torch's own shape unpacking."""
+def _reads_kernel_layout(op: Any) -> bool:
+    """Whether torch's counter reads the op's dense 4-D inputs as the kernel lays them
+    out, ``(batch, seq, heads, dim)``, not as SDPA's ``(batch, heads, seq, dim)``.
+
+    torch 2.15's formula for ``_flash_attention_backward`` does; older ones do not.
+    """
+    formula = flop_counter.flop_registry.get(op)
+    if formula is None:
+        return False
+    t = torch.empty(1, 2, 3, 4, device="meta")
+    try:
+        counted = int(formula(t, t, t, t, None, None, None, None, 3, 3, out_val=None))
+    except Exception:
+        return False
+    return counted != int(flop_counter.sdpa_backward_flop_count(t.shape, t.shape, t.shape, t.shape))
+
+
+def _nested_rescored(
+    unpack: str, names: tuple[str, ...], kernel_layout: bool
+) -> Callable[..., int] | None:
+    """The recomputed scores of torch's varlen kernels, by torch's own shape unpacking
+    (and, where torch's counter does, its reading of the kernel's layout)."""
     unpacker = getattr(flop_counter, unpack, None)
     if unpacker is None:
         return None
@@ -55,6 +75,9 @@ def _nested_rescored(unpack: str, names: tuple[str, ...]) -> Callable[..., int] 
     def rescored(
         grad_out: Any, query: Any, key: Any, value: Any, _a: Any, _b: Any, *args: Any, **k: Any
     ) -> int:
+        if kernel_layout and args[0] is None and query.ndim == 4:
+            query, key, value = (t.transpose(-2, -3) for t in (query, key, value))
+            grad_out = None if grad_out is None else grad_out.transpose(-2, -3)
         lengths = dict(zip(names, args[:4], strict=True))
         shapes = unpacker(query=query, key=key, value=value, grad_out=grad_out, **lengths)
         return sum(_scores(q, k) for q, k, _v, _g in shapes)
@@ -87,8 +110,11 @@ def _rescored() -> dict[Any, Callable[..., int]]:
             ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
         ),
     ):
-        op, rescored = getattr(aten, name, None), _nested_rescored(unpack, lengths)
-        if op is not None and rescored is not None:
+        op = getattr(aten, name, None)
+        if op is None:
+            continue
+        rescored = _nested_rescored(unpack, lengths, _reads_kernel_layout(op))
+        if rescored is not None:
             out[op] = rescored
     return out
 
