@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -182,3 +183,53 @@ def test_parallelize_takes_recompute() -> None:
     assert recomputed_blocks(model) == [f"layers.{i}" for i in range(4)]
     model = cp.parallelize(_net(), device="cpu", recompute=Recompute("selective", every=2))
     assert recomputed_blocks(model) == ["layers.1", "layers.3"]
+
+
+def _trained(policy: str | None, *, nan_at: int | None = None) -> tuple[Net, Any]:
+    from cudakit.amp import autocast_step
+
+    model = _net()
+    if policy is not None:
+        recompute(model, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @autocast_step(
+        opt, model=model, dtype="fp32", accumulate=2, max_grad_norm=1.0, locate_nonfinite=True
+    )
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for i in range(6):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        torch.manual_seed(100 + i)
+        results.append(step(x, y))
+    return model, results
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_autocast_step_with_accumulation_and_clipping_bit_for_bit(policy: str) -> None:
+    want, _ = _trained(None)
+    got, _ = _trained(policy)
+    for a, b in zip(want.state_dict().values(), got.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_guard_skips_and_locates_a_nan_with_recompute() -> None:
+    from cudakit.amp.locate import NonFiniteWarning
+
+    with pytest.warns(NonFiniteWarning) as want_warned:
+        want, want_results = _trained(None, nan_at=2)
+    with pytest.warns(NonFiniteWarning) as got_warned:
+        got, got_results = _trained("full", nan_at=2)
+    assert [str(w.message) for w in got_warned] == [str(w.message) for w in want_warned]
+    for a, b in zip(want.state_dict().values(), got.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    skipped = [bool(r.skipped) for r in got_results]
+    assert skipped == [bool(r.skipped) for r in want_results]
+    assert any(skipped)
+    where = [str(r.nonfinite) for r in got_results if r.skipped]
+    assert where == [str(r.nonfinite) for r in want_results if r.skipped]
