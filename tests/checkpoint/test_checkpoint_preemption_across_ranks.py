@@ -100,3 +100,24 @@ def test_every_rank_saves_at_the_boundary_after_the_signal(
         got = r[f"{strategy}-{name}"]
         assert got["code"] == 128 + signal.SIGTERM, (rank, got)
         assert got["total"] == expected, (rank, got)
+
+
+def test_the_benchmark_of_the_agreement_prints_its_cost_per_window(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench_checkpoint.py --stop --quick``: both loops side by side, the ratios."""
+    import importlib
+    import sys
+
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    module = importlib.import_module("bench_checkpoint")
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--stop", "--quick", "--rounds", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "on / off" in out
+    assert re.search(r"the stop agreement costs at most [\d.]+% of a window", out), out
