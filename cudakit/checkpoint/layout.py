@@ -38,6 +38,7 @@ __all__ = [
     "fsync_dir",
     "list_checkpoints",
     "probe_writable",
+    "publish",
     "read_manifest",
     "remove_checkpoint",
     "remove_stale_partials",
@@ -51,6 +52,9 @@ MANIFEST = "cudakit.json"
 PARTIAL = ".partial"
 #: The suffix of a checkpoint being removed (``keep=``): not a checkpoint any more.
 REMOVING = ".removing"
+#: The suffix of a checkpoint that a newer one of the same name is replacing.
+REPLACED = ".replaced"
+_LEFT = (PARTIAL, REMOVING, REPLACED)
 #: Bumped when the layout changes in a way older code cannot read.
 FORMAT = 1
 #: The format of the rank files (``rank-NNNNN.pt``), bumped likewise (2: read with
@@ -76,9 +80,14 @@ def probe_writable(root: Path, rank: int) -> None:
         ) from None
 
 
-def checkpoint_name(total: int) -> str:
-    """The directory name of the checkpoint taken after ``total`` batches."""
-    return f"ckpt-{total:010d}"
+def checkpoint_name(steps: int) -> str:
+    """The directory name of the checkpoint taken after ``steps`` optimizer steps (the
+    position's windows; the saves themselves where a loop shows no steps).
+
+    >>> checkpoint_name(20)
+    'ckpt-0000000020'
+    """
+    return f"ckpt-{steps:010d}"
 
 
 def rank_file(rank: int) -> str:
@@ -184,10 +193,42 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, partial / MANIFEST)
     fsync_dir(partial)
-    if final.exists():  # the same position saved again (an explicit save twice)
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    publish(partial, final)
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished ``partial`` (its manifest written) to ``final``.
+
+    A checkpoint of the same name (the same position saved again, or the abandoned
+    branch of a rolled-back run) is renamed aside (``.replaced``) only now that its
+    successor is complete, and removed only once the successor is visible. A kill in
+    between leaves the successor complete under its ``.partial`` name, which
+    :func:`remove_stale_partials` renames into place at the next resume: no instant
+    of a save leaves the directory without its newest complete checkpoint.
+    """
+    aside = final.with_name(final.name + REPLACED)
+    replacing = os.path.lexists(final)
+    if replacing:
+        if os.path.lexists(aside):  # left by a process killed mid-removal
+            _remove(aside)
+        os.replace(final, aside)
+    try:
+        os.replace(partial, final)
+    except OSError:
+        if replacing:  # put the old one back: nothing the user had changes on a failure
+            os.replace(aside, final)
+        raise
     fsync_dir(final.parent)
+    if replacing:
+        _remove(aside)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory (or a link to one: the link only)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def _newest_serial(root: Path) -> int:
@@ -274,17 +315,42 @@ def list_checkpoints(root: Path) -> Found:
 
 
 def remove_stale_partials(root: Path) -> list[Path]:
-    """Remove ``.partial`` directories (saves a crash interrupted) and what a failed
-    :func:`remove_checkpoint` left (``.removing``); returns what went."""
+    """Finish what a killed save left: returns the half-written saves removed.
+
+    A ``.partial`` directory whose manifest is written and whose files are all there
+    is a complete checkpoint a kill caught before (or while) :func:`publish` renamed
+    it: it is renamed into place when no checkpoint holds its name, else (the older
+    one of that name is still whole) removed. Any other ``.partial`` (a save that never
+    finished) goes, as do the ``.removing`` and ``.replaced`` directories a removal
+    left (never a checkpoint: they were renamed out of the names first).
+    """
     gone: list[Path] = []
     if not root.is_dir():
         return gone
-    for entry in root.iterdir():
-        for suffix in (PARTIAL, REMOVING):
-            if entry.name.endswith(suffix) and _NAME.match(entry.name[: -len(suffix)]):
-                shutil.rmtree(entry, ignore_errors=True)
-                gone.append(entry)
+    for entry in sorted(root.iterdir()):
+        suffix = next((s for s in _LEFT if entry.name.endswith(s)), None)
+        if suffix is None or not _NAME.match(entry.name[: -len(suffix)]):
+            continue
+        final = entry.with_name(entry.name[: -len(suffix)])
+        if suffix == PARTIAL and not os.path.lexists(final) and _complete(entry):
+            os.replace(entry, final)  # finished, then killed before its rename
+            fsync_dir(root)
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if suffix == PARTIAL:
+            gone.append(entry)
     return gone
+
+
+def _complete(path: Path) -> bool:
+    """Whether ``path`` holds a manifest that its files agree with."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        read_manifest(path)
+    except ValueError:
+        return False
+    return True
 
 
 def remove_checkpoint(path: Path) -> str | None:

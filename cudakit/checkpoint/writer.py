@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..exceptions import CheckpointSaveError
-from . import layout, safe_load
+from . import failures, layout, safe_load
 from .state import failure_cause
 
 __all__ = ["Pending", "Writer", "drain_background"]
@@ -188,7 +188,7 @@ class Writer:
             if latest is not None
             else "No earlier checkpoint exists in this directory."
         )
-        fix = fix or "Free space on the disk (or choose another directory) and save again."
+        fix = fix or failures.fix_for(exc, self.root)
         raise CheckpointSaveError(
             f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
             f"Nothing of it became visible. {kept} {fix}"
