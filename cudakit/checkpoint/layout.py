@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._check import is_int
 from ..exceptions import CheckpointSaveError
 
 __all__ = [
@@ -132,12 +133,11 @@ class Manifest:
         data.setdefault("serial", 0)
         for key in (*ints, "steps", "serial"):
             value = data.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not (is_int(value) and value >= 0):
                 raise ValueError(f"field {key!r} is {value!r}, not an int >= 0")
         files = data.get("files")
         if not isinstance(files, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-            for k, v in files.items()
+            isinstance(k, str) and is_int(v) for k, v in files.items()
         ):
             raise ValueError("field 'files' is not a mapping of file names to sizes")
         models = data.get("models")
@@ -241,7 +241,7 @@ def _newest_serial(root: Path) -> int:
             serial = json.loads((entry / MANIFEST).read_text(encoding="utf-8")).get("serial", 0)
         except (OSError, ValueError, AttributeError):
             continue  # no manifest (yet), or not one: not a complete checkpoint
-        if isinstance(serial, int) and not isinstance(serial, bool):
+        if is_int(serial):
             newest = max(newest, serial)
     return newest
 

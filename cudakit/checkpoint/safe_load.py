@@ -39,6 +39,7 @@ from typing import IO, Any
 
 import torch
 
+from .._check import is_int
 from ..exceptions import CheckpointError
 from . import layout
 
@@ -329,7 +330,7 @@ def load_host(file: Path, *, trust: bool, safe_globals: Sequence[Any] = ()) -> A
             refused = _reason(exc, data)
         raise _refusal(file, refused, "torch.load(weights_only=True)") from None
     found = host.get("format") if isinstance(host, dict) else None
-    if isinstance(found, int) and not isinstance(found, bool) and found < layout.HOST_FORMAT:
+    if is_int(found) and found < layout.HOST_FORMAT:
         raise _old_format(file, found)
     return host
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 import torch.distributed as dist
 
-from .._check import describe, is_real
+from .._check import fail_type, fail_value, is_real
 from .._contextlib import ContextDecorator
 from .._dist import (
     LAUNCHER_VARS,
@@ -98,21 +98,30 @@ def check_timeout(func: str, timeout: object) -> datetime.timedelta:
         else:
             td = datetime.timedelta(seconds=seconds)
     else:
-        raise TypeError(
-            f"{func}(): timeout must be seconds (an int or float) or a datetime.timedelta, got "
-            f"{describe(timeout)}. Pass e.g. timeout=600, or None for the default 600 s."
+        fail_type(
+            func,
+            "timeout",
+            "seconds (an int or float) or a datetime.timedelta",
+            timeout,
+            "Pass e.g. timeout=600, or None for the default 600 s.",
         )
     if td > MAX_TIMEOUT:
-        raise ValueError(
-            f"{func}(): timeout must be at most {MAX_TIMEOUT.days} days, got {timeout!r}: "
+        fail_value(
+            func,
+            "timeout",
+            f"at most {MAX_TIMEOUT.days} days",
+            timeout,
             "torch's store counts it in milliseconds and overflows beyond that. A hung rank "
-            "should fail, not wait forever; pass e.g. timeout=600, or None for the default."
+            "should fail, not wait forever; pass e.g. timeout=600, or None for the default.",
         )
     if not td.total_seconds() > 0:
-        raise ValueError(
-            f"{func}(): timeout must be a finite positive duration, got {timeout!r}: an "
-            "infinite timeout turns one crashed rank into a hang on every other. Pass e.g. "
-            "timeout=600."
+        fail_value(
+            func,
+            "timeout",
+            "a finite positive duration",
+            timeout,
+            "An infinite timeout turns one crashed rank into a hang on every other. Pass e.g. "
+            "timeout=600.",
         )
     return td
 

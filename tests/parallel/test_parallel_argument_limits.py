@@ -17,7 +17,7 @@ from cudakit.exceptions import DeviceError
 @pytest.mark.parametrize("timeout", [1e300, 1e12, datetime.timedelta.max])
 def test_timeouts_past_a_year_are_refused(timeout: Any) -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"parallelize\(\): timeout must be at most 365 days"):
+    with pytest.raises(ValueError, match=r"parallelize\(timeout=\.\.\.\) expects at most 365 days"):
         cp.parallelize(model, device="cpu", timeout=timeout)
 
 

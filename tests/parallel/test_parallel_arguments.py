@@ -71,12 +71,12 @@ def _unchanged(model: nn.Module, before: list[tuple[str, torch.device, torch.Ten
         (
             {"timeout": "x"},
             TypeError,
-            r"parallelize\(\): timeout must be seconds \(an int or float\) or a "
+            r"parallelize\(timeout=\.\.\.\) expects seconds \(an int or float\) or a "
             r"datetime.timedelta, got str 'x'\. Pass e\.g\. timeout=600",
         ),
-        ({"timeout": -1}, ValueError, r"parallelize\(\): timeout must be a finite positive"),
-        ({"timeout": float("nan")}, ValueError, r"finite positive duration, got nan"),
-        ({"timeout": True}, TypeError, r"timeout must be seconds .* got bool True"),
+        ({"timeout": -1}, ValueError, r"parallelize\(timeout=\.\.\.\) expects a finite positive"),
+        ({"timeout": float("nan")}, ValueError, r"finite positive duration, got float nan"),
+        ({"timeout": True}, TypeError, r"timeout=\.\.\.\) expects seconds .* got bool True"),
         (
             {"backend": 3},
             TypeError,
@@ -171,7 +171,7 @@ def test_process_group_checks_every_argument_at_the_call() -> None:
         cp.process_group(device="gpu")
     with pytest.raises(TypeError, match=r"process_group\(device=\.\.\.\): device must be"):
         cp.process_group(device=[0])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"process_group\(\): timeout must be seconds"):
+    with pytest.raises(TypeError, match=r"process_group\(timeout=\.\.\.\) expects seconds"):
         cp.process_group(timeout=[1])  # type: ignore[arg-type]
     assert not dist.is_initialized()
 
