@@ -253,9 +253,57 @@ def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
 
 
 def _holes(value: torch.Tensor) -> bool:
-    if value.is_floating_point() or value.is_complex():
-        return bool(torch.isnan(value).any())
-    return False
+    """Whether a NaN is left: a sum first (one read, no mask), exact only if it is NaN
+    (a tensor holding both infinities sums to NaN too)."""
+    if not (value.is_floating_point() or value.is_complex()):
+        return False
+    wide = torch.float64 if value.dtype == torch.float64 else torch.float32
+    total = value.sum(dtype=wide) if value.is_floating_point() else value.sum()
+    return bool(torch.isnan(total)) and bool(torch.isnan(value).any())
+
+
+_ALIGN = 64
+
+
+class _Scratch:
+    """One byte buffer per device for the full tensors of a sharded module, reused
+    from module to module: allocated (and its pages touched) once, not per module."""
+
+    def __init__(self, groups: list[tuple[str, nn.Module, list[_Slot]]]) -> None:
+        self.size = max(
+            (
+                sum(self._bytes(s) for s in slots if s.first and is_sharded(s.tensor))
+                for _, _, slots in groups
+            ),
+            default=0,
+        )
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+
+    @staticmethod
+    def _bytes(slot: _Slot) -> int:
+        n = slot.tensor.numel() * slot.tensor.element_size()
+        return -(-n // _ALIGN) * _ALIGN
+
+    def handed(self, slots: list[_Slot], device: torch.device) -> dict[int, torch.Tensor]:
+        """NaN-filled full tensors for the sharded slots among ``slots``, by index."""
+        buf = self.buffers.get(device)
+        if buf is None:
+            buf = self.buffers[device] = torch.empty(self.size, dtype=torch.uint8, device=device)
+        out: dict[int, torch.Tensor] = {}
+        offset = 0
+        for i, s in enumerate(slots):
+            if not (s.first and is_sharded(s.tensor)):
+                continue
+            like = s.tensor
+            n = like.numel() * like.element_size()
+            t = buf[offset : offset + n].view(like.dtype).view(like.shape)
+            offset += self._bytes(s)
+            if like.is_floating_point() or like.is_complex():
+                t.fill_(math.nan)
+            out[i] = (
+                nn.Parameter(t, requires_grad=like.requires_grad) if s.table == "_parameters" else t
+            )
+        return out
 
 
 def _initialise(
@@ -264,15 +312,19 @@ def _initialise(
     """The real run; returns the tensors left untouched and those left on meta."""
     untouched: list[str] = []
     on_meta: list[str] = []
+    scratch = _Scratch(groups)
     for mname, module, slots in groups:
         handed: dict[int, torch.Tensor] = {}
         device = torch.device("cpu")
+        sharded = [s for s in slots if s.first and is_sharded(s.tensor)]
+        if sharded:
+            device = local_part(sharded[0].tensor).device
+            handed.update(scratch.handed(slots, device))
         for i, s in enumerate(slots):
-            if not s.first:
-                handed[i] = _fresh(s, "meta", fill=False)
+            if not s.first:  # a tied tensor again: written to a copy that is dropped
+                handed[i] = _fresh(s, local_part(s.tensor).device, fill=False)
             elif is_sharded(s.tensor):
-                device = local_part(s.tensor).device
-                handed[i] = _fresh(s, device, fill=True)
+                pass  # a full copy from the scratch buffer, above
             else:
                 device = s.tensor.device
                 if s.tensor.is_floating_point() or s.tensor.is_complex():

@@ -21,21 +21,34 @@ def _meta_gpt(**kw: int) -> GPT:
         return GPT(**kw)
 
 
-def _reference(init: object, seed: int, **kw: int) -> GPT:
-    """The hand-written loop: every module's own tensors, each under its own seed."""
-    model = GPT(**kw)
+def hand_written(model: nn.Module, init: Any, seed: int) -> None:
+    """The loop materialize() must equal: every module that holds tensors, seeded by its
+    name, initialised; a tensor tied to an earlier module's is written to a dropped copy."""
     seen: set[int] = set()
     for name, module in model.named_modules():
-        own = [*module._parameters.values(), *module._buffers.values()]
-        own = [t for t in own if t is not None]
-        if not own or all(id(t) in seen for t in own):
-            continue  # `head` holds only the tied weight, which `embed` initialised
-        seen.update(id(t) for t in own)
+        tables = [module._parameters, module._buffers]
+        own = [(t, k) for t in tables for k, v in t.items() if v is not None]
+        if not own:
+            continue
+        kept = []
+        for table, key in own:
+            tensor = table[key]
+            if id(tensor) in seen:
+                kept.append((table, key, tensor))
+                table[key] = nn.Parameter(torch.empty_like(tensor))
+            seen.add(id(tensor))
         with seeded(module_seed(seed, name), torch.device("cpu")), torch.no_grad():
             if init is None:
                 module.reset_parameters()  # type: ignore[operator]
             else:
-                init(module, name)  # type: ignore[operator]
+                init(module, name)
+        for table, key, tensor in kept:
+            table[key] = tensor
+
+
+def _reference(init: object, seed: int, **kw: int) -> GPT:
+    model = GPT(**kw)
+    hand_written(model, init, seed)
     return model
 
 
@@ -235,16 +248,7 @@ def test_any_model_equals_the_hand_written_loop(spec: Any, seed: int, tie: int) 
         _tie_some(model, tie)
     ref = _build(spec if isinstance(spec, list) else [spec])
     _tie_some(ref, tie)
-    seen: set[int] = set()
-    for name, module in ref.named_modules():
-        own = [
-            t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None
-        ]
-        if not own or all(id(t) in seen for t in own):
-            continue
-        seen.update(id(t) for t in own)
-        with seeded(module_seed(seed, name), torch.device("cpu")), torch.no_grad():
-            module.reset_parameters()  # type: ignore[operator]
+    hand_written(ref, None, seed)
     cp.materialize(model, "cpu", init_seed=seed)
     got = model.state_dict()
     for key, value in ref.state_dict().items():
