@@ -233,3 +233,23 @@ def test_the_guard_skips_and_locates_a_nan_with_recompute() -> None:
     assert any(skipped)
     where = [str(r.nonfinite) for r in got_results if r.skipped]
     assert where == [str(r.nonfinite) for r in want_results if r.skipped]
+
+
+def test_checkpointer_saves_with_recompute_and_loads_without(tmp_path: Any) -> None:
+    import cudakit
+
+    saved = recompute(_net(), "full")
+    opt = torch.optim.AdamW(saved.parameters())
+    _grads(saved)
+    opt.step()
+    ckpt = cudakit.Checkpointer(tmp_path, model=saved, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    torch.manual_seed(1)
+    plain = Net()
+    opt2 = torch.optim.AdamW(plain.parameters())
+    back = cudakit.Checkpointer(tmp_path, model=plain, optimizer=opt2, preemption=False)
+    assert back.resume() is not None
+    back.close()
+    for a, b in zip(saved.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
