@@ -253,3 +253,19 @@ def test_checkpointer_saves_with_recompute_and_loads_without(tmp_path: Any) -> N
     back.close()
     for a, b in zip(saved.state_dict().values(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_class_made_on_top_by_a_wrapper_is_switched_not_nested() -> None:
+    model = recompute(_net(), "full")
+    for block in model.layers:  # as fully_shard does: a class of its own on top
+        block.__class__ = type(f"FSDP{type(block).__name__}", (type(block),), {})
+    wrapped = type(model.layers[0])
+    recompute(model, "none")
+    assert recomputed_blocks(model) == []
+    assert type(model.layers[0]) is wrapped
+    recompute(model, "selective")
+    assert type(model.layers[0]) is wrapped  # no second subclass around the first
+    assert recomputed_blocks(model) == [f"layers.{i}" for i in range(4)]
+    want = _grads(_net())
+    got = _grads(model)
+    assert all(torch.equal(want[n], got[n]) for n in want)
