@@ -31,7 +31,10 @@ __all__ = ["POLICIES", "Recompute", "find_blocks", "recompute", "recomputed_bloc
 POLICIES = ("none", "full", "selective", "budget")
 
 PolicyName = Literal["none", "full", "selective", "budget"]
+"""A policy's name: ``"none"``, ``"full"``, ``"selective"`` or ``"budget"``."""
+
 BlockSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+"""Which modules are blocks: a class, a tuple of classes, or ``(name, module) -> bool``."""
 
 _ATTR = "_cudakit_recompute"  # the policy a recomputed block runs ("full", "selective")
 

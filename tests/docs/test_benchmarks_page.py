@@ -35,6 +35,7 @@ BENCHMARKS = {
     "bench_checkpoint.py": "checkpoint.md",
     "bench_speed_report.py": "observe.md",
     "bench_loss_spikes.py": "observe.md",
+    "bench_recompute.py": "memory.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
@@ -178,6 +179,7 @@ _QUICK_RUNS = {
     "bench_memory_report": ["--quick", "--rounds", "1", "--calls", "20"],
     "bench_prefetch": ["--quick", "--rounds", "1"],
     "bench_loss_spikes": ["--quick", "--rounds", "1", "--sets", "1", "--block", "1"],
+    "bench_recompute": ["--quick", "--rounds", "1"],
 }
 
 
