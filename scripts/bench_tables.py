@@ -312,6 +312,24 @@ def meta_init_table(record: Record) -> list[str]:
     return _table(header, "lll" + "r" * 6, body)
 
 
+def recompute_table(record: Record) -> list[str]:
+    """Per policy and implementation: step time, peak, each x no recompute; the estimate."""
+    body = [
+        [
+            r["policy"],
+            r["implementation"],
+            f"{r['step_ms']:.1f}",
+            f"{r['time_ratio']:.2f}",
+            f"{r['peak_mib']:.1f}",
+            f"{r['peak_ratio']:.2f}",
+            f"{r['estimate_ratio']:.3f}",
+        ]
+        for r in record["table"]
+    ]
+    header = ["policy", "implementation", "ms / step", "x time", "peak MiB", "x peak"]
+    return _table([*header, "estimate / measured"], "llrrrrr", body)
+
+
 def bars_table(record: Record) -> list[str]:
     """Any bar chart's rows: group, series, value."""
     body = [[r["group"], r["series"], f"{r['value']:g}"] for r in record["rows"]]
@@ -331,6 +349,7 @@ TABLES: dict[str, Callable[[Record], list[str]]] = {
     "bench_checkpoint": checkpoint_table,
     "bench_meta_init": meta_init_table,
     "bench_watching": ratio_table,
+    "bench_recompute": recompute_table,
 }
 
 

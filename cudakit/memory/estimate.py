@@ -375,7 +375,8 @@ def estimate_memory(
             tuple or dict), summed.
 
     Returns:
-        The :class:`MemoryEstimate` of each rank (all ranks hold the same).
+        One rank's peak and its parts, a ``MemoryEstimate`` (every rank holds
+        the same).
 
     Raises:
         TypeError: an argument of the wrong kind.
@@ -485,7 +486,7 @@ def largest_batch(
     world size, precision, recompute, optimizer, ``loss_fn``).
 
     Returns:
-        The size and its estimate; ``(0, None)`` when not even one sample fits.
+        ``(size, estimate)``; ``(0, None)`` when not even one sample fits.
 
     Raises:
         TypeError, ValueError: as :func:`estimate_memory`; ``capacity`` or ``limit``

@@ -31,7 +31,10 @@ __all__ = ["POLICIES", "Recompute", "find_blocks", "recompute", "recomputed_bloc
 POLICIES = ("none", "full", "selective", "budget")
 
 PolicyName = Literal["none", "full", "selective", "budget"]
+"""A policy's name: ``"none"``, ``"full"``, ``"selective"`` or ``"budget"``."""
+
 BlockSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+"""Which modules are blocks: a class, a tuple of classes, or ``(name, module) -> bool``."""
 
 _ATTR = "_cudakit_recompute"  # the policy a recomputed block runs ("full", "selective")
 
@@ -275,7 +278,10 @@ class _RecomputedForward(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         inner = super().forward
-        if getattr(self, _ATTR, "full") == "selective":
+        policy = getattr(self, _ATTR, "full")
+        if policy == "none":  # undone after a wrapper changed the class again
+            return inner(*args, **kwargs)
+        if policy == "selective":
             return checkpoint(
                 inner, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
             )
@@ -299,10 +305,14 @@ def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 def _undo(model: nn.Module) -> None:
     for module in model.modules():
-        original = getattr(type(module), "_cudakit_original", None)
-        if original is not None and _CLASSES.get(original) is type(module):
+        if not isinstance(module, _RecomputedForward):
+            continue
+        original = type(module)._cudakit_original  # type: ignore[attr-defined]
+        if _CLASSES.get(original) is type(module):
             module.__class__ = original
             module.__dict__.pop(_ATTR, None)
+        else:  # a wrapper (fully_shard) made a class of its own on top: switch it off
+            setattr(module, _ATTR, "none")
 
 
 def recomputed_blocks(model: nn.Module) -> list[str]:
@@ -318,7 +328,11 @@ def recomputed_blocks(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         fail_type("recomputed_blocks", "model", "an nn.Module", model, "Pass the model.")
-    return [n for n, m in model.named_modules() if isinstance(m, _RecomputedForward)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, _RecomputedForward) and getattr(m, _ATTR, "full") != "none"
+    ]
 
 
 def apply_recompute(model: nn.Module, spec: Recompute, blocks: list[tuple[str, nn.Module]]) -> None:
@@ -332,7 +346,8 @@ def apply_recompute(model: nn.Module, spec: Recompute, blocks: list[tuple[str, n
     if spec.policy == "none":
         return
     for _name, block in blocks:
-        block.__class__ = _recomputed_class(type(block))
+        if not isinstance(block, _RecomputedForward):
+            block.__class__ = _recomputed_class(type(block))
         setattr(block, _ATTR, spec.policy)
 
 

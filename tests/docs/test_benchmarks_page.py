@@ -37,6 +37,7 @@ BENCHMARKS = {
     "bench_loss_spikes.py": "observe.md",
     "bench_meta_init.py": "big-models.md",
     "bench_watching.py": "observe.md",
+    "bench_recompute.py": "memory.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
@@ -183,6 +184,7 @@ _QUICK_RUNS = {
     "bench_watching": [
         "--quick", "--rounds", "1", "--block", "0.002", "--calls", "64", "--dtype", "fp32"
     ],
+    "bench_recompute": ["--quick", "--rounds", "1"],
 }  # fmt: skip
 
 

@@ -233,3 +233,39 @@ def test_the_guard_skips_and_locates_a_nan_with_recompute() -> None:
     assert any(skipped)
     where = [str(r.nonfinite) for r in got_results if r.skipped]
     assert where == [str(r.nonfinite) for r in want_results if r.skipped]
+
+
+def test_checkpointer_saves_with_recompute_and_loads_without(tmp_path: Any) -> None:
+    import cudakit
+
+    saved = recompute(_net(), "full")
+    opt = torch.optim.AdamW(saved.parameters())
+    _grads(saved)
+    opt.step()
+    ckpt = cudakit.Checkpointer(tmp_path, model=saved, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    torch.manual_seed(1)
+    plain = Net()
+    opt2 = torch.optim.AdamW(plain.parameters())
+    back = cudakit.Checkpointer(tmp_path, model=plain, optimizer=opt2, preemption=False)
+    assert back.resume() is not None
+    back.close()
+    for a, b in zip(saved.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_class_made_on_top_by_a_wrapper_is_switched_not_nested() -> None:
+    model = recompute(_net(), "full")
+    for block in model.layers:  # as fully_shard does: a class of its own on top
+        block.__class__ = type(f"FSDP{type(block).__name__}", (type(block),), {})
+    wrapped = type(model.layers[0])
+    recompute(model, "none")
+    assert recomputed_blocks(model) == []
+    assert type(model.layers[0]) is wrapped
+    recompute(model, "selective")
+    assert type(model.layers[0]) is wrapped  # no second subclass around the first
+    assert recomputed_blocks(model) == [f"layers.{i}" for i in range(4)]
+    want = _grads(_net())
+    got = _grads(model)
+    assert all(torch.equal(want[n], got[n]) for n in want)
