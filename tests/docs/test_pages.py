@@ -28,13 +28,15 @@ _FENCED = re.compile(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", re.S | re.M)
 
 
 def paragraphs(text: str) -> list[str]:
-    """The prose paragraphs of a Markdown page: code blocks, tables and headings left out."""
+    """The prose paragraphs of a Markdown page: code blocks, tables and headings left out,
+    each item of a list a paragraph of its own."""
     prose = _FENCED.sub("", text)
     out = []
     for block in re.split(r"\n[ \t]*\n", prose):
         lines = [ln for ln in block.splitlines() if not ln.lstrip().startswith(("|", "#"))]
-        if lines:
-            out.append("\n".join(lines))
+        for item in re.split(r"\n(?=[-*] |\d+\. )", "\n".join(lines)):
+            if item.strip():
+                out.append(item)
     return out
 
 
@@ -46,6 +48,12 @@ def opening(text: str) -> str:
 def test_paragraphs_are_split_around_code_tables_and_headings() -> None:
     text = "# T\n\nOne two.\n\n```python\nx = 1\n\ny = 2\n```\n\n| a |\n|---|\n\nThree.\n"
     assert paragraphs(text) == ["One two.", "Three."]
+    assert paragraphs("Four:\n- five\n  six\n- seven\n1. eight\n") == [
+        "Four:",
+        "- five\n  six",
+        "- seven",
+        "1. eight",
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
