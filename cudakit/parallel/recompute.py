@@ -227,7 +227,8 @@ def find_blocks(model: nn.Module, spec: Recompute) -> list[tuple[str, nn.Module]
             "blocks",
             f"a block kind that {type(model).__name__} has",
             spec.blocks,
-            f"No module matched; its module classes are: {shown}. Pass one of these.",
+            f"No module matched; its module classes are: {shown}. Pass one of these "
+            "(blocks=TheClass), or a function (name, module) -> bool.",
         )
     k = spec.every
     return [b for i, b in enumerate(found) if i % k == k - 1]
