@@ -265,16 +265,19 @@ def _holes(value: torch.Tensor) -> bool:
 _ALIGN = 64
 
 
+def _scratched(slot: _Slot) -> bool:
+    """Whether the init gets a scratch copy of this tensor: a sharded one (the full
+    tensor, rows kept after) or a tied one met again (written, then dropped)."""
+    return not slot.first or is_sharded(slot.tensor)
+
+
 class _Scratch:
-    """One byte buffer per device for the full tensors of a sharded module, reused
+    """One byte buffer per device for the full tensors a module's init gets, reused
     from module to module: allocated (and its pages touched) once, not per module."""
 
     def __init__(self, groups: list[tuple[str, nn.Module, list[_Slot]]]) -> None:
         self.size = max(
-            (
-                sum(self._bytes(s) for s in slots if s.first and is_sharded(s.tensor))
-                for _, _, slots in groups
-            ),
+            (sum(self._bytes(s) for s in slots if _scratched(s)) for _, _, slots in groups),
             default=0,
         )
         self.buffers: dict[torch.device, torch.Tensor] = {}
@@ -284,25 +287,29 @@ class _Scratch:
         n = slot.tensor.numel() * slot.tensor.element_size()
         return -(-n // _ALIGN) * _ALIGN
 
-    def handed(self, slots: list[_Slot], device: torch.device) -> dict[int, torch.Tensor]:
-        """NaN-filled full tensors for the sharded slots among ``slots``, by index."""
-        buf = self.buffers.get(device)
-        if buf is None:
-            buf = self.buffers[device] = torch.empty(self.size, dtype=torch.uint8, device=device)
+    def handed(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
+        """Full tensors for the scratched slots among ``slots``, by index (NaN-filled
+        where the values are kept and can be NaN)."""
         out: dict[int, torch.Tensor] = {}
-        offset = 0
+        offsets: dict[torch.device, int] = {}
         for i, s in enumerate(slots):
-            if not (s.first and is_sharded(s.tensor)):
+            if not _scratched(s):
                 continue
             like = s.tensor
+            device = local_part(like).device
+            buf = self.buffers.get(device)
+            if buf is None:
+                buf = self.buffers[device] = torch.empty(
+                    self.size, dtype=torch.uint8, device=device
+                )
+            offset = offsets.get(device, 0)
             n = like.numel() * like.element_size()
             t = buf[offset : offset + n].view(like.dtype).view(like.shape)
-            offset += self._bytes(s)
-            if like.is_floating_point() or like.is_complex():
+            offsets[device] = offset + self._bytes(s)
+            if s.first and (like.is_floating_point() or like.is_complex()):
                 t.fill_(math.nan)
-            out[i] = (
-                nn.Parameter(t, requires_grad=like.requires_grad) if s.table == "_parameters" else t
-            )
+            param = s.table == "_parameters"
+            out[i] = nn.Parameter(t, requires_grad=like.requires_grad) if param else t
         return out
 
 
@@ -316,15 +323,10 @@ def _initialise(
     for mname, module, slots in groups:
         handed: dict[int, torch.Tensor] = {}
         device = torch.device("cpu")
-        sharded = [s for s in slots if s.first and is_sharded(s.tensor)]
-        if sharded:
-            device = local_part(sharded[0].tensor).device
-            handed.update(scratch.handed(slots, device))
+        handed.update(scratch.handed(slots))
         for i, s in enumerate(slots):
-            if not s.first:  # a tied tensor again: written to a copy that is dropped
-                handed[i] = _fresh(s, local_part(s.tensor).device, fill=False)
-            elif is_sharded(s.tensor):
-                pass  # a full copy from the scratch buffer, above
+            if _scratched(s):  # a full copy; a tied one met again is dropped after
+                device = local_part(s.tensor).device
             else:
                 device = s.tensor.device
                 if s.tensor.is_floating_point() or s.tensor.is_complex():
