@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -412,7 +412,7 @@ def materialize(
     model: nn.Module,
     device: Any = None,
     *,
-    init: InitFn | None = None,
+    init: Callable[..., object] | None = None,
     init_seed: int = 0,
 ) -> nn.Module:
     """Allocate a model built on the meta device and initialise it, one module at a time.

@@ -13,7 +13,7 @@ import itertools
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -24,7 +24,6 @@ from .._check import check_bool
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
-from ._init_watch import InitFn
 from .group import (
     ProcessGroupInfo,
     check_timeout,
@@ -505,7 +504,7 @@ def parallelize(
     backend: str | None = None,
     timeout: float | datetime.timedelta | None = None,
     recompute: str | Recompute | None = None,
-    init: InitFn | None = None,
+    init: Callable[..., object] | None = None,
     init_seed: int = 0,
     **ddp_kwargs: Any,
 ) -> nn.Module:

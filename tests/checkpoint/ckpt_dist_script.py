@@ -19,6 +19,7 @@ import argparse
 import datetime
 import os
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -93,7 +94,11 @@ def load(args: argparse.Namespace) -> None:
     try:
         position = ckpt.load(args.path) if args.path else ckpt.resume()
     except cudakit.CheckpointError as exc:
-        print(f"rank {cp.rank()} stopped: {type(exc).__name__}: {exc}", flush=True)
+        # One write, under PIPE_BUF: the ranks share the pipe, and print's two writes
+        # (the text, then the newline) could interleave with the other rank's line.
+        line = f"rank {cp.rank()} stopped: {type(exc).__name__}: {exc}\n"
+        sys.stdout.flush()
+        os.write(1, line.encode())
         ckpt.close()
         raise SystemExit(3) from None
     ckpt.close()
