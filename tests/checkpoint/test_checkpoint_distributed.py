@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -212,9 +213,10 @@ def test_one_ranks_refused_file_stops_every_rank_with_the_same_error(
     )  # fmt: skip
     log = torchrun.last_output  # type: ignore[attr-defined]
     assert code != 0, log[-3000:]
-    lines = [line for line in log.splitlines() if " stopped: " in line]
+    # (Two processes print to one pipe at once: a line may run into the other's.)
+    lines = re.findall(r"rank \d stopped: (.*?\))(?=rank \d stopped: |\n|$)", log)
     assert len(lines) == 2, log[-3000:]
-    messages = {line.split(" stopped: ", 1)[1] for line in lines}
+    messages = set(lines)
     assert len(messages) == 1, lines  # the same error on both ranks
     message = messages.pop()
     assert message.startswith("RefusedCheckpointError")
