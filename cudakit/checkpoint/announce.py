@@ -21,11 +21,14 @@ __all__ = ["Announcer", "resumed_line"]
 def resumed_line(path: Path | None, position: Position, cleared: Sequence[Path]) -> str:
     """The line: where the run continues, and the half-written saves removed.
 
-    >>> resumed_line(Path("ckpt/ckpt-0000000020"), Position(2, 5, 85, 20), [])
-    'cudakit.Checkpointer: resumed from ckpt/ckpt-0000000020 at step 20 (epoch 2, batch 5)'
-    >>> print(resumed_line(None, Position(), [Path("ckpt/ckpt-0000000004.partial")]))
-    cudakit.Checkpointer: no complete checkpoint in ckpt, starting fresh; removed the
-    half-written ckpt-0000000004.partial
+    >>> path = Path("ckpt/ckpt-0000000020")
+    >>> print(resumed_line(path, Position(2, 5, 85, 20), []))
+    cudakit.Checkpointer: resumed from ckpt/ckpt-0000000020 at step 20
+    (epoch 2, batch 5)
+    >>> half = Path("ckpt/ckpt-0000000004.partial")
+    >>> print(resumed_line(None, Position(), [half]))
+    cudakit.Checkpointer: no complete checkpoint in ckpt, starting fresh;
+    removed the half-written ckpt-0000000004.partial
     """
     if path is not None:
         line = (

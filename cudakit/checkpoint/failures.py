@@ -43,8 +43,9 @@ def fix_for(exc: BaseException, root: Path) -> str:
 
     >>> fix_for(OSError(errno.ENOSPC, "No space left on device"), Path("ckpt"))
     'Free space on the disk (or choose another directory) and save again.'
-    >>> fix_for(RuntimeError("rank 1 went away"), Path("ckpt"))
-    'Fix the cause above and save again; resume() goes on from the previous checkpoint.'
+    >>> print(fix_for(RuntimeError("rank 1 went away"), Path("ckpt")))
+    Fix the cause above and save again; resume() goes on from the previous
+    checkpoint.
     """
     codes = {e.errno for e in _causes(exc) if isinstance(e, OSError) and e.errno is not None}
     if codes & _FULL:
