@@ -16,7 +16,10 @@ from typing import Any, Self
 
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
-from . import arguments, layout, reader
+from .._output import STDERR, check_file, check_log
+from ..exceptions import CheckpointSaveError
+from . import arguments, layout, lock, progress, reader
+from .announce import Announcer
 from .budget import budgeted
 from .cursor import Cursor
 from .data import Position, is_stateful
@@ -29,6 +32,7 @@ from .writer import Pending, Writer, drain_background
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("cudakit.checkpoint")
+_FUNC = "Checkpointer"
 
 
 class Checkpointer:
@@ -52,7 +56,7 @@ class Checkpointer:
     ...         opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
     >>> ckpt.position
     Position(epoch=2, batch=0, total=4, windows=4)
-    >>> [p.name for p in sorted(ckpt.directory.iterdir())]
+    >>> [p.name for p in sorted(ckpt.directory.glob("ckpt-*"))]
     ['ckpt-0000000003', 'ckpt-0000000004']
     >>> ckpt.close()
 
@@ -87,10 +91,15 @@ class Checkpointer:
         trust_pickles: read checkpoints with pickle's full loader, which runs any code a
             file holds: only for checkpoints you wrote, such as those of an older
             cudakit, which the safe loader refuses.
+        file: where :meth:`resume` writes its line (the checkpoint and step it resumed
+            from, the half-written saves it removed): ``sys.stderr`` by default (or
+            nowhere when ``log`` is given), ``None`` for silence, or a text stream.
+        log: a ``logging.Logger`` (the line at INFO) or a callable taking the line.
 
     Raises:
         TypeError, ValueError: a wrong argument (named, with the fix).
-        CheckpointSaveError: ``directory`` cannot be written.
+        CheckpointSaveError: ``directory`` cannot be written, or another live run uses
+            it (named: its host, pid and start time).
 
     .. versionadded:: 0.1
     """
@@ -113,6 +122,8 @@ class Checkpointer:
         requeue: bool | str = "auto",
         safe_globals: Collection[Any] | None = None,
         trust_pickles: bool = False,
+        file: Any = STDERR,
+        log: Any = None,
     ) -> None:
         options = arguments.resolve(
             directory,
@@ -131,6 +142,7 @@ class Checkpointer:
             safe_globals=safe_globals,
             trust_pickles=trust_pickles,
         )
+        announcer = Announcer(check_file(_FUNC, file), check_log(_FUNC, log), group_rank())
         self._options = options
         self._parts = options.parts
         #: The directory checkpoints go to.
@@ -153,6 +165,7 @@ class Checkpointer:
             self._control = dist.new_group(backend="gloo")
             if options.background:
                 save_group = dist.new_group(backend="gloo")
+        self._held = self._hold()  # one run per directory (rank 0 holds it)
         self._writer = Writer(
             self.directory,
             rank=self._rank,
@@ -167,11 +180,31 @@ class Checkpointer:
         self._stop = StopAgreement(self._control, options.preemption)
         self._cursor = Cursor()
         self._policy = SavePolicy(options.every)
-        self._choice = ResumeChoice(self.directory, self._rank, self._control)
+        self._choice = ResumeChoice(self.directory, self._rank, self._control, announcer)
         self._closed = False
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
+
+    def _hold(self) -> lock.Held | None:
+        """Take the directory's lock on rank 0; every rank raises if another run holds it."""
+        held, refused = None, None
+        if self._rank == 0:
+            try:
+                held = lock.hold(self.directory)
+            except CheckpointSaveError as exc:
+                refused = str(exc)
+        if self._distributed:
+            import torch.distributed as dist
+
+            box: list[Any] = [refused]
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            refused = box[0]
+        if refused is not None:
+            raise CheckpointSaveError(refused)
+        if held is not None:
+            weakref.finalize(self, held.release)  # (a Checkpointer dropped unclosed)
+        return held
 
     # ------------------------------------------------------------------ state
 
@@ -235,11 +268,16 @@ class Checkpointer:
         if self._choice.done:
             return self.position
         drain_background()  # an abandoned save of this process must not write on
-        for path in self._choice.candidates():
+        choice = self._choice
+        for path in choice.candidates():
             try:
-                return self.load(path)
+                position = self.load(path)
             except reader.RefusedCheckpointError as exc:  # maybe tampered: the one before
                 warnings.warn(f"cudakit: skipping checkpoint {path}: {exc}", UserWarning, 2)
+            else:
+                choice.announce.resumed(path, position, choice.cleared)
+                return position
+        choice.announce.resumed(None, self.position, choice.cleared)
         return self.position
 
     def load(self, path: str | os.PathLike[str]) -> Position:
@@ -373,7 +411,11 @@ class Checkpointer:
             return self._writer.newest if done else self._save_now(unconsumed=True)
         # A window that ended since the last boundary (a step, a flush()) is counted first.
         saved = self._boundary() if cursor.yielded is not None or steps else None
-        return saved if saved is not None else self._save_now()
+        if saved is not None:
+            return saved
+        if cursor.yielded is None:  # a loop of its own: what the steps closed, or the saves
+            cursor.position = progress.explicit_save(cursor.position, steps)
+        return self._save_now()
 
     def wait(self) -> Path | None:
         """Finish a background save in flight; returns its path (None: nothing was in flight)."""
@@ -390,6 +432,8 @@ class Checkpointer:
         finally:
             self._stop.drain()
             self._signals.uninstall()
+            if self._held is not None:
+                self._held.release()
 
     def __enter__(self) -> Self:
         return self
@@ -431,7 +475,7 @@ class Checkpointer:
     def _save_now(self, unconsumed: bool = False) -> Path:
         """Save now; ``unconsumed``: without the batch just yielded, which a resume steps on."""
         pos = self._cursor.saved_position(unconsumed)
-        name = layout.checkpoint_name(pos.total)
+        name = layout.checkpoint_name(pos.windows)
         partial = self.directory / (name + layout.PARTIAL)
         final = self.directory / name
         parts = self._parts

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import arguments, layout, reader
+from .announce import Announcer
 
 __all__ = ["ResumeChoice", "find_latest"]
 
@@ -46,12 +47,16 @@ def find_latest(directory: str | os.PathLike[str]) -> Path | None:
 class ResumeChoice:
     """The checkpoint a run resumes from, the same on every rank."""
 
-    def __init__(self, directory: Path, rank: int, group: Any) -> None:
+    def __init__(self, directory: Path, rank: int, group: Any, announce: Announcer) -> None:
         self.directory = directory
         self._rank = rank
         self._group = group  # the control group (None: one process)
         #: Whether the run resumed, or started fresh knowing there was nothing to resume.
         self.done = False
+        #: The half-written saves rank 0 removed before choosing.
+        self.cleared: list[Path] = []
+        #: Where the line that says where the run continues goes.
+        self.announce = announce
 
     def candidates(self) -> Iterator[Path]:
         """The newest complete checkpoint, then, each time the caller comes back (the one
@@ -59,7 +64,7 @@ class ResumeChoice:
         first."""
         path: Path | None = None
         if self._rank == 0:
-            layout.remove_stale_partials(self.directory)
+            self.cleared = layout.remove_stale_partials(self.directory)
             path = find_latest(self.directory)
         path = self.agree(path)
         self.done = True

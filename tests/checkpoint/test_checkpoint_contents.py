@@ -50,7 +50,7 @@ def test_extras_plain_values_and_every_rng_come_back(tmp_path: Path) -> None:
         tmp_path, model=torch.nn.Linear(2, 2), extra={"ema": other_ema, "best": 1.0},
         preemption=False,
     )  # fmt: skip
-    assert again.resume() == cudakit.Position(0, 0, 0, 0)
+    assert again.resume() == cudakit.Position(0, 0, 0, 1)  # no step, no batches: save 1
     assert again.resumed_from == path
     assert torch.equal(other_ema.value, torch.full((3,), 5.0))
     assert again.extra["best"] == 0.125

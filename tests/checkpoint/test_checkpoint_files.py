@@ -23,9 +23,10 @@ def _dirs(root: Path) -> list[str]:
 
 def test_every_saves_at_window_ends_and_keep_removes_the_oldest(tmp_path: Path) -> None:
     run(tmp_path, accumulate=2, every=2, keep=2)
-    # 20 batches, windows of 2: a save every 2 windows (4 batches); the last two kept.
-    assert _dirs(tmp_path) == ["ckpt-0000000016", "ckpt-0000000020"]
-    manifest = layout.read_manifest(tmp_path / "ckpt-0000000020")
+    # 20 batches, windows of 2: a save every 2 windows (4 batches); the last two kept,
+    # named by optimizer step (the last is the epochs' end, step 10).
+    assert _dirs(tmp_path) == ["ckpt-0000000008", "ckpt-0000000010"]
+    manifest = layout.read_manifest(tmp_path / "ckpt-0000000010")
     assert (manifest.epoch, manifest.batch, manifest.total, manifest.windows) == (2, 0, 20, 10)
     assert {".metadata", "rank-00000.pt"} <= set(manifest.files)
 
@@ -112,7 +113,7 @@ def test_a_disk_that_fills_up_mid_save_keeps_the_previous_checkpoint(
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = cudakit.Checkpointer(tmp_path, step=first["step"], preemption=False)
     ckpt.resume()
-    ckpt._position = cudakit.Position(1, 0, 11, 11)  # pretend a batch ran
+    ckpt._position = cudakit.Position(1, 0, 11, 10)  # pretend a batch ran (step 11)
     _fill_disk(monkeypatch)
     with pytest.raises(cudakit.CheckpointSaveError, match="No space left on device") as info:
         ckpt.save()

@@ -44,9 +44,9 @@ def test_sigterm_saves_at_the_window_end_and_exits_143(tmp_path: Path) -> None:
         _loop(tmp_path, signal.SIGTERM, at=3, accumulate=2)
     assert info.value.code == 143
     latest = cudakit.find_latest(tmp_path)
-    # Batch 3 opened a window; its end (batch 4) is where the run saved and stopped.
+    # Batch 3 opened a window; its end (batch 4, step 2) is where the run saved and stopped.
     assert latest is not None
-    assert latest.name == "ckpt-0000000004"
+    assert latest.name == "ckpt-0000000002"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 

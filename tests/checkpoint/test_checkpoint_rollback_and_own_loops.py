@@ -74,9 +74,9 @@ def test_maybe_save_counts_the_batches_of_a_loop_with_its_own_data(tmp_path: Pat
         step(torch.randn(3, 4))
         saved.append(ckpt.maybe_save())
     ckpt.close()
-    # Windows of 2 batches; a save every 2 windows: after batches 4 and 8.
+    # Windows of 2 batches; a save every 2 windows: after batches 4 and 8 (steps 2, 4).
     assert [p.name if p else None for p in saved] == [
-        None, None, None, "ckpt-0000000004", None, None, None, "ckpt-0000000008"
+        None, None, None, "ckpt-0000000002", None, None, None, "ckpt-0000000004"
     ]  # fmt: skip
     assert ckpt.position == cudakit.Position(epoch=0, batch=8, total=8, windows=4)
     resumed = cudakit.Checkpointer(tmp_path, step=_parts(accumulate=2)[3], every=2)

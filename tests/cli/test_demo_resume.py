@@ -24,7 +24,7 @@ def test_a_second_start_continues_from_the_newest_checkpoint(
     assert first["resumed_from"] is None
     assert [e["epoch"] for e in first["epochs"]] == [1]
     second = _run(capsys, "--epochs", "2", "--resume", str(tmp_path))
-    assert second["resumed_from"].endswith("ckpt-0000000008")  # 8 batches an epoch
+    assert second["resumed_from"].endswith("ckpt-0000000004")  # 8 batches, 4 steps
     assert [e["epoch"] for e in second["epochs"]] == [2]
     done = main(["--train-size", "128", "--batch-size", "16", "--no-progress",
                  "--epochs", "2", "--resume", str(tmp_path)])  # fmt: skip

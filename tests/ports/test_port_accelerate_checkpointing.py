@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def test_fp16_run_resumed_mid_epoch_equals_the_uninterrupted_one_in_everything(
     with pytest.raises(Crash):
         _amp_run(tmp_path / "run", crash_at=11)
     got = _amp_run(tmp_path / "run", noise=1234)
-    assert got["resumed_from"] == tmp_path / "run" / "ckpt-0000000010"
+    assert got["resumed_from"] == tmp_path / "run" / "ckpt-0000000005"  # step 5, batch 10
     # The same data order (the batches the crash skipped are skipped, no more, no fewer) ...
     assert got["seen"] == {k: v for k, v in ref["seen"].items() if k > 10}
     assert got["losses"] == {k: v for k, v in ref["losses"].items() if k > 10}
@@ -180,13 +181,13 @@ def test_save_and_load_by_path_restore_weights_optimizer_and_rng(tmp_path: Path)
     with torch.no_grad():
         model2.weight.add_(1.0)  # elsewhere, to see the load
     again = cudakit.Checkpointer(tmp_path / "b", model=model2, optimizer=opt2, preemption=False)
-    assert again.load(initial) == cudakit.Position()
+    assert again.load(initial) == cudakit.Position(windows=1)  # no step: the first save
     assert _equal(model2.state_dict(), start)
     assert not opt2.state
     rands = _train_epochs(2, model2, opt2, loader2)
     middle = again.save()
     assert middle is not None
-    assert again.load(middle) == cudakit.Position()
+    assert again.load(middle) == cudakit.Position(windows=2)  # its second
     rands += _train_epochs(1, model2, opt2, loader2)
     assert _equal(model2.state_dict(), final)
     assert _equal(opt2.state_dict(), final_opt)
@@ -298,8 +299,8 @@ def test_keep_never_removes_the_checkpoint_a_background_save_is_writing(tmp_path
     first = ckpt.save()
     ckpt._position = cudakit.Position(0, 0, 5, 5)  # pretend five batches ran
     second = ckpt.save()  # finishes the first, then starts writing the second
-    assert (first, second) == (tmp_path / "ckpt-0000000000", tmp_path / "ckpt-0000000005")
-    assert _names(tmp_path) == ["ckpt-0000000000", "ckpt-0000000005.partial"]
+    assert (first, second) == (tmp_path / "ckpt-0000000001", tmp_path / "ckpt-0000000005")
+    assert _names(tmp_path) == ["ckpt-0000000001", "ckpt-0000000005.partial"]
     assert cudakit.find_latest(tmp_path) == first
     assert ckpt.wait() == second
     assert _names(tmp_path) == ["ckpt-0000000005"]
@@ -610,7 +611,7 @@ def test_the_with_block_finishes_a_background_save_even_when_the_body_raises(
 
     with pytest.raises(Crash):
         body()
-    assert cudakit.find_latest(tmp_path) == paths[0] == tmp_path / "ckpt-0000000000"
+    assert cudakit.find_latest(tmp_path) == paths[0] == tmp_path / "ckpt-0000000001"
     with pytest.raises(RuntimeError, match=r"save\(\) after close\(\)"):
         ckpt.save()
     model2, opt2, _ = _regression()
@@ -639,7 +640,7 @@ def test_a_directory_gone_after_construction_is_a_save_error(tmp_path: Path) -> 
     directory is replaced by a file here)."""
     root = tmp_path / "c"
     ckpt = cudakit.Checkpointer(root, model=torch.nn.Linear(1, 1), preemption=False)
-    root.rmdir()
+    shutil.rmtree(root)  # (its lock file too)
     root.write_text("not a directory")
     with pytest.raises(cudakit.CheckpointSaveError, match=r"NotADirectoryError.*Nothing of it"):
         ckpt.save()
@@ -782,7 +783,7 @@ def test_a_relative_directory_saves_and_resumes(
     opt.step()
     with cudakit.Checkpointer("ckpts", model=model, optimizer=opt, preemption=False) as ckpt:
         ckpt.save()
-    assert cudakit.find_latest("ckpts") == Path("ckpts", "ckpt-0000000000")
+    assert cudakit.find_latest("ckpts") == Path("ckpts", "ckpt-0000000001")  # save 1
     model2, opt2, _ = _regression()
     with cudakit.Checkpointer("ckpts", model=model2, optimizer=opt2, preemption=False) as again:
         again.resume()
@@ -839,10 +840,10 @@ def test_ddp_two_ranks_resume_bit_for_bit(tmp_path: Path) -> None:
     results = cp.launch(ddp_resume_checks, str(tmp_path), nprocs=2, timeout=120)
     for rank, r in enumerate(results):
         ref, got = r["ref"], r["got"]
-        assert got["resumed_from"].endswith("ckpt-0000000004"), rank
+        assert got["resumed_from"].endswith("ckpt-0000000002"), rank  # step 2 (batch 4)
         assert got["losses"] == {k: v for k, v in ref["losses"].items() if k > 4}, rank
         assert _equal(got["model"], ref["model"]), rank
         assert _equal(got["opt"], ref["opt"]), rank
     assert _equal(results[0]["got"]["model"], results[1]["got"]["model"])
-    manifest = json.loads((tmp_path / "run" / "ckpt-0000000008" / layout.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "run" / "ckpt-0000000004" / layout.MANIFEST).read_text())
     assert manifest["world_size"] == 2

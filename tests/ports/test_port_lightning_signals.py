@@ -424,7 +424,7 @@ def test_sigterm_exits_143_after_saving(sigterm_run: dict[str, Any]) -> None:
 def test_a_signal_mid_window_saves_at_the_windows_end(sigterm_run: dict[str, Any]) -> None:
     # Batch 3 opened the window of batches 3-4: the checkpoint is at its end.
     assert sigterm_run["stopped_at"] is not None
-    assert sigterm_run["stopped_at"].name == "ckpt-0000000004"
+    assert sigterm_run["stopped_at"].name == "ckpt-0000000002"
 
 
 def test_the_users_handler_ran_for_both_signals(sigterm_run: dict[str, Any]) -> None:
@@ -453,7 +453,7 @@ def test_the_requeued_run_ends_bit_for_bit_as_one_never_stopped(
     finally:
         torch.set_num_threads(threads)
     got = torch.load(sigterm_run["resumed"], weights_only=False)
-    assert got["resumed_from"] == "ckpt-0000000004"
+    assert got["resumed_from"] == "ckpt-0000000002"
     for name, tensor in ref["model"].items():
         assert torch.equal(got["model"][name], tensor), name
     assert got["losses"] == {k: v for k, v in ref["losses"].items() if k > 4}
@@ -486,7 +486,7 @@ def test_sigusr1_from_outside_saves_requeues_once_and_exits_138(tmp_path: Path) 
     assert _calls(calls) == ["requeue 4242"]
     latest = cudakit.find_latest(tmp_path / "ckpt")
     assert latest is not None
-    assert latest.name == "ckpt-0000000006"
+    assert latest.name == "ckpt-0000000003"
 
 
 # --------------------------------------------------------------------------- two ranks
@@ -530,7 +530,7 @@ def test_a_sigterm_to_rank_0_only_stops_both_ranks_at_one_boundary(tmp_path: Pat
     latest = cudakit.find_latest(tmp_path / "ckpt")
     # Noted during the window 3-4, agreed at the next boundary (6): one checkpoint there.
     assert latest is not None
-    assert latest.name == "ckpt-0000000006"
+    assert latest.name == "ckpt-0000000003"
     assert not list((tmp_path / "ckpt").glob("*.partial"))
 
 
@@ -558,4 +558,4 @@ def test_a_sigusr1_to_rank_1_only_requeues_from_rank_0_and_both_exit_138(
     assert _calls(calls) == ["requeue 4242"]
     latest = cudakit.find_latest(tmp_path / "ckpt")
     assert latest is not None
-    assert latest.name == "ckpt-0000000006"
+    assert latest.name == "ckpt-0000000003"

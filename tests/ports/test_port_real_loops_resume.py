@@ -37,6 +37,7 @@ from port_real_loops import (
 
 import cudakit
 from cudakit.amp import SpikeRule
+from cudakit.checkpoint import layout
 
 FP32, BF16 = torch.float32, torch.bfloat16
 GAN = ("G", "D")
@@ -70,11 +71,14 @@ def assert_same_run(ref: dict[str, Any], got: dict[str, Any], models=("model",))
 def assert_resumed(
     ref: dict[str, Any], resumed: dict[str, Any], checkpoint: str, models=("model",)
 ) -> None:
-    """Resumed from ``checkpoint`` and ended as the run that never stopped, bit for bit."""
+    """Resumed from the checkpoint taken after the batches ``checkpoint`` numbers (it is
+    named by its optimizer step) and ended as the run that never stopped, bit for bit."""
     ckpt = resumed["ckpt"]
     assert ckpt.resumed_from is not None
-    assert ckpt.resumed_from.name == checkpoint
-    start = int(checkpoint.rsplit("-", 1)[1]) + 1
+    manifest = layout.read_manifest(ckpt.resumed_from)
+    assert manifest.total == int(checkpoint.rsplit("-", 1)[1])
+    assert ckpt.resumed_from.name == layout.checkpoint_name(manifest.windows)
+    start = manifest.total + 1
     assert min(resumed["losses"]) == start
     assert resumed["losses"] == {k: v for k, v in ref["losses"].items() if k >= start}
     assert_same_run(ref, resumed, models)
@@ -100,7 +104,8 @@ def test_nanogpt_loop_equals_the_hand_written_loop(
     assert got["step"].steps == len(got["windows"])
 
 
-# (dtype, accumulate, flush, how it saves, crash_at, the checkpoint resumed from)
+# (dtype, accumulate, flush, how it saves, crash_at, the batches of the checkpoint resumed
+# from, as ckpt-<batches>: the checkpoint itself is named by its optimizer step)
 RESUMES = {
     "mid-epoch": (FP32, 2, False, {"save_at": (6,)}, 9, "ckpt-0000000006"),
     "asked-mid-window": (FP32, 4, False, {"save_at": (5,)}, 10, "ckpt-0000000008"),
@@ -265,7 +270,7 @@ def test_an_explicit_save_at_a_window_end_counts_that_window(tmp_path: Path) -> 
     assert ckpt.position == cudakit.Position(1, 0, 4, 2)
     fresh = _tiny(1)
     again = cudakit.Checkpointer(tmp_path, step=fresh["step"], loader=data, preemption=False)
-    assert again.load(tmp_path / "ckpt-0000000002") == cudakit.Position(0, 2, 2, 1)
+    assert again.load(tmp_path / "ckpt-0000000001") == cudakit.Position(0, 2, 2, 1)
     again.close()
 
 
@@ -352,7 +357,7 @@ def test_a_run_ending_with_an_open_window_says_it_saved_no_last_checkpoint(
         flushed = gpt_run(tmp_path / "flushed", accumulate=4, flush=True)
     assert not [r for r in caplog.records if "open accumulation window" in r.message]
     assert flushed["ckpt"].latest is not None
-    assert flushed["ckpt"].latest.name == "ckpt-0000000022"
+    assert layout.read_manifest(flushed["ckpt"].latest).total == 22
     again = gpt_run(tmp_path / "flushed", accumulate=4, flush=True, noise=1)
     assert again["losses"] == {}
     assert_same_run(flushed, again)
@@ -364,7 +369,7 @@ def test_the_open_window_warning_names_the_checkpoint_a_new_run_resumes_from(
     with caplog.at_level(logging.WARNING, logger="cudakit.checkpoint"):
         gpt_run(tmp_path, accumulate=4, every=2)
     [record] = [r for r in caplog.records if "open accumulation window" in r.message]
-    assert f"resumes from {tmp_path / 'ckpt-0000000016'} and trains" in record.getMessage()
+    assert f"resumes from {tmp_path / 'ckpt-0000000004'} and trains" in record.getMessage()
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -378,7 +383,7 @@ def test_ddp_nanogpt_resumes_bit_for_bit_on_two_ranks(tmp_path: Path) -> None:
 
     results = run_ranks(worker, tmp_path, 2, timeout=240)
     for rank, got in enumerate(results):
-        assert got["resumed_from"] == "ckpt-0000000008", rank
+        assert got["resumed_from"] == "ckpt-0000000002", rank  # step 2 (batch 8)
         start = min(got["resumed_losses"])
         assert start == 9, rank
         assert got["resumed_losses"] == {
