@@ -24,7 +24,7 @@ from .budget import budgeted
 from .cursor import Cursor
 from .data import Position, is_stateful
 from .policy import SavePolicy
-from .preemption import SignalWatch, StopAgreement, after_stop
+from .preemption import Preemption
 from .resume import ResumeChoice
 from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state, warn_open_window
 from .writer import Pending, Writer, drain_background
@@ -176,8 +176,9 @@ class Checkpointer:
             protect=self._protected,
             safe_globals=options.safe_globals,
         )
-        self._signals = SignalWatch(options.preemption)
-        self._stop = StopAgreement(self._control, options.preemption)
+        self._preemption = Preemption(
+            options.preemption, self._control, options.requeue, options.exit_code
+        )
         self._cursor = Cursor()
         self._policy = SavePolicy(options.every)
         self._choice = ResumeChoice(self.directory, self._rank, self._control, announcer)
@@ -236,7 +237,7 @@ class Checkpointer:
     @property
     def stop_requested(self) -> bool:
         """Whether this process received a watched stop signal (see ``preemption=``)."""
-        return self._signals.signum is not None
+        return self._preemption.requested
 
     def __repr__(self) -> str:
         return (
@@ -430,8 +431,7 @@ class Checkpointer:
         try:
             self._writer.finish()
         finally:
-            self._stop.drain()
-            self._signals.uninstall()
+            self._preemption.close()
             if self._held is not None:
                 self._held.release()
 
@@ -465,7 +465,7 @@ class Checkpointer:
         pos = self._cursor.count_window()
         if self._writer.pending is not None and self._writer.done():
             self._writer.finish()
-        stop = self._stop.poll(self._signals.seen)
+        stop = self._preemption.poll()
         due = policy.due(pos)
         saved = self._save_now() if (due or stop) and policy.unsaved(pos) else None
         if stop:
@@ -521,10 +521,7 @@ class Checkpointer:
 
     def _exit_after_stop(self) -> None:
         self.wait()
-        options = self._options
-        code = after_stop(
-            self._rank, self._stop.signals, self._signals, options.requeue, options.exit_code
-        )
+        code = self._preemption.exit_status(self._rank)
         log.warning(
             "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
         )

@@ -32,6 +32,7 @@ from .._check import fail_type, fail_value
 
 __all__ = [
     "DEFAULT_SIGNALS",
+    "Preemption",
     "SignalWatch",
     "StopAgreement",
     "after_stop",
@@ -338,3 +339,43 @@ def after_stop(
     if exit_code is not None:
         return exit_code
     return 128 + (signum if signum is not None else int(signal.SIGTERM))
+
+
+class Preemption:
+    """The stop signals this process watches, agreed across ranks, and the exit after.
+
+    The part of a :class:`~cudakit.checkpoint.Checkpointer` that owns its
+    :class:`SignalWatch` and :class:`StopAgreement`.
+    """
+
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...],
+        group: Any,
+        requeue: bool | str,
+        exit_code: int | None,
+    ) -> None:
+        self.watch = SignalWatch(signals)
+        self.agreement = StopAgreement(group, signals)
+        self._requeue = requeue
+        self._exit_code = exit_code
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process received a watched stop signal."""
+        return self.watch.signum is not None
+
+    def poll(self) -> bool:
+        """Whether every rank stops at this window boundary (see :meth:`StopAgreement.poll`)."""
+        return self.agreement.poll(self.watch.seen)
+
+    def exit_status(self, rank: int) -> int:
+        """Requeue as asked (rank 0) and return the status to exit with (:func:`after_stop`)."""
+        return after_stop(rank, self.agreement.signals, self.watch, self._requeue, self._exit_code)
+
+    def close(self) -> None:
+        """Finish the round in flight, and put the signal handlers back."""
+        try:
+            self.agreement.drain()
+        finally:
+            self.watch.uninstall()

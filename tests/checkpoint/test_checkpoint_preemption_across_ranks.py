@@ -39,6 +39,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], int]] = {
 def _run(strategy: str, root: Path, signal_at: dict[int, int]) -> dict[str, Any]:
     import cudakit
     import cudakit.parallel as cp
+    from cudakit.checkpoint.layout import read_manifest
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -66,8 +67,8 @@ def _run(strategy: str, root: Path, signal_at: dict[int, int]) -> dict[str, Any]
         ckpt.close()
     torch.distributed.barrier()  # rank 0 may still be renaming the checkpoint into place
     latest = cudakit.find_latest(root)
-    # (the batch count the checkpoint was taken at, from its name)
-    total = int(re.findall(r"\d+", latest.name)[-1]) if latest is not None else None
+    # (the batch count the checkpoint was taken at: its name says the step)
+    total = read_manifest(latest).total if latest is not None else None
     return {"code": code, "total": total}
 
 

@@ -83,6 +83,6 @@ def test_file_and_log_of_the_wrong_kind_are_refused_before_anything(tmp_path: Pa
     root = tmp_path / "new"
     with pytest.raises(TypeError, match=r"Checkpointer\(file=\.\.\.\) takes a text stream"):
         cudakit.Checkpointer(root, model=model, file=io.BytesIO())
-    with pytest.raises(TypeError, match=r"Checkpointer\(log=\.\.\.\) takes a logging.Logger"):
+    with pytest.raises(TypeError, match=r"Checkpointer\(log=\.\.\.\) expects a logging.Logger"):
         cudakit.Checkpointer(root, model=model, log=3)
     assert not root.exists()
