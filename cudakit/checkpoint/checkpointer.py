@@ -17,7 +17,6 @@ from typing import Any, Self
 from .._check import check_int
 from .._dist import group_rank, group_world_size, is_group_running
 from .._output import STDERR, check_file, check_log
-from ..exceptions import CheckpointSaveError
 from . import arguments, layout, lock, progress, reader
 from .announce import Announcer
 from .budget import budgeted
@@ -165,7 +164,10 @@ class Checkpointer:
             self._control = dist.new_group(backend="gloo")
             if options.background:
                 save_group = dist.new_group(backend="gloo")
-        self._held = self._hold()  # one run per directory (rank 0 holds it)
+        # One run per directory: rank 0 holds the lock, every rank learns if it may.
+        self._held = lock.hold_on_rank0(self.directory, self._rank, self._control)
+        if self._held is not None:
+            weakref.finalize(self, self._held.release)  # (a Checkpointer dropped unclosed)
         self._writer = Writer(
             self.directory,
             rank=self._rank,
@@ -186,26 +188,6 @@ class Checkpointer:
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
         _OPEN.add(self)
-
-    def _hold(self) -> lock.Held | None:
-        """Take the directory's lock on rank 0; every rank raises if another run holds it."""
-        held, refused = None, None
-        if self._rank == 0:
-            try:
-                held = lock.hold(self.directory)
-            except CheckpointSaveError as exc:
-                refused = str(exc)
-        if self._distributed:
-            import torch.distributed as dist
-
-            box: list[Any] = [refused]
-            dist.broadcast_object_list(box, src=0, group=self._control)
-            refused = box[0]
-        if refused is not None:
-            raise CheckpointSaveError(refused)
-        if held is not None:
-            weakref.finalize(self, held.release)  # (a Checkpointer dropped unclosed)
-        return held
 
     # ------------------------------------------------------------------ state
 

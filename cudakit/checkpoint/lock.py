@@ -22,10 +22,11 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from ..exceptions import CheckpointSaveError
 
-__all__ = ["LOCK_FILE", "REQUEUE_WAIT", "Held", "Holder", "hold"]
+__all__ = ["LOCK_FILE", "REQUEUE_WAIT", "Held", "Holder", "hold", "hold_on_rank0"]
 
 #: The lock file's name in the checkpoint directory.
 LOCK_FILE = ".cudakit-lock"
@@ -108,6 +109,26 @@ def hold(root: Path, func: str = "Checkpointer") -> Held:
         _HELD[path] = entry
     entry.count += 1
     return Held(entry)
+
+
+def hold_on_rank0(root: Path, rank: int, group: Any) -> Held | None:
+    """Rank 0 takes ``root``'s lock (:func:`hold`); under a process group (``group``, the
+    control group) its verdict is broadcast, so every rank raises the same error."""
+    held, refused = None, None
+    if rank == 0:
+        try:
+            held = hold(root)
+        except CheckpointSaveError as exc:
+            refused = str(exc)
+    if group is not None:
+        import torch.distributed as dist
+
+        box: list[Any] = [refused]
+        dist.broadcast_object_list(box, src=0, group=group)
+        refused = box[0]
+    if refused is not None:
+        raise CheckpointSaveError(refused)
+    return held
 
 
 def _take(path: Path, func: str) -> _Entry:
