@@ -246,10 +246,24 @@ def _check_fsdp(func: str, options: Mapping[str, Any]) -> None:
             continue
         types, expected = kinds[name]
         check_type(func, name, value, types, expected=expected)
+    _check_pinned_offload(func, options.get("offload_policy"))
     fn = options.get("shard_placement_fn")
     if fn is not None:
         check_callable(func, "shard_placement_fn", fn, expected="a function of a parameter")
     _check_mesh(func, "mesh", options.get("mesh"))
+
+
+def _check_pinned_offload(func: str, policy: object) -> None:
+    """fully_shard pins offloaded shards (and fails) only once it has taken the model."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    pinned = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory
+    if pinned and not torch.accelerator.is_available():
+        raise ValueError(
+            f"{func}(offload_policy=...) got CPUOffloadPolicy(pin_memory=True), which "
+            "pins host memory for copies to a GPU, and this machine has none. Pass "
+            "CPUOffloadPolicy(pin_memory=False) to offload without pinning."
+        )
 
 
 def check_options(

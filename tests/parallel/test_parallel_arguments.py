@@ -508,3 +508,26 @@ def test_launch_error_words_independent_failures() -> None:
     )
     three = explain([_raised(0, 1.0, cause), _raised(1, 2.0, cause), _raised(2, 3.0, cause)])
     assert "(ranks 1, 2 failed too, independently, with the same error)" in str(three)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory needs no GPU here")
+def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))
+    before = _snapshot(net)
+    with pytest.raises(
+        ValueError,
+        match=r"parallelize\(offload_policy=\.\.\.\) got CPUOffloadPolicy\(pin_memory=True\), "
+        r"which pins host memory for copies to a GPU, and this machine has none\. Pass "
+        r"CPUOffloadPolicy\(pin_memory=False\)",
+    ):
+        cp.parallelize(net, "fsdp", device="cpu", offload_policy=CPUOffloadPolicy())
+    assert _unchanged(net, before)
+    assert not dist.is_initialized()
