@@ -24,7 +24,8 @@ VOCAB = 128
 
 
 def config(kind: str) -> Any:
-    """The tiny config of ``kind``: "llama", "gpt2" (tied embeddings), "bert", "qwen2"."""
+    """The tiny config of ``kind``: "llama", "gpt2" (tied embeddings), "bert", "qwen2"
+    (tied); no dropout, so a loss is the same in train and eval mode."""
     if kind == "llama":
         return transformers.LlamaConfig(
             vocab_size=VOCAB,
@@ -53,6 +54,9 @@ def config(kind: str) -> Any:
             n_layer=2,
             n_head=4,
             n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -64,6 +68,8 @@ def config(kind: str) -> Any:
             num_attention_heads=4,
             intermediate_size=64,
             max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
     raise ValueError(kind)
 
@@ -133,27 +139,39 @@ def loss_of(kind: str, model: nn.Module) -> torch.Tensor:
     return out.loss if kind != "bert" else out.last_hidden_state.square().mean()
 
 
-def ranks_init(root: str, kinds: list[str], seed: int) -> dict[str, Any]:
-    """On every rank: each model built on meta, sharded by parallelize(), gathered."""
+def _gathered(kind: str, model: nn.Module) -> dict[str, Any]:
+    inner = cp.unwrap(model)
+    loss = loss_of(kind, model)
+    loss.backward()
+    return {
+        "full": {k: v.clone() for k, v in cp.state_dict(model).items()},
+        "buffers": {k: v.clone() for k, v in inner.named_buffers()},
+        "meta": [k for k, v in inner.state_dict().items() if v.is_meta],
+        "tied": getattr(inner.get_output_embeddings(), "weight", None)
+        is getattr(inner.get_input_embeddings(), "weight", 0),
+        "loss": loss.detach().clone(),
+        "sharded": all(hasattr(p, "to_local") for p in inner.parameters()),
+        "grads": all(p.grad is not None for p in inner.parameters()),
+    }
+
+
+def ranks(root: str | None, kinds: list[str], seed: int) -> dict[str, Any]:
+    """On every rank: each model built on meta and sharded by parallelize(), then
+    gathered; with ``root``, also one loaded from transformers' files in
+    ``root/hf-<kind>`` and written back to ``root/out-<kind>``."""
     out: dict[str, Any] = {}
     with cp.process_group(timeout=120):
         for kind in kinds:
             model = cp.parallelize(build(kind), "fsdp", init_seed=seed)
-            inner = cp.unwrap(model)
-            loss = loss_of(kind, model)
-            loss.backward()
-            out[kind] = {
-                "full": {k: v.clone() for k, v in cp.state_dict(model).items()},
-                "buffers": {k: v.clone() for k, v in inner.named_buffers()},
-                "meta": [k for k, v in inner.state_dict().items() if v.is_meta],
-                "tied": getattr(inner.get_output_embeddings(), "weight", None)
-                is getattr(inner.get_input_embeddings(), "weight", 0),
-                "loss": loss.detach().clone(),
-                "sharded": all(hasattr(p, "to_local") for p in inner.parameters()),
-            }
-    del root
+            out[kind] = _gathered(kind, model)
+            if root is None:
+                continue
+            model = cp.parallelize(build(kind), "fsdp", init_seed=seed + 1)
+            res = cp.load_pretrained(model, Path(root) / f"hf-{kind}")
+            out[f"{kind}-loaded"] = _gathered(kind, model)
+            out[f"{kind}-loaded"]["bytes"] = res.bytes_read
+            target = Path(root) / f"out-{kind}"
+            cp.save_pretrained(model, target, max_shard_size=20_000)
+            if cp.is_main_process():
+                cp.unwrap(model).config.save_pretrained(target)
     return out
-
-
-def save_dir(root: str) -> Path:
-    return Path(root)

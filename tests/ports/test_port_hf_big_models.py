@@ -9,6 +9,9 @@ vocab 128). Each launch builds every model once and returns what the parent comp
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -55,3 +58,114 @@ def test_passing_init_weights_yourself_is_the_default() -> None:
     model = hf.build("gpt2")
     model = cp.materialize(model, "cpu", init=model._init_weights, init_seed=3)
     _assert_equal(hf.tensors(model), hf.tensors(hf.hand_init("gpt2", 3)), "gpt2")
+
+
+# --------------------------------------------------------------------------- pretrained
+
+
+def _hf_folder(kind: str, root: Path) -> tuple[Path, Any]:
+    """A model built normally and written by transformers in shards of 50 kB."""
+    model = hf.build(kind, meta=False)
+    folder = root / f"hf-{kind}"
+    model.save_pretrained(folder, max_shard_size="50KB")
+    return folder, type(model).from_pretrained(folder)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
+def test_transformers_sharded_files_load_into_a_meta_built_model(kind: str, tmp_path: Path) -> None:
+    folder, ref = _hf_folder(kind, tmp_path)
+    assert (folder / "model.safetensors.index.json").exists()
+    model = cp.parallelize(hf.build(kind), "none", device="cpu", init_seed=1)
+    result = cp.load_pretrained(model, folder)
+    assert result.missing_keys == []
+    assert result.unexpected_keys == []
+    _assert_equal(hf.tensors(model), hf.tensors(ref), kind)
+    assert torch.equal(hf.loss_of(kind, model), hf.loss_of(kind, ref))
+
+
+def test_a_base_models_file_loads_into_its_head_model_and_back(tmp_path: Path) -> None:
+    base = transformers.LlamaModel(hf.config("llama"))
+    base.save_pretrained(tmp_path / "base")
+    model = cp.materialize(hf.build("llama"), "cpu")
+    head_before = model.lm_head.weight.clone()
+    result = cp.load_pretrained(model, tmp_path / "base", strict=False)
+    assert result.missing_keys == ["lm_head.weight"]
+    assert torch.equal(model.lm_head.weight, head_before)
+    _assert_equal(hf.tensors(model.model), hf.tensors(base), "model.")
+    # The head model's file into the base model: "model." found, keys outside it
+    # (lm_head) left alone, as documented.
+    model.save_pretrained(tmp_path / "head")
+    again = cp.materialize(_meta_base(), "cpu", init_seed=4)
+    result = cp.load_pretrained(again, tmp_path / "head")
+    assert result.missing_keys == []
+    assert result.unexpected_keys == []
+    _assert_equal(hf.tensors(again), hf.tensors(model.model), "base")
+
+
+def _meta_base() -> Any:
+    with torch.device("meta"):
+        return transformers.LlamaModel(hf.config("llama"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_cudakit_save_pretrained_loads_with_from_pretrained(kind: str, tmp_path: Path) -> None:
+    model = cp.parallelize(hf.build(kind), "none", device="cpu", init_seed=2)
+    files = cp.save_pretrained(model, tmp_path, max_shard_size=20_000)
+    model.config.save_pretrained(tmp_path)  # from_pretrained needs config.json
+    assert len(files) > 1
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    _assert_equal(hf.tensors(loaded), hf.tensors(model), kind)
+    if kind == "gpt2":
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+# --------------------------------------------------------------------------- FSDP2 over gloo
+
+
+def _one_process(kind: str, seed: int) -> dict[str, torch.Tensor]:
+    model = cp.parallelize(hf.build(kind), "none", device="cpu", init_seed=seed)
+    return model.state_dict()
+
+
+def _check_rank(kind: str, res: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    """One rank's result; rank 0's state dict is the full one, the others' empty."""
+    if res["full"]:
+        _assert_equal(res["full"], want, kind)
+    assert res["meta"] == [], kind
+    assert res["sharded"], kind
+    assert res["grads"], kind
+    normal = hf.build(kind, meta=False)  # non-persistent buffers as built
+    _assert_equal(res["buffers"], dict(normal.named_buffers()), kind)
+    assert res["tied"] == (kind in ("gpt2", "qwen2")), kind
+    normal.load_state_dict(want)
+    assert torch.equal(res["loss"], hf.loss_of(kind, normal)), kind
+
+
+@pytest.mark.distributed
+def test_fsdp_over_two_ranks_inits_loads_and_saves_hf_models(tmp_path: Path) -> None:
+    kinds = ["llama", "gpt2"]
+    refs = {kind: _hf_folder(kind, tmp_path)[1] for kind in kinds}
+    results = cp.launch(hf.ranks, str(tmp_path), kinds, 5, nprocs=2, timeout=150)
+    for kind in kinds:
+        want = _one_process(kind, 5)
+        loaded = refs[kind].state_dict()
+        assert results[0][kind]["full"]
+        assert results[0][f"{kind}-loaded"]["full"]
+        for res in results:
+            _check_rank(kind, res[kind], want)
+            _check_rank(kind, res[f"{kind}-loaded"], loaded)
+        total = sum(v.nbytes for k, v in loaded.items() if k != "lm_head.weight" or kind != "gpt2")
+        assert sum(res[f"{kind}-loaded"]["bytes"] for res in results) == total
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"out-{kind}")
+        _assert_equal(again.state_dict(), loaded, kind)
+
+
+@pytest.mark.distributed
+def test_fsdp_over_three_ranks_gives_the_one_process_init() -> None:
+    # 128 rows and 32 columns over 3 ranks: uneven shards.
+    results = cp.launch(hf.ranks, None, ["llama", "qwen2"], 9, nprocs=3, timeout=150)
+    for kind in ["llama", "qwen2"]:
+        assert results[0][kind]["full"]
+        for res in results:
+            _check_rank(kind, res[kind], _one_process(kind, 9))
