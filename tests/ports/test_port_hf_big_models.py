@@ -169,3 +169,48 @@ def test_fsdp_over_three_ranks_gives_the_one_process_init() -> None:
         assert results[0][kind]["full"]
         for res in results:
             _check_rank(kind, res[kind], _one_process(kind, 9))
+
+
+# --------------------------------------------------------------------------- recompute
+
+
+def _llama_grads(policy: str | None, **batch: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    model = cp.materialize(hf.build("llama"), "cpu", init_seed=1)
+    keys = list(model.state_dict())
+    if policy is not None:
+        cp.recompute(model, policy)  # the ModuleList's LlamaDecoderLayers, found alone
+        assert cp.recomputed_blocks(model) == ["model.layers.0", "model.layers.1"]
+    assert list(model.state_dict()) == keys
+    out = model(**hf.batch("llama"), **batch)
+    out.loss.backward()
+    return {k: p.grad for k, p in model.named_parameters()}, out
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("use_cache", [None, False])  # None: the config's, True
+def test_recomputed_llama_layers_give_the_same_gradients(policy: str, use_cache: Any) -> None:
+    want, _ = _llama_grads(None, use_cache=use_cache)
+    got, out = _llama_grads(policy, use_cache=use_cache)
+    _assert_equal(got, want, policy)
+    if out.past_key_values is not None:  # as under HF's own checkpointing: nothing cached
+        assert out.past_key_values.get_seq_length() == 0
+
+
+def test_recompute_refuses_blocks_hf_already_checkpoints() -> None:
+    model = cp.materialize(hf.build("llama"), "cpu")
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"activation_checkpointing_disable\(\)"):
+        cp.recompute(model, "full")
+    assert cp.recomputed_blocks(model) == []
+    meta = hf.build("llama")
+    meta.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"activation_checkpointing_disable\(\)"):
+        cp.parallelize(meta, "none", device="cpu", recompute="full")
+    assert all(t.is_meta for t in meta.parameters())  # refused: nothing changed
+    model.activation_checkpointing_disable()
+    cp.recompute(model, "full")
+    model.activation_checkpointing_enable()  # afterwards: refused at the forward
+    with pytest.raises(RuntimeError, match="recomputed twice"):
+        model(**hf.batch("llama"))
+    with torch.no_grad():  # nothing is checkpointed without gradients
+        model(**hf.batch("llama"))
