@@ -295,18 +295,25 @@ def _hf_call(model: nn.Module, init: InitFn | None) -> Callable[[nn.Module, str]
 
 
 def _untouched_error(func: str, model: nn.Module, names: list[str], init: InitFn | None) -> str:
+    fix = (
+        "Give each module a reset_parameters() that writes every tensor it holds itself "
+        "(recompute non-persistent buffers such as RoPE's inv_freq there), or pass "
+        "init=fn, called as fn(module) or fn(module, name) for every submodule, that does."
+    )
     if hf_init(model, init):
         how = f"{type(model).__name__}._init_weights() writes none of"
+        fix = (
+            "Write them in _init_weights(module) (it is called for every submodule, "
+            "children first), or pass init=fn, called as fn(module) or fn(module, name) "
+            "for every submodule, that does."
+        )
     elif init is not None:
         how = "init=... writes"
     else:
         how = "no reset_parameters() writes (the default init=None calls each module's own)"
     return (
         f"{func}(): {how} {len(names)} tensor(s) of the {type(model).__name__}, which would "
-        f"stay uninitialised: {_names(names)}. Give each module a reset_parameters() that "
-        "writes every tensor it holds itself (recompute non-persistent buffers such as "
-        "RoPE's inv_freq there), or pass init=fn, called as fn(module) or fn(module, name) "
-        "for every submodule, that does."
+        f"stay uninitialised: {_names(names)}. {fix}"
     )
 
 
