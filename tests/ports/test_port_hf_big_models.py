@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import port_hf_helpers as hf  # noqa: E402  (imports transformers)
+import port_hf_models as hf  # noqa: E402  (imports transformers)
 
 import cudakit.memory as cp_memory  # noqa: E402
 import cudakit.parallel as cp  # noqa: E402
