@@ -22,6 +22,7 @@ whatever the world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -83,6 +84,19 @@ def _slots(model: nn.Module) -> list[tuple[str, nn.Module, list[_Slot]]]:
     return out
 
 
+@dataclasses.dataclass
+class _Step:
+    """One init run: the modules it calls, in order, and the tensors they write."""
+
+    calls: list[tuple[str, nn.Module]]
+    slots: list[_Slot]
+
+
+def _own_steps(groups: list[tuple[str, nn.Module, list[_Slot]]]) -> list[_Step]:
+    """One step per module that holds tensors: its init writes those, and only those."""
+    return [_Step([(mname, module)], slots) for mname, module, slots in groups]
+
+
 def _dtensor_type() -> type | None:
     mod = sys.modules.get("torch.distributed.tensor")
     return cast("type | None", getattr(mod, "DTensor", None)) if mod is not None else None
@@ -138,56 +152,168 @@ def _fresh(slot: _Slot, device: torch.device | str, fill: bool) -> torch.Tensor:
     return t
 
 
-def _run_one(
-    call: Any, mname: str, module: nn.Module, handed: dict[int, torch.Tensor]
-) -> tuple[set[int], dict[int, int]]:
-    """``call(module, mname)`` under no_grad, watched: (ids written via .data, versions)."""
+def _run_watched(run: Callable[[], None], handed: dict[int, torch.Tensor]) -> set[int]:
+    """``run()`` under no_grad, watched: the keys of the handed tensors it wrote."""
     versions = {key: t._version for key, t in handed.items()}
     watch = Watch({id(t): t for t in handed.values()})
     with torch.no_grad(), watch:
-        call(module, mname)
-    written = {key for key, t in handed.items() if id(t) in watch.written}
-    return written, versions
+        run()
+    return {
+        key for key, t in handed.items() if id(t) in watch.written or t._version != versions[key]
+    }
 
 
-def _untouched_on_meta(
-    groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
-) -> list[str] | None:
-    """The tensors the init would not write, found on the meta device (nothing
+def _written_on_meta(
+    call: Any, mname: str, module: nn.Module, slots: list[_Slot]
+) -> list[_Slot] | None:
+    """The slots ``call(module, mname)`` writes, found on fresh meta tensors (nothing
     allocated); None when the init cannot run there (it reads values)."""
-    untouched: list[str] = []
-    for mname, module, slots in groups:
-        handed = {i: _fresh(s, "meta", fill=False) for i, s in enumerate(slots)}
+    handed = {i: _fresh(s, "meta", fill=False) for i, s in enumerate(slots)}
+    try:
+        for i, s in enumerate(slots):
+            s.put(handed[i])
         try:
-            for i, s in enumerate(slots):
-                s.put(handed[i])
-            try:
-                written, versions = _run_one(call, mname, module, handed)
-            except Exception:
-                return None  # the real run raises it, with the values at hand
-            for i, s in enumerate(slots):
-                now = s.get()
-                touched = now is not handed[i] or i in written or handed[i]._version != versions[i]
-                if s.first and not touched:
-                    untouched.append(f"{s.fqn} ({s.kind})")
-        finally:
-            for s in slots:
-                s.put(s.tensor)
-    return untouched
+            written = _run_watched(lambda: call(module, mname), handed)
+        except Exception:
+            return None  # the real run raises it, with the values at hand
+        return [s for i, s in enumerate(slots) if s.get() is not handed[i] or i in written]
+    finally:
+        for s in slots:
+            s.put(s.tensor)
+
+
+def _untouched(steps: list[_Step], written: Iterable[_Slot]) -> list[str]:
+    done = {id(s) for s in written}
+    return [
+        f"{s.fqn} ({s.kind})" for st in steps for s in st.slots if s.first and id(s) not in done
+    ]
+
+
+def _own_plan(
+    groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
+) -> tuple[list[_Step], list[str] | None]:
+    """One step per module, and the tensors the init would not write (None: the init
+    cannot run on the meta device)."""
+    steps = _own_steps(groups)
+    written: list[_Slot] = []
+    for mname, module, slots in groups:
+        wrote = _written_on_meta(call, mname, module, slots)
+        if wrote is None:
+            return steps, None
+        written += wrote
+    return steps, _untouched(steps, written)
+
+
+def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module once, children before their parent (``named_modules()``'s names)."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def walk(name: str, module: nn.Module) -> None:
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            if id(child) not in seen:
+                walk(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, module))
+
+    walk("", model)
+    return out
+
+
+def _tree_plan(
+    model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
+) -> tuple[list[_Step], list[str] | None]:
+    """Hugging Face's order: every module, children first, may write tensors of its
+    own or of its descendants (GPT-2's attention rescales its projection's weight).
+    The dry run finds what each writes; modules writing the same tensors share one
+    step, so a rank holds full copies of one step's tensors at a time. A module that
+    writes only a tied weight's second name is skipped: the first holder's init wins."""
+    found: list[tuple[int, str, nn.Module, list[_Slot]]] = []
+    written: list[_Slot] = []
+    for index, (mname, module) in enumerate(_post_order(model)):
+        inside = [
+            s
+            for gname, _, slots in groups
+            if not mname or gname == mname or gname.startswith(mname + ".")
+            for s in slots
+        ]
+        if not inside:
+            continue
+        wrote = _written_on_meta(call, mname, module, inside)
+        if wrote is None:
+            return _own_steps(groups), None
+        if any(s.first for s in wrote):
+            found.append((index, mname, module, wrote))
+            written += wrote
+    merged: list[tuple[list[tuple[int, str, nn.Module]], dict[int, _Slot]]] = []
+    for index, mname, module, wrote in found:
+        calls, slots = [(index, mname, module)], {id(s): s for s in wrote}
+        keep = []
+        for other_calls, other_slots in merged:
+            if other_slots.keys() & slots.keys():
+                calls, slots = other_calls + calls, {**other_slots, **slots}
+            else:
+                keep.append((other_calls, other_slots))
+        merged = [*keep, (sorted(calls, key=lambda c: c[0]), slots)]
+    merged.sort(key=lambda m: m[0][0][0])
+    steps = [_Step([(n, m) for _, n, m in calls], list(slots.values())) for calls, slots in merged]
+    return steps, _untouched(_own_steps(groups), written)
+
+
+def _plan(
+    model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], init: InitFn | None
+) -> tuple[list[_Step], list[str] | None, Any]:
+    """The steps of the real run, the tensors nothing would write (None: unknown, the
+    init cannot run on meta), and the call that initialises one module."""
+    if hf_init(model, init):
+        call = _hf_call(model, init)
+        return (*_tree_plan(model, groups, call), call)
+    call = call_init(init)
+    return (*_own_plan(groups, call), call)
+
+
+def hf_init(model: nn.Module, init: InitFn | None) -> bool:
+    """Whether the init is a Hugging Face ``_init_weights(module)``: the model's own
+    (``init=None`` on a model that has one) or one passed as ``init=``."""
+    if init is None:
+        return callable(getattr(model, "_init_weights", None))
+    owner = getattr(init, "__self__", None)
+    return isinstance(owner, nn.Module) and getattr(init, "__name__", "") == "_init_weights"
+
+
+def _hf_call(model: nn.Module, init: InitFn | None) -> Callable[[nn.Module, str], None]:
+    """``init(module)``, or with ``init=None`` the ``_init_weights`` of the module's
+    nearest ancestor that has one (HF's dispatch to a composite model's parts)."""
+    if init is not None:
+        return lambda module, name: init(module)
+    owners: dict[str, Callable[[nn.Module], None]] = {}
+    for name, module in model.named_modules():
+        own = getattr(module, "_init_weights", None)
+        parent = owners.get(name.rpartition(".")[0]) if name else None
+        owners[name] = own if callable(own) else cast(Any, parent)
+    return lambda module, name: owners[name](module)
 
 
 def _untouched_error(func: str, model: nn.Module, names: list[str], init: InitFn | None) -> str:
-    how = (
-        "init=... writes"
-        if init is not None
-        else "no reset_parameters() writes (the default init=None calls each module's own)"
+    fix = (
+        "Give each module a reset_parameters() that writes every tensor it holds itself "
+        "(recompute non-persistent buffers such as RoPE's inv_freq there), or pass "
+        "init=fn, called as fn(module) or fn(module, name) for every submodule, that does."
     )
+    if hf_init(model, init):
+        how = f"{type(model).__name__}._init_weights() writes none of"
+        fix = (
+            "Write them in _init_weights(module) (it is called for every submodule, "
+            "children first), or pass init=fn, called as fn(module) or fn(module, name) "
+            "for every submodule, that does."
+        )
+    elif init is not None:
+        how = "init=... writes"
+    else:
+        how = "no reset_parameters() writes (the default init=None calls each module's own)"
     return (
         f"{func}(): {how} {len(names)} tensor(s) of the {type(model).__name__}, which would "
-        f"stay uninitialised: {_names(names)}. Give each module a reset_parameters() that "
-        "writes every tensor it holds itself (recompute non-persistent buffers such as "
-        "RoPE's inv_freq there), or pass init=fn, called as fn(module) or fn(module, name) "
-        "for every submodule, that does."
+        f"stay uninitialised: {_names(names)}. {fix}"
     )
 
 
@@ -275,10 +401,9 @@ class _Scratch:
     """One byte buffer per device for the full tensors a module's init gets, reused
     from module to module: allocated (and its pages touched) once, not per module."""
 
-    def __init__(self, groups: list[tuple[str, nn.Module, list[_Slot]]]) -> None:
+    def __init__(self, steps: list[_Step]) -> None:
         self.size = max(
-            (sum(self._bytes(s) for s in slots if _scratched(s)) for _, _, slots in groups),
-            default=0,
+            (sum(self._bytes(s) for s in st.slots if _scratched(s)) for st in steps), default=0
         )
         self.buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -314,13 +439,14 @@ class _Scratch:
 
 
 def _initialise(
-    func: str, groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any, init_seed: int
+    func: str, steps: list[_Step], call: Any, init_seed: int
 ) -> tuple[list[str], list[str]]:
     """The real run; returns the tensors left untouched and those left on meta."""
     untouched: list[str] = []
     on_meta: list[str] = []
-    scratch = _Scratch(groups)
-    for mname, module, slots in groups:
+    scratch = _Scratch(steps)
+    for step in steps:
+        slots = step.slots
         handed: dict[int, torch.Tensor] = {}
         device = torch.device("cpu")
         handed.update(scratch.handed(slots))
@@ -336,8 +462,10 @@ def _initialise(
         try:
             for i, s in enumerate(slots):
                 s.put(handed[i])
-            with seeded(module_seed(init_seed, mname), device):
-                written, versions = _run_one(call, mname, module, handed)
+            written: set[int] = set()
+            for mname, module in step.calls:  # each under its own seed
+                with seeded(module_seed(init_seed, mname), device):
+                    written |= _run_watched(functools.partial(call, module, mname), handed)
             for i, s in enumerate(slots):
                 if not s.first:
                     continue
@@ -356,7 +484,7 @@ def _initialise(
                 if s.tensor.is_floating_point() or s.tensor.is_complex():
                     bad = _holes(now)
                 else:
-                    bad = not (replaced or i in written or handed[i]._version != versions[i])
+                    bad = not (replaced or i in written)
                 if bad:
                     untouched.append(f"{s.fqn} ({s.kind})")
                     continue
@@ -386,12 +514,11 @@ def materialize_checked(
 ) -> nn.Module:
     """:func:`materialize` after the arguments were checked (``model`` all on meta)."""
     groups = _slots(model)
-    call = call_init(init)
-    untouched = _untouched_on_meta(groups, call)
+    steps, untouched, call = _plan(model, groups, init)
     if untouched:
         raise ValueError(_untouched_error(func, model, untouched, init))
     _allocate(model, groups, device)
-    untouched, on_meta = _initialise(func, groups, call, init_seed)
+    untouched, on_meta = _initialise(func, steps, call, init_seed)
     if on_meta:
         raise ValueError(_meta_error(func, model, on_meta))
     if untouched:
@@ -491,8 +618,9 @@ class MetaBuild:
         """Allocate ``model`` (sharded or not) on ``device`` and initialise it; under
         ``fully_shard``'s ``options`` CPU offload, its parameters on the CPU."""
         groups = _slots(model)
+        steps, _, call = _plan(model, groups, self.init)  # on the sharded meta model
         _allocate(model, groups, device, params_device(options or {}, device))
-        untouched, on_meta = _initialise(func, groups, call_init(self.init), self.seed)
+        untouched, on_meta = _initialise(func, steps, call, self.seed)
         if on_meta:
             raise InitError(_meta_error(func, model, on_meta))
         if untouched:
@@ -515,7 +643,7 @@ def plan_build(
                 "device, or call your init yourself and leave init=None."
             )
         return None
-    untouched = _untouched_on_meta(_slots(model), call_init(init))
+    _, untouched, _ = _plan(model, _slots(model), init)
     if untouched:
         raise ValueError(_untouched_error(func, model, untouched, init))
     return MetaBuild(init, seed)

@@ -272,6 +272,31 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+# What a Hugging Face layer calls the cache it writes (its own checkpointing drops it).
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+
+
+def _hf_checkpointing(block: nn.Module) -> bool:
+    """Whether transformers' own checkpointing is on for ``block`` (a
+    ``GradientCheckpointingLayer`` after ``model.activation_checkpointing_enable()``)."""
+    return getattr(block, "gradient_checkpointing", False) is True
+
+
+def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face layer's keywords with its KV cache off, as its own checkpointing
+    does: the recompute would write the cache a second time."""
+    if not hasattr(type(block), "gradient_checkpointing"):  # not a transformers layer
+        return kwargs
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    if not getattr(block, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if out.get(name) is not None:
+                out[name] = None
+    return out
+
+
 class _RecomputedForward(nn.Module):
     """The base of every recomputed block's class: ``forward`` under ``checkpoint``."""
 
@@ -282,6 +307,15 @@ class _RecomputedForward(nn.Module):
         policy = getattr(self, _ATTR, "full")
         if policy == "none":  # undone after a wrapper changed the class again
             return inner(*args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            if _hf_checkpointing(self):
+                raise RuntimeError(
+                    f"{_original_class(self).__name__} would be recomputed twice: by "
+                    "cudakit's recompute and by transformers' activation checkpointing, "
+                    "switched on after it. Call model.activation_checkpointing_disable(), "
+                    "or cudakit.parallel.recompute(model, 'none') to keep transformers' own."
+                )
+            kwargs = _without_cache(self, kwargs)
         if policy == "selective":
             return checkpoint(
                 inner, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
@@ -357,9 +391,20 @@ def plan_recompute(func: str, model: nn.Module, spec: Recompute) -> list[tuple[s
     if spec.policy in ("none", "budget"):
         return []
     try:
-        return find_blocks(model, spec)
+        blocks = find_blocks(model, spec)
     except ValueError as exc:
         raise ValueError(str(exc).replace("recompute(", f"{func}(", 1)) from None
+    twice = [name for name, block in blocks if _hf_checkpointing(block)]
+    if twice:
+        raise ValueError(
+            f"{func}() would recompute {len(twice)} block(s) twice: transformers' own "
+            f"activation checkpointing is on for {', '.join(map(repr, twice[:4]))}"
+            + (" ..." if len(twice) > 4 else "")
+            + " (model.activation_checkpointing_enable(), formerly "
+            "gradient_checkpointing_enable()). Call model.activation_checkpointing_disable() "
+            "first, or keep transformers' and leave cudakit's recompute off."
+        )
+    return blocks
 
 
 def recompute(

@@ -255,3 +255,57 @@ def test_any_model_equals_the_hand_written_loop(spec: Any, seed: int, tie: int) 
         assert torch.equal(got[key], value), key
     tied = {id(p) for p in model.parameters()}
     assert len(tied) == len({id(p) for p in ref.parameters()})
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+        self.proj = nn.Linear(4, 4)
+
+
+class _HFStyle(nn.Module):
+    """Hugging Face's shape: one _init_weights(module) for every module, and a parent
+    (the attention, holding no tensor) that rescales its child's weight."""
+
+    def __init__(self, gain: bool = False) -> None:
+        super().__init__()
+        self.attn = _Attn()
+        self.norm = nn.LayerNorm(4)
+        if gain:
+            self.gain = nn.Parameter(torch.ones(4))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, _Attn):
+            nn.init.normal_(module.proj.weight, std=0.001)
+
+
+def test_a_model_with_init_weights_is_initialised_by_it_children_first() -> None:
+    with torch.device("meta"):
+        model = _HFStyle()
+    model = cp.materialize(model, "cpu", init_seed=3)
+    ref = _HFStyle()
+    with torch.no_grad():  # children before parents, each under its own seed
+        for name in ["attn.qkv", "attn.proj", "attn", "norm", ""]:
+            with seeded(module_seed(3, name), torch.device("cpu")):
+                ref._init_weights(ref.get_submodule(name))
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert model.attn.proj.weight.std() < 0.01  # the parent's rescale came last
+
+
+def test_tensors_init_weights_leaves_are_named() -> None:
+    with torch.device("meta"):
+        model = _HFStyle(gain=True)
+    with pytest.raises(
+        ValueError,
+        match=r"_HFStyle\._init_weights\(\) writes none of 1 .*'gain.*Write them in _init_weights",
+    ):
+        cp.materialize(model, "cpu")
+    assert model.gain.is_meta
