@@ -5,8 +5,8 @@ under ``with torch.device("meta"):``), sharded with FSDP2 or not, allocates it o
 device (for a sharded model only this rank's shards) and initialises it one
 submodule at a time:
 
-1. a dry run on the meta device names every tensor the init would leave untouched,
-   before anything is allocated;
+1. a dry run on the meta device (``_init_plan``) names every tensor the init would
+   leave untouched, before anything is allocated;
 2. ``model.to_empty(device=...)``, tied weights tied again;
 3. for each submodule that owns tensors, in ``model.named_modules()`` order: its full
    tensors are handed to it (for a sharded one, a full copy of each, filled with NaN),
@@ -25,14 +25,15 @@ import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .._check import check_callable, check_int, check_type
-from ._init_watch import InitFn, Watch, call_init, module_seed, seeded
+from ._init_plan import Slot, Step, group_slots, plan, quoted, run_watched, untouched_error
+from ._init_watch import InitFn, module_seed, seeded
 
 __all__ = ["materialize", "meta_model_state"]
 
@@ -42,59 +43,6 @@ class InitError(ValueError):
 
 
 _INIT = "a callable init(module) or init(module, name), or None for reset_parameters()"
-
-
-@dataclasses.dataclass
-class _Slot:
-    """One tensor registered on one module: where it sits and what it is."""
-
-    module: nn.Module
-    table: str  # "_parameters" or "_buffers"
-    name: str
-    fqn: str
-    tensor: torch.Tensor
-    first: bool  # the first module holding this tensor (a tied one is initialised once)
-
-    @property
-    def kind(self) -> str:
-        return "parameter" if self.table == "_parameters" else "buffer"
-
-    def get(self) -> Any:
-        return getattr(self.module, self.table).get(self.name)
-
-    def put(self, value: torch.Tensor) -> None:
-        getattr(self.module, self.table)[self.name] = value
-
-
-def _slots(model: nn.Module) -> list[tuple[str, nn.Module, list[_Slot]]]:
-    """Every module that holds tensors itself, with them, in ``named_modules()`` order."""
-    seen: set[int] = set()
-    out: list[tuple[str, nn.Module, list[_Slot]]] = []
-    for mname, module in model.named_modules():
-        own: list[_Slot] = []
-        for table in ("_parameters", "_buffers"):
-            for name, tensor in getattr(module, table).items():
-                if tensor is None:
-                    continue
-                fqn = f"{mname}.{name}" if mname else name
-                own.append(_Slot(module, table, name, fqn, tensor, id(tensor) not in seen))
-                seen.add(id(tensor))
-        if own:
-            out.append((mname, module, own))
-    return out
-
-
-@dataclasses.dataclass
-class _Step:
-    """One init run: the modules it calls, in order, and the tensors they write."""
-
-    calls: list[tuple[str, nn.Module]]
-    slots: list[_Slot]
-
-
-def _own_steps(groups: list[tuple[str, nn.Module, list[_Slot]]]) -> list[_Step]:
-    """One step per module that holds tensors: its init writes those, and only those."""
-    return [_Step([(mname, module)], slots) for mname, module, slots in groups]
 
 
 def _dtensor_type() -> type | None:
@@ -117,12 +65,6 @@ def meta_model_state(model: nn.Module) -> tuple[list[str], list[str]]:
     return on_meta, elsewhere
 
 
-def _names(names: Iterable[str], limit: int = 8) -> str:
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 def check_all_meta(func: str, model: nn.Module) -> bool:
     """Whether every tensor of ``model`` is on the meta device; a model only partly
     there is a ``ValueError``. A model without tensors is not on the meta device."""
@@ -130,191 +72,11 @@ def check_all_meta(func: str, model: nn.Module) -> bool:
     if on_meta and elsewhere:
         raise ValueError(
             f"{func}() got a {type(model).__name__} only partly on the meta device: "
-            f"{_names(on_meta)} on meta, {_names(elsewhere)} elsewhere. Build the whole "
+            f"{quoted(on_meta)} on meta, {quoted(elsewhere)} elsewhere. Build the whole "
             "model under `with torch.device('meta'):` (cudakit allocates and initialises "
             "it), or none of it."
         )
     return bool(on_meta)
-
-
-# --------------------------------------------------------------------------- the dry run
-
-
-def _fresh(slot: _Slot, device: torch.device | str, fill: bool) -> torch.Tensor:
-    """A tensor of the slot's full shape and dtype (NaN where it can hold one)."""
-    like = slot.tensor
-    if fill and (like.is_floating_point() or like.is_complex()):
-        t = torch.full(like.shape, math.nan, dtype=like.dtype, device=device)
-    else:
-        t = torch.empty(like.shape, dtype=like.dtype, device=device)
-    if slot.table == "_parameters":
-        return nn.Parameter(t, requires_grad=like.requires_grad)
-    return t
-
-
-def _run_watched(run: Callable[[], None], handed: dict[int, torch.Tensor]) -> set[int]:
-    """``run()`` under no_grad, watched: the keys of the handed tensors it wrote."""
-    versions = {key: t._version for key, t in handed.items()}
-    watch = Watch({id(t): t for t in handed.values()})
-    with torch.no_grad(), watch:
-        run()
-    return {
-        key for key, t in handed.items() if id(t) in watch.written or t._version != versions[key]
-    }
-
-
-def _written_on_meta(
-    call: Any, mname: str, module: nn.Module, slots: list[_Slot]
-) -> list[_Slot] | None:
-    """The slots ``call(module, mname)`` writes, found on fresh meta tensors (nothing
-    allocated); None when the init cannot run there (it reads values)."""
-    handed = {i: _fresh(s, "meta", fill=False) for i, s in enumerate(slots)}
-    try:
-        for i, s in enumerate(slots):
-            s.put(handed[i])
-        try:
-            written = _run_watched(lambda: call(module, mname), handed)
-        except Exception:
-            return None  # the real run raises it, with the values at hand
-        return [s for i, s in enumerate(slots) if s.get() is not handed[i] or i in written]
-    finally:
-        for s in slots:
-            s.put(s.tensor)
-
-
-def _untouched(steps: list[_Step], written: Iterable[_Slot]) -> list[str]:
-    done = {id(s) for s in written}
-    return [
-        f"{s.fqn} ({s.kind})" for st in steps for s in st.slots if s.first and id(s) not in done
-    ]
-
-
-def _own_plan(
-    groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
-) -> tuple[list[_Step], list[str] | None]:
-    """One step per module, and the tensors the init would not write (None: the init
-    cannot run on the meta device)."""
-    steps = _own_steps(groups)
-    written: list[_Slot] = []
-    for mname, module, slots in groups:
-        wrote = _written_on_meta(call, mname, module, slots)
-        if wrote is None:
-            return steps, None
-        written += wrote
-    return steps, _untouched(steps, written)
-
-
-def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every module once, children before their parent (``named_modules()``'s names)."""
-    out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-
-    def walk(name: str, module: nn.Module) -> None:
-        seen.add(id(module))
-        for child_name, child in module.named_children():
-            if id(child) not in seen:
-                walk(f"{name}.{child_name}" if name else child_name, child)
-        out.append((name, module))
-
-    walk("", model)
-    return out
-
-
-def _tree_plan(
-    model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], call: Any
-) -> tuple[list[_Step], list[str] | None]:
-    """Hugging Face's order: every module, children first, may write tensors of its
-    own or of its descendants (GPT-2's attention rescales its projection's weight).
-    The dry run finds what each writes; modules writing the same tensors share one
-    step, so a rank holds full copies of one step's tensors at a time. A module that
-    writes only a tied weight's second name is skipped: the first holder's init wins."""
-    found: list[tuple[int, str, nn.Module, list[_Slot]]] = []
-    written: list[_Slot] = []
-    for index, (mname, module) in enumerate(_post_order(model)):
-        inside = [
-            s
-            for gname, _, slots in groups
-            if not mname or gname == mname or gname.startswith(mname + ".")
-            for s in slots
-        ]
-        if not inside:
-            continue
-        wrote = _written_on_meta(call, mname, module, inside)
-        if wrote is None:
-            return _own_steps(groups), None
-        if any(s.first for s in wrote):
-            found.append((index, mname, module, wrote))
-            written += wrote
-    merged: list[tuple[list[tuple[int, str, nn.Module]], dict[int, _Slot]]] = []
-    for index, mname, module, wrote in found:
-        calls, slots = [(index, mname, module)], {id(s): s for s in wrote}
-        keep = []
-        for other_calls, other_slots in merged:
-            if other_slots.keys() & slots.keys():
-                calls, slots = other_calls + calls, {**other_slots, **slots}
-            else:
-                keep.append((other_calls, other_slots))
-        merged = [*keep, (sorted(calls, key=lambda c: c[0]), slots)]
-    merged.sort(key=lambda m: m[0][0][0])
-    steps = [_Step([(n, m) for _, n, m in calls], list(slots.values())) for calls, slots in merged]
-    return steps, _untouched(_own_steps(groups), written)
-
-
-def _plan(
-    model: nn.Module, groups: list[tuple[str, nn.Module, list[_Slot]]], init: InitFn | None
-) -> tuple[list[_Step], list[str] | None, Any]:
-    """The steps of the real run, the tensors nothing would write (None: unknown, the
-    init cannot run on meta), and the call that initialises one module."""
-    if hf_init(model, init):
-        call = _hf_call(model, init)
-        return (*_tree_plan(model, groups, call), call)
-    call = call_init(init)
-    return (*_own_plan(groups, call), call)
-
-
-def hf_init(model: nn.Module, init: InitFn | None) -> bool:
-    """Whether the init is a Hugging Face ``_init_weights(module)``: the model's own
-    (``init=None`` on a model that has one) or one passed as ``init=``."""
-    if init is None:
-        return callable(getattr(model, "_init_weights", None))
-    owner = getattr(init, "__self__", None)
-    return isinstance(owner, nn.Module) and getattr(init, "__name__", "") == "_init_weights"
-
-
-def _hf_call(model: nn.Module, init: InitFn | None) -> Callable[[nn.Module, str], None]:
-    """``init(module)``, or with ``init=None`` the ``_init_weights`` of the module's
-    nearest ancestor that has one (HF's dispatch to a composite model's parts)."""
-    if init is not None:
-        return lambda module, name: init(module)
-    owners: dict[str, Callable[[nn.Module], None]] = {}
-    for name, module in model.named_modules():
-        own = getattr(module, "_init_weights", None)
-        parent = owners.get(name.rpartition(".")[0]) if name else None
-        owners[name] = own if callable(own) else cast(Any, parent)
-    return lambda module, name: owners[name](module)
-
-
-def _untouched_error(func: str, model: nn.Module, names: list[str], init: InitFn | None) -> str:
-    fix = (
-        "Give each module a reset_parameters() that writes every tensor it holds itself "
-        "(recompute non-persistent buffers such as RoPE's inv_freq there), or pass "
-        "init=fn, called as fn(module) or fn(module, name) for every submodule, that does."
-    )
-    if hf_init(model, init):
-        how = f"{type(model).__name__}._init_weights() writes none of"
-        fix = (
-            "Write them in _init_weights(module) (it is called for every submodule, "
-            "children first), or pass init=fn, called as fn(module) or fn(module, name) "
-            "for every submodule, that does."
-        )
-    elif init is not None:
-        how = "init=... writes"
-    else:
-        how = "no reset_parameters() writes (the default init=None calls each module's own)"
-    return (
-        f"{func}(): {how} {len(names)} tensor(s) of the {type(model).__name__}, which would "
-        f"stay uninitialised: {_names(names)}. {fix}"
-    )
 
 
 # --------------------------------------------------------------------------- allocation
@@ -331,7 +93,7 @@ def params_device(options: Mapping[str, Any], device: torch.device) -> torch.dev
 
 def _allocate(
     model: nn.Module,
-    groups: list[tuple[str, nn.Module, list[_Slot]]],
+    groups: list[tuple[str, nn.Module, list[Slot]]],
     dev: Any,
     params_on: Any = None,
 ) -> None:
@@ -343,7 +105,7 @@ def _allocate(
             for s in slots:
                 if s.first and s.table == "_buffers":
                     s.put(torch.empty_like(s.get(), device=dev))
-    first: dict[int, _Slot] = {}
+    first: dict[int, Slot] = {}
     for _, _, slots in groups:
         for s in slots:
             if s.first:
@@ -391,7 +153,7 @@ def _holes(value: torch.Tensor) -> bool:
 _ALIGN = 64
 
 
-def _scratched(slot: _Slot) -> bool:
+def _scratched(slot: Slot) -> bool:
     """Whether the init gets a scratch copy of this tensor: a sharded one (the full
     tensor, rows kept after) or a tied one met again (written, then dropped)."""
     return not slot.first or is_sharded(slot.tensor)
@@ -401,18 +163,18 @@ class _Scratch:
     """One byte buffer per device for the full tensors a module's init gets, reused
     from module to module: allocated (and its pages touched) once, not per module."""
 
-    def __init__(self, steps: list[_Step]) -> None:
+    def __init__(self, steps: list[Step]) -> None:
         self.size = max(
             (sum(self._bytes(s) for s in st.slots if _scratched(s)) for st in steps), default=0
         )
         self.buffers: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
-    def _bytes(slot: _Slot) -> int:
+    def _bytes(slot: Slot) -> int:
         n = slot.tensor.numel() * slot.tensor.element_size()
         return -(-n // _ALIGN) * _ALIGN
 
-    def handed(self, slots: list[_Slot]) -> dict[int, torch.Tensor]:
+    def handed(self, slots: list[Slot]) -> dict[int, torch.Tensor]:
         """Full tensors for the scratched slots among ``slots``, by index (NaN-filled
         where the values are kept and can be NaN)."""
         out: dict[int, torch.Tensor] = {}
@@ -439,7 +201,7 @@ class _Scratch:
 
 
 def _initialise(
-    func: str, steps: list[_Step], call: Any, init_seed: int
+    func: str, steps: list[Step], call: Any, init_seed: int
 ) -> tuple[list[str], list[str]]:
     """The real run; returns the tensors left untouched and those left on meta."""
     untouched: list[str] = []
@@ -465,7 +227,7 @@ def _initialise(
             written: set[int] = set()
             for mname, module in step.calls:  # each under its own seed
                 with seeded(module_seed(init_seed, mname), device):
-                    written |= _run_watched(functools.partial(call, module, mname), handed)
+                    written |= run_watched(functools.partial(call, module, mname), handed)
             for i, s in enumerate(slots):
                 if not s.first:
                     continue
@@ -503,7 +265,7 @@ def _initialise(
 def _meta_error(func: str, model: nn.Module, names: list[str]) -> str:
     return (
         f"{func}(): the init left {len(names)} tensor(s) of the {type(model).__name__} on "
-        f"the meta device: {_names(names)}. Write the values into the tensor the module "
+        f"the meta device: {quoted(names)}. Write the values into the tensor the module "
         "holds (nn.init.normal_(module.weight)); a tensor made inside the init must be "
         "made on the tensor's device (device=module.weight.device)."
     )
@@ -513,16 +275,16 @@ def materialize_checked(
     func: str, model: nn.Module, device: Any, init: InitFn | None, init_seed: int
 ) -> nn.Module:
     """:func:`materialize` after the arguments were checked (``model`` all on meta)."""
-    groups = _slots(model)
-    steps, untouched, call = _plan(model, groups, init)
+    groups = group_slots(model)
+    steps, untouched, call = plan(model, groups, init)
     if untouched:
-        raise ValueError(_untouched_error(func, model, untouched, init))
+        raise ValueError(untouched_error(func, model, untouched, init))
     _allocate(model, groups, device)
     untouched, on_meta = _initialise(func, steps, call, init_seed)
     if on_meta:
         raise ValueError(_meta_error(func, model, on_meta))
     if untouched:
-        raise ValueError(_untouched_error(func, model, untouched, init))
+        raise ValueError(untouched_error(func, model, untouched, init))
     return model
 
 
@@ -595,9 +357,9 @@ def materialize(
     return materialize_checked(func, model, dev, init, seed)
 
 
-def iter_slots(model: nn.Module) -> Iterator[_Slot]:
+def iter_slots(model: nn.Module) -> Iterator[Slot]:
     """Every (module, tensor) registration of ``model``, tied ones once per module."""
-    for _, _, slots in _slots(model):
+    for _, _, slots in group_slots(model):
         yield from slots
 
 
@@ -617,14 +379,14 @@ class MetaBuild:
     ) -> None:
         """Allocate ``model`` (sharded or not) on ``device`` and initialise it; under
         ``fully_shard``'s ``options`` CPU offload, its parameters on the CPU."""
-        groups = _slots(model)
-        steps, _, call = _plan(model, groups, self.init)  # on the sharded meta model
+        groups = group_slots(model)
+        steps, _, call = plan(model, groups, self.init)  # on the sharded meta model
         _allocate(model, groups, device, params_device(options or {}, device))
         untouched, on_meta = _initialise(func, steps, call, self.seed)
         if on_meta:
             raise InitError(_meta_error(func, model, on_meta))
         if untouched:
-            raise InitError(_untouched_error(func, model, untouched, self.init))
+            raise InitError(untouched_error(func, model, untouched, self.init))
 
 
 def plan_build(
@@ -643,7 +405,7 @@ def plan_build(
                 "device, or call your init yourself and leave init=None."
             )
         return None
-    _, untouched, _ = _plan(model, _slots(model), init)
+    _, untouched, _ = plan(model, group_slots(model), init)
     if untouched:
-        raise ValueError(_untouched_error(func, model, untouched, init))
+        raise ValueError(untouched_error(func, model, untouched, init))
     return MetaBuild(init, seed)
