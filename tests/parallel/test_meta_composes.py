@@ -36,16 +36,28 @@ def _batches(n: int, vocab: int = 13) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (4, 5), generator=gen) for _ in range(n)]
 
 
-def _train(model: torch.nn.Module, *, compile: bool, steps: int = 3) -> list[torch.Tensor]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer | None = None, *, compile: bool = False
+) -> list[torch.Tensor]:
+    """Three AdamW steps of ``autocast_step`` in fp32: the losses."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     @cudakit.autocast_step(opt, model=model, dtype=torch.float32, compile=compile)
     def step(idx: torch.Tensor) -> torch.Tensor:
         logits = model(idx)
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
 
-    losses = [step(idx).loss.detach() for idx in _batches(steps)]
-    return losses
+    return [step(idx).loss.detach() for idx in _batches(3)]
+
+
+def _warm_up(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    cudakit.warmup(
+        model,
+        _batches(1)[0],
+        loss_fn=lambda m, b: m(b).logsumexp(-1).mean(),
+        optimizer=opt,
+        device="cpu",
+    )
 
 
 def test_compile_trains_a_meta_built_model_as_it_trains_one_built_on_the_cpu() -> None:
@@ -65,13 +77,7 @@ def test_warmup_and_find_batch_size_leave_a_meta_built_model_as_it_was() -> None
     model = cp.parallelize(_meta_gpt(), "none", device="cpu", init=gpt_init, init_seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = copy.deepcopy(model.state_dict())
-    cudakit.warmup(
-        model,
-        _batches(1)[0],
-        loss_fn=lambda m, b: m(b).logsumexp(-1).mean(),
-        optimizer=opt,
-        device="cpu",
-    )
+    _warm_up(model, opt)
 
     def trial(batch_size: int) -> int:
         idx = torch.zeros(batch_size, 5, dtype=torch.long)
@@ -96,15 +102,9 @@ def _fsdp_composes(offload: bool) -> dict[str, Any]:
         model = cp.parallelize(_meta_gpt(), "fsdp", init=gpt_init, init_seed=5, **kwargs)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         initial = {k: v.clone() for k, v in cp.state_dict(model).items()}
-        cudakit.warmup(
-            model,
-            _batches(1)[0],
-            loss_fn=lambda m, b: m(b).logsumexp(-1).mean(),
-            optimizer=opt,
-            device="cpu",
-        )
+        _warm_up(model, opt)
         after_warmup = {k: v.clone() for k, v in cp.state_dict(model).items()}
-        losses = _train_with(model, opt)
+        losses = _train(model, opt)
         trained = {k: v.clone() for k, v in cp.state_dict(model).items()}
         return {
             "initial": initial,
@@ -112,15 +112,6 @@ def _fsdp_composes(offload: bool) -> dict[str, Any]:
             "losses": losses,
             "trained": trained,
         }
-
-
-def _train_with(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    @cudakit.autocast_step(opt, model=model, dtype=torch.float32)
-    def step(idx: torch.Tensor) -> torch.Tensor:
-        logits = model(idx)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
-
-    return [step(idx).loss.detach() for idx in _batches(3)]
 
 
 @pytest.mark.distributed
@@ -134,7 +125,7 @@ def test_a_sharded_meta_model_warms_up_and_trains_like_one_process(offload: bool
         assert torch.equal(res["after_warmup"][key], value), key
     # Every rank trains on the same batches: the same loss as one process would see.
     usual = _built_the_usual_way(reference)
-    want = _train_with(usual, torch.optim.AdamW(usual.parameters(), lr=1e-2))
+    want = _train(usual)
     for rank in ranks:
         for a, b in zip(rank["losses"], want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -134,13 +134,18 @@ def test_parallelize_allocates_and_initialises_a_meta_model() -> None:
     assert torch.equal(net[1].running_var, torch.ones(2))
 
 
-def test_parallelize_refusal_under_a_launcher_changes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _as_one_launched_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment torchrun gives the one process of a one-process launch."""
     for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
+
+
+def test_parallelize_refusal_under_a_launcher_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _as_one_launched_process(monkeypatch)
     net = nn.Linear(2, 2)
     before = _snapshot(net)
     with pytest.raises(TypeError, match=r"'bogus' that DistributedDataParallel does not accept"):
@@ -516,10 +521,7 @@ def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
 ) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    _as_one_launched_process(monkeypatch)
     net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))
     before = _snapshot(net)
     with pytest.raises(
