@@ -43,6 +43,7 @@ from port_hf_helpers import (  # noqa: E402
 from port_real_loops import differences  # noqa: E402
 
 import cudakit  # noqa: E402
+import cudakit.amp.stepper as amp_stepper  # noqa: E402
 
 MODELS = {
     "llama": (llama, lm_batches),
@@ -313,6 +314,47 @@ def test_nonfinite_window_is_skipped_as_a_hand_written_guard_skips_it() -> None:
     assert torch.isnan(losses[3])
     assert (step.steps, step.skipped_steps) == (3, 1)
     assert sched_b.last_epoch == 3
+    assert_same_training(a, b, opt_a, opt_b)
+
+
+def test_sync_free_guard_with_fused_adamw_skips_as_the_hand_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The GPU's path (the verdict handed to fused AdamW as found_inf, read a window
+    # later), forced on the CPU, with the schedule put back after the skipped window.
+    monkeypatch.setattr(amp_stepper, "host_read_waits", lambda device_type: True)
+    a, b = bert_mlm(), bert_mlm()
+    poison = {"on": False}
+
+    def hook(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * float("nan") if poison["on"] else out
+
+    for model in (a, b):
+        model.bert.encoder.layer[0].output.dense.register_forward_hook(hook)
+    opt_a, opt_b = adamw(a, fused=True), adamw(b, fused=True)
+    sched_a, sched_b = linear_warmup(opt_a, 5), linear_warmup(opt_b, 5)
+    data = mlm_batches(6, seed=11)
+
+    def loss_of(model: torch.nn.Module, i_batch: Any) -> torch.Tensor:
+        poison["on"] = i_batch[0] == 3
+        return model(**i_batch[1]).loss
+
+    hand_loop(
+        a, opt_a, list(enumerate(data)), scheduler=sched_a, max_grad_norm=1.0, loss_of=loss_of,
+        skip=lambda window, losses: window == 3,
+    )  # fmt: skip
+    step = cudakit.autocast_step(opt_b, model=b, dtype=FP32, scheduler=sched_b, max_grad_norm=1.0)
+    assert step.sync_free
+
+    @step
+    def train_step(i: int, batch: Any) -> Any:
+        poison["on"] = i == 3
+        return b(**batch)
+
+    torch.manual_seed(0)
+    results = [train_step(i, batch) for i, batch in enumerate(data)]
+    assert [bool(r.skipped) for r in results] == [i == 3 for i in range(6)]
+    assert (step.steps, step.skipped_steps, sched_b.last_epoch) == (5, 1, 5)
     assert_same_training(a, b, opt_a, opt_b)
 
 
