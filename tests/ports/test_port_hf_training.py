@@ -230,7 +230,8 @@ def test_token_weighted_steps_match_the_trainers_num_items_in_batch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "returns"), [("llama", "output"), ("gpt2-tied", "loss"), ("bert-cls", "output")]
+    ("name", "returns"),
+    [("llama", "output"), ("gpt2-tied", "loss"), ("bert-cls", "output"), ("t5", "loss")],
 )
 def test_bf16_step_matches_a_hand_written_autocast_loop(name: str, returns: str) -> None:
     build, data = MODELS[name]
