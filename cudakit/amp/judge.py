@@ -282,7 +282,7 @@ class WindowJudge:
         if compiled is None or not checks or not _plain(checks):
             return None
         clip = self.params.max_grad_norm
-        params = self.params.params() if clip else None
+        params = self.params.clipped() if clip else None
         if params is not None and not _plain(params):  # fp16 checks no gradients itself
             return None
         flag, one = self._guard.primary(checks[0].device)
@@ -296,7 +296,7 @@ class WindowJudge:
 
         None where the region does not apply (nothing to check, sharded gradients).
         """
-        params = self.params.params()
+        params = self.params.clipped()
         if not checks or not _plain(checks) or not _plain(params):
             return None
         spikes = cast(SpikeWatch, self.watch.spikes)

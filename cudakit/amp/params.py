@@ -14,15 +14,19 @@ __all__ = ["StepParams"]
 class StepParams:
     """The parameters of a step's optimizers, in the optimizers' order."""
 
-    __slots__ = ("_single", "max_grad_norm", "optimizers")
+    __slots__ = ("_model", "_single", "max_grad_norm", "optimizers")
 
     def __init__(
-        self, optimizers: tuple[torch.optim.Optimizer, ...], max_grad_norm: float | None
+        self,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        max_grad_norm: float | None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.optimizers = optimizers
         #: The clipping threshold (None: no clipping).
         self.max_grad_norm = max_grad_norm
         self._single = optimizers[0] if len(optimizers) == 1 else None
+        self._model = model
 
     def params(self) -> list[torch.Tensor]:
         """The parameters of every optimizer, each once, in the optimizers' order."""
@@ -39,7 +43,21 @@ class StepParams:
             ]
         return [p.grad for p in self.params() if p.grad is not None]
 
+    def clipped(self) -> list[torch.Tensor]:
+        """:meth:`params` in the order their norm is summed: the model's, when there is one.
+
+        The total norm's float sum depends on the order, and a hand-written loop clips
+        ``model.parameters()`` whatever the optimizer's groups (decay / no-decay), so
+        ``model=`` clips bit for bit as it does; parameters the model lacks come last.
+        """
+        params = self.params()
+        if self._model is None:
+            return params
+        trained = {id(p): p for p in params}
+        ordered = [p for p in self._model.parameters() if trained.pop(id(p), None) is not None]
+        return ordered + list(trained.values())
+
     def clip(self) -> torch.Tensor:
-        """Clip the total gradient norm of :meth:`params`; the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params(), cast(float, self.max_grad_norm))
+        """Clip the total gradient norm of :meth:`clipped`; the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.clipped(), cast(float, self.max_grad_norm))
         return local(norm)

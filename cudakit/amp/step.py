@@ -103,7 +103,7 @@ class AutocastStep(misuse.AttributeGuard):
         # restored when the window's step is skipped: a NaN batch must not poison them.
         model = config.model
         buffers = BufferSnapshot(model) if model is not None and config.skip_nonfinite else None
-        params = StepParams(config.optimizers, config.max_grad_norm)
+        params = StepParams(config.optimizers, config.max_grad_norm, model)
         self._stepper = OptimizerStep(config, self._counts, params, buffers)
         self._judge = judge = self._stepper.judge
         self._window = window = Window(config.accumulate)

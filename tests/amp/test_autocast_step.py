@@ -332,6 +332,41 @@ def test_clipping_bit_identical_to_hand_written_loop(dtype: torch.dtype) -> None
     assert_identical(norms, ref_norms)
 
 
+@pytest.mark.parametrize("with_model", [True, False])
+def test_clipping_with_decay_groups_matches_clipping_model_parameters(with_model: bool) -> None:
+    # Hugging Face's loops clip model.parameters() while AdamW holds the Trainer's
+    # decay / no-decay groups, another order: the total norm is summed in the model's
+    # order with model=, bit for bit; without it, in the optimizers' order.
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(SEED)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(6)))
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases}]
+        return model, torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0)
+
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) for _ in range(12)]
+    ref_model, ref_opt = build()
+    ref_norms = []
+    for x, y in data:
+        F.mse_loss(ref_model(x), y).backward()
+        clipped = ref_model.parameters() if with_model else ref_opt.param_groups[0]["params"] + \
+            ref_opt.param_groups[1]["params"]  # fmt: skip
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(clipped, 0.01))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    model, opt = build()
+    step = autocast_step(
+        opt, model=model if with_model else None, dtype=torch.float32, max_grad_norm=0.01
+    )
+    fn = step(lambda x, y: F.mse_loss(model(x), y))
+    norms = [fn(x, y).grad_norm for x, y in data]
+    assert_identical(norms, ref_norms)
+    assert_identical(snapshot(model, opt), snapshot(ref_model, ref_opt))
+
+
 def test_clipping_norm_that_overflows_on_finite_grads_still_steps() -> None:
     # Finite gradients of 1e30: their 2-norm overflows float32 to inf. The hand-written
     # loop clips them to zero and steps; the guard (which reads that norm) must confirm

@@ -219,7 +219,7 @@ def plain_gpt(
             pending.clear()
         elif count != accumulate:  # a partial window: a step on its mean
             torch._foreach_mul_(grads, accumulate / count)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # nanoGPT's, verbatim
         opt.step()
         sched.step()
 
