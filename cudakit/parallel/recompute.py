@@ -282,11 +282,12 @@ class _RecomputedForward(nn.Module):
         policy = getattr(self, _ATTR, "full")
         if policy == "none":  # undone after a wrapper changed the class again
             return inner(*args, **kwargs)
+        # The keywords are bound here: checkpoint() would take its own (debug=,
+        # preserve_rng_state=, ...) out of them, and the block would never see them.
+        run = functools.partial(inner, **kwargs) if kwargs else inner
         if policy == "selective":
-            return checkpoint(
-                inner, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
-            )
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_context)
+        return checkpoint(run, *args, use_reentrant=False)
 
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}

@@ -169,6 +169,21 @@ def test_non_tensor_and_keyword_arguments_reach_the_block() -> None:
     assert first[0] == first[1]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "name", ["debug", "preserve_rng_state", "early_stop", "determinism_check", "use_reentrant"]
+)
+def test_keywords_named_like_checkpoint_options_belong_to_the_block(policy: str, name: str) -> None:
+    # torch.utils.checkpoint takes these keywords itself; a block's own must reach it.
+    plain, done = _pair(ScaledNet, policy)
+    x, bias = torch.randn(2, 8), torch.zeros(8)
+    value = "the block's"
+    plain(x, bias, **{name: value}).sum().backward()
+    done(x, bias, **{name: value}).sum().backward()
+    assert all(seen[name] == value for seen in done.layers[0].seen)
+    _assert_same(_grads(plain), _grads(done))
+
+
 class Fork(nn.Module):
     """Returns a dict holding a tuple, a tensor that needs no grad and a plain value."""
 
