@@ -240,6 +240,33 @@ class NormedNet(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_batchnorm_running_statistics_move_once_per_step(policy: str) -> None:
+    # A buffer the forward writes must be written once, as without recompute: the
+    # recompute runs the forward again, and must not count the batch twice.
+    plain, done = _pair(NormedNet, policy)
+    for step in range(2):
+        x = torch.randn(8, 6) + step
+        _run(plain, x)
+        _run(done, x)
+    want, got = plain.state_dict(), done.state_dict()
+    assert int(got["layers.0.bn.num_batches_tracked"]) == 2
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    _assert_same(_grads(plain), _grads(done))
+
+
+def test_batchnorm_running_statistics_move_once_under_compile() -> None:
+    torch._dynamo.reset()
+    plain, done = _pair(NormedNet, "selective")
+    compiled = torch.compile(done, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 6)
+    _run(plain, x)
+    _run(compiled, x)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(done.state_dict()[key], value), key
+
+
 class Outer(nn.Module):
     """A block holding blocks of the same kind: only the outermost one recomputes."""
 
