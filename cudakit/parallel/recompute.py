@@ -332,8 +332,22 @@ class _RecomputedForward(nn.Module):
         context = functools.partial(_eager_context, self, policy)
         return checkpoint(run, *args, use_reentrant=False, context_fn=context)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the block's own class (the recomputed one is made at run time, so
+        pickle cannot find it by name) and made recomputed again when loaded."""
+        original = type(self)._cudakit_original  # type: ignore[attr-defined]
+        if _CLASSES.get(original) is not type(self):  # a wrapper's class on top: its rules
+            return super().__reduce_ex__(protocol)
+        return _unpickle_recomputed, (original,), self.__dict__.copy()
+
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _unpickle_recomputed(original: type[nn.Module]) -> nn.Module:
+    """A bare recomputed instance of ``original`` for pickle to fill in."""
+    made = _recomputed_class(original)
+    return made.__new__(made)
 
 
 def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
