@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -297,6 +298,45 @@ def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _OnCopies:
+    """The recompute's context: the block's buffers are copies while its forward runs
+    again, so a buffer the forward writes (BatchNorm's running statistics, its batch
+    count) is written once per step, as without recompute. Entered once per recompute
+    (again after a ``retain_graph=True`` backward); ``inner`` is torch's own context."""
+
+    def __init__(self, block: nn.Module, inner: Any) -> None:
+        self.block = block
+        self.inner = inner
+        self.swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for module in self.block.modules():  # before torch's context: not the block's ops
+            table = module._buffers
+            for name, buf in table.items():
+                if buf is not None:
+                    table[name] = copy = buf.clone()
+                    self.swapped.append((table, name, buf, copy))
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            for table, name, buf, copy in self.swapped:
+                if table.get(name) is copy:
+                    table[name] = buf
+            self.swapped = []
+
+
+def _eager_context(block: nn.Module, policy: str) -> tuple[Any, Any]:
+    """checkpoint's ``context_fn`` outside ``torch.compile``: the policy's contexts, the
+    recompute's on copies of the block's buffers."""
+    forward, again = (
+        _selective_context() if policy == "selective" else (nullcontext(), nullcontext())
+    )
+    return forward, _OnCopies(block, again)
+
+
 class _RecomputedForward(nn.Module):
     """The base of every recomputed block's class: ``forward`` under ``checkpoint``."""
 
@@ -316,14 +356,32 @@ class _RecomputedForward(nn.Module):
                     "or cudakit.parallel.recompute(model, 'none') to keep transformers' own."
                 )
             kwargs = _without_cache(self, kwargs)
-        if policy == "selective":
-            return checkpoint(
-                inner, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
-            )
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        # The keywords are bound here: checkpoint() would take its own (debug=,
+        # preserve_rng_state=, ...) out of them, and the block would never see them.
+        run = functools.partial(inner, **kwargs) if kwargs else inner
+        if torch.compiler.is_compiling():  # one traced graph writes each buffer once
+            if policy == "selective":
+                return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_context)
+            return checkpoint(run, *args, use_reentrant=False)
+        context = functools.partial(_eager_context, self, policy)
+        return checkpoint(run, *args, use_reentrant=False, context_fn=context)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the block's own class (the recomputed one is made at run time, so
+        pickle cannot find it by name) and made recomputed again when loaded."""
+        original = type(self)._cudakit_original  # type: ignore[attr-defined]
+        if _CLASSES.get(original) is not type(self):  # a wrapper's class on top: its rules
+            return super().__reduce_ex__(protocol)
+        return _unpickle_recomputed, (original,), self.__dict__.copy()
 
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _unpickle_recomputed(original: type[nn.Module]) -> nn.Module:
+    """A bare recomputed instance of ``original`` for pickle to fill in."""
+    made = _recomputed_class(original)
+    return made.__new__(made)
 
 
 def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -398,14 +398,43 @@ def _refused(exc: Exception, kind: str, undone: str) -> Exception:
     )
 
 
+def _self_contained(model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether a block shares no parameter and no submodule with a module outside it.
+
+    FSDP2 shards a shared tensor once, in one unit: a block tied to another (weights
+    shared across layers, one module in two blocks) stays in the root's unit.
+    """
+    parents: dict[int, set[int]] = {}
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), set()).add(id(module))
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), set()).add(id(module))
+
+    def alone(block: nn.Module) -> bool:
+        inside = {id(m) for m in block.modules()}
+        return all(
+            parents.get(id(m), set()) <= inside for m in block.modules() if m is not block
+        ) and all(holders[id(p)] <= inside for p in block.parameters())
+
+    return alone
+
+
 def _shard(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
     shard = fully_shard()
+    alone = _self_contained(model)
     # Shard every block of every ModuleList (a transformer's layers) as its own unit,
     # so parameters are gathered one block at a time, then the root for the rest.
     for sub in list(model.modules()):
         if isinstance(sub, nn.ModuleList):
             for block in sub:
-                if any(p.requires_grad for p in block.parameters()) and not is_fsdp2(block):
+                if (
+                    any(p.requires_grad for p in block.parameters())
+                    and not is_fsdp2(block)
+                    and alone(block)
+                ):
                     shard(block, **kwargs)
     return cast(nn.Module, shard(model, **kwargs))
 

@@ -269,3 +269,14 @@ def test_a_class_made_on_top_by_a_wrapper_is_switched_not_nested() -> None:
     want = _grads(_net())
     got = _grads(model)
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_a_recomputed_model_pickles_whole_and_comes_back_recomputed(tmp_path: Any) -> None:
+    model = recompute(_net(), "selective", every=2)
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert recomputed_blocks(back) == ["layers.1", "layers.3"]
+    assert type(back.layers[1]) is type(model.layers[1])
+    assert type(back.layers[0]) is Block
+    want, got = _grads(model), _grads(back)
+    assert all(torch.equal(want[n], got[n]) for n in want)
