@@ -20,7 +20,16 @@ from torch import nn
 
 from ._init_watch import InitFn, Watch, call_init
 
-__all__ = ["Slot", "Step", "group_slots", "plan", "quoted", "run_watched", "untouched_error"]
+__all__ = [
+    "Slot",
+    "Step",
+    "group_slots",
+    "plan",
+    "quoted",
+    "run_steps",
+    "run_watched",
+    "untouched_error",
+]
 
 
 @dataclasses.dataclass
@@ -215,6 +224,17 @@ def plan(
         return (*_tree_plan(model, groups, call), call)
     call = call_init(init)
     return (*_own_plan(groups, call), call)
+
+
+def run_steps(
+    model: nn.Module, groups: list[tuple[str, nn.Module, list[Slot]]], init: InitFn | None
+) -> tuple[list[Step], Any]:
+    """:func:`plan`'s steps and call, without a dry run where the steps do not depend
+    on what the init writes (one step per module); Hugging Face's grouping needs one."""
+    if hf_init(model, init):
+        call = _hf_call(model, init)
+        return _tree_plan(model, groups, call)[0], call
+    return _own_steps(groups), call_init(init)
 
 
 def hf_init(model: nn.Module, init: InitFn | None) -> bool:

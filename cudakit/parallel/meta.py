@@ -32,7 +32,16 @@ import torch
 from torch import nn
 
 from .._check import check_callable, check_int, check_type
-from ._init_plan import Slot, Step, group_slots, plan, quoted, run_watched, untouched_error
+from ._init_plan import (
+    Slot,
+    Step,
+    group_slots,
+    plan,
+    quoted,
+    run_steps,
+    run_watched,
+    untouched_error,
+)
 from ._init_watch import InitFn, module_seed, seeded
 
 __all__ = ["materialize", "meta_model_state"]
@@ -380,7 +389,7 @@ class MetaBuild:
         """Allocate ``model`` (sharded or not) on ``device`` and initialise it; under
         ``fully_shard``'s ``options`` CPU offload, its parameters on the CPU."""
         groups = group_slots(model)
-        steps, _, call = plan(model, groups, self.init)  # on the sharded meta model
+        steps, call = run_steps(model, groups, self.init)  # on the sharded meta model
         _allocate(model, groups, device, params_device(options or {}, device))
         untouched, on_meta = _initialise(func, steps, call, self.seed)
         if on_meta:
