@@ -327,7 +327,12 @@ def recompute_table(record: Record) -> list[str]:
         for r in record["table"]
     ]
     header = ["policy", "implementation", "ms / step", "x time", "peak MiB", "x peak"]
-    return _table([*header, "estimate / measured"], "llrrrrr", body)
+    lines = _table([*header, "estimate / measured"], "llrrrrr", body)
+    paired = record.get("paired")  # cudakit / by hand, timed side by side in each round
+    if paired:
+        said = "; ".join(f"{name} {ratio:.3f}" for name, ratio in paired.items())
+        lines += ["", f"- cudakit / `checkpoint_wrapper` by hand, median of each round: {said}"]
+    return lines
 
 
 def bars_table(record: Record) -> list[str]:
