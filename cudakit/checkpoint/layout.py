@@ -186,12 +186,12 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
     }
     serial = 1 + _newest_serial(final.parent)
     manifest = Manifest(files=files, **fields, serial=serial)
-    tmp = partial / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    # Written in place: the directory is still .partial, and a manifest cut short is
+    # no JSON, so no complete checkpoint (remove_stale_partials removes it).
+    with open(partial / MANIFEST, "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, partial / MANIFEST)
     fsync_dir(partial)
     publish(partial, final)
 

@@ -30,6 +30,7 @@ import torch
 from ..exceptions import CheckpointSaveError
 from . import failures, layout, safe_load
 from .state import failure_cause
+from .storage import storage_writer
 
 __all__ = ["Pending", "Writer", "drain_background"]
 
@@ -77,8 +78,6 @@ class Writer:
     def write(self, tensors: dict[str, Any], host: dict[str, Any], pending: Pending) -> None:
         """Write (or start writing) one checkpoint; a background save already running is
         finished first, so at most one is ever in flight."""
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
         self.finish()
         drain_background()  # a save an abandoned Checkpointer left running, writing here
         try:
@@ -86,11 +85,11 @@ class Writer:
             try:
                 file = pending.partial / layout.rank_file(self.rank)
                 torch.save(host, file)
-                safe_load.check_saved(file, tensors, self.safe_globals)
+                safe_load.check_saved(file, host, tensors, self.safe_globals)
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
-            writer = FileSystemWriter(str(pending.partial), sync_files=True)
+            writer = storage_writer(pending.partial, file)
             if not self.background:
                 self._save(tensors, writer)
             elif self.distributed:
