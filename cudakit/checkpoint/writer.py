@@ -2,9 +2,11 @@
 
 Every rank writes its host file into the ``.partial`` directory, then calls DCP's
 ``save`` (or ``async_save``), whose first collective (planning) cannot finish before
-every rank has arrived: so once DCP has written its ``.metadata`` on rank 0, every
-rank's files are on disk. Rank 0 then writes the manifest and renames the directory
-(:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old checkpoints.
+every rank has arrived, and each rank fsyncs its files before DCP gathers the ranks
+(:mod:`~cudakit.checkpoint.storage`): so once DCP has written its ``.metadata`` on rank
+0, every rank's files are on disk. Rank 0 then writes the manifest and renames the
+directory (:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old
+checkpoints (their files on the background thread).
 
 Background saves run DCP's ``async_save`` on a gloo group of their own (made once,
 by every rank together), so the save's collectives never interleave with training's.
@@ -14,9 +16,11 @@ The loop waits only while DCP stages the state (a copy in host memory).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
+import os
 import pickle
 import shutil
 import threading
@@ -159,21 +163,21 @@ class Writer:
         )
 
     def prune(self) -> None:
-        """Remove the old complete checkpoints ``keep=`` lets go (rank 0)."""
+        """Remove the old complete checkpoints ``keep=`` lets go (rank 0).
+
+        Each is renamed out of the checkpoints' names here, then its files are removed
+        on the background thread, beside the loop: the next save, :meth:`Checkpointer.wait`
+        and ``close()`` wait for that first (:func:`drain_background`).
+        """
         if self.keep is None or self.rank != 0:
             return
         found = layout.list_checkpoints(self.root)
         for path in layout.to_remove([p for p, _ in found.complete], self.keep, self._protect()):
-            failed = layout.remove_checkpoint(path)
-            if failed is None:
-                log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
+            doomed = layout.set_aside(path)
+            if isinstance(doomed, str):
+                _removed(path, self.keep, doomed)
             else:
-                log.warning(
-                    "cudakit: could not remove old checkpoint %s (keep=%d): %s",
-                    path,
-                    self.keep,
-                    failed,
-                )
+                _executor().submit(_remove, path, doomed, self.keep)
 
     def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
         if self.rank == 0:
@@ -256,23 +260,39 @@ def _waiting_planner(copies: list[_Copy]) -> Any:
     return WaitingPlanner()
 
 
-_POOL: list[ThreadPoolExecutor] = []
+def _remove(path: Path, doomed: Path, keep: int) -> None:
+    _removed(path, keep, layout.remove_set_aside(doomed))
+
+
+def _removed(path: Path, keep: int, failed: str | None) -> None:
+    if failed is None:
+        log.info("cudakit: removed old checkpoint %s (keep=%d)", path, keep)
+    else:
+        log.warning("cudakit: could not remove old checkpoint %s (keep=%d): %s", path, keep, failed)
+
+
+_POOL: list[tuple[int, ThreadPoolExecutor]] = []
 
 
 def drain_background() -> None:
-    """Wait for every single-process background save this process started, its errors
-    ignored: a Checkpointer that raised without ``close()`` may have left one running
-    (a crashed process takes its thread along; an exception caught in the same process
-    does not), and it must not write into a directory a new run uses."""
-    if _POOL:
-        _POOL[0].submit(lambda: None).result()
+    """Wait for everything this process started on the background thread (single-process
+    background saves, the removals of ``keep=``), its errors ignored: a Checkpointer
+    that raised without ``close()`` may have left a save running (a crashed process
+    takes its thread along; an exception caught in the same process does not), and it
+    must not write into a directory a new run uses."""
+    if _POOL and _POOL[0][0] == os.getpid():
+        with contextlib.suppress(RuntimeError):  # at exit: the thread has finished
+            _POOL[0][1].submit(lambda: None).result()
 
 
 def _executor() -> ThreadPoolExecutor:
-    """The one background thread of single-process saves (made on first use)."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudakit-ckpt"))
-    return _POOL[0]
+    """The one background thread (made on first use, again in a forked child, which
+    has no thread of its parent's)."""
+    if not _POOL or _POOL[0][0] != os.getpid():
+        _POOL[:] = [
+            (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudakit-ckpt"))
+        ]
+    return _POOL[0][1]
 
 
 def _unpicklable(host: dict[str, Any], exc: BaseException, safe_globals: tuple[Any, ...]) -> str:
