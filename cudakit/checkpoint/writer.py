@@ -49,6 +49,12 @@ class Pending:
     final: Path
     fields: dict[str, Any]
     future: Future[Any] | None = None
+    #: Whether the manifest is written and the directory renamed (by the future).
+    published: bool = False
+    #: Set by the loop once it has copied the state into the host buffers (``copied``:
+    #: it all was); the future publishes only a whole copy.
+    staged: threading.Event = dataclasses.field(default_factory=threading.Event)
+    copied: bool = False
 
 
 class Writer:
@@ -103,15 +109,21 @@ class Writer:
                 pending.future = getattr(result, "upload_completion", result)
             else:
                 # DCP writes each tensor as soon as it is copied: the loop waits for the
-                # copy, the save finishes about when the last tensor is written.
+                # copy, the save finishes about when the last tensor is written, and is
+                # made visible there too (the manifest's and the renames' fsyncs).
                 staged, copies = _staged(tensors, self._staging)
                 planner = _waiting_planner(copies)
-                pending.future = _executor().submit(self._save, staged, writer, planner)
+                pending.future = _executor().submit(
+                    self._save_and_publish, staged, writer, planner, pending
+                )
                 try:
                     _copy_all(copies)
                 except BaseException:
+                    pending.staged.set()  # (not copied: the future publishes nothing)
                     concurrent.futures.wait([pending.future])  # before the partial goes
                     raise
+                pending.copied = True
+                pending.staged.set()
         except BaseException as exc:
             self._failed(pending, exc)
         self.pending = pending
@@ -131,6 +143,17 @@ class Writer:
         else:  # pragma: no cover - a torch without the inner function
             state_dict_saver.save(tensors, storage_writer=writer, no_dist=True, planner=planner)
 
+    def _save_and_publish(
+        self, tensors: dict[str, Any], writer: Any, planner: Any, pending: Pending
+    ) -> None:
+        """A single-process background save, whole: DCP's save, then the manifest once
+        the loop's copy into the host buffers is known to be whole."""
+        self._save(tensors, writer, planner)
+        pending.staged.wait()
+        if pending.copied:
+            layout.write_manifest(pending.partial, pending.final, pending.fields)
+            pending.published = True
+
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
         pending, self.pending = self.pending, None
@@ -142,10 +165,11 @@ class Writer:
             except BaseException as exc:
                 self._failed(pending, exc)
         if self.rank == 0:
-            try:
-                layout.write_manifest(pending.partial, pending.final, pending.fields)
-            except OSError as exc:
-                self._failed(pending, exc)
+            if not pending.published:
+                try:
+                    layout.write_manifest(pending.partial, pending.final, pending.fields)
+                except OSError as exc:
+                    self._failed(pending, exc)
             self.prune()
         self.last = pending.final
         log.info("cudakit: checkpoint %s complete", pending.final)

@@ -4,6 +4,7 @@ nothing back for plain state, and leaves a data file DCP's own reader loads."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,28 @@ def test_the_data_file_is_dcps_own_and_dcp_alone_loads_it_bit_for_bit(tmp_path: 
     for pid, st in osd["state"].items():
         for name, value in st.items():
             assert torch.equal(target["optim"]["model"]["state"][pid][name], value), (pid, name)
+
+
+def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, keep=1, async_save=True,
+                                preemption=False)  # fmt: skip
+    threads: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for _ in range(3):
+        pos = ckpt.position
+        ckpt._position = cudakit.Position(0, 0, pos.total + 1, pos.windows + 1)
+        ckpt.save()
+    ckpt.wait()
+    ckpt.close()
+    assert len(threads) == 3 * 6  # each file, the directory, its rename: all made durable
+    assert threading.main_thread().name not in threads
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000003"]
