@@ -12,8 +12,8 @@ a small model's save is not mostly per-tensor overhead.
 DCP starts) right after its data file: it runs before DCP gathers every rank's
 results, so once rank 0 writes the manifest, every rank's files are on disk.
 
-Where DCP itself would write differently (a GPU in the machine, whose copies DCP
-overlaps with the writes; a torch whose internals moved), DCP's own ``write_data``
+Where DCP itself would write differently (tensors on a GPU, whose copies to the host
+DCP overlaps with the writes; a torch whose internals moved), DCP's own ``write_data``
 runs, then the host file is fsynced all the same.
 """
 
@@ -43,10 +43,11 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def storage_writer(path: Path, host_file: Path) -> Any:
+def storage_writer(path: Path, host_file: Path, *, on_host: bool) -> Any:
     """DCP's ``FileSystemWriter`` for ``path`` (files fsynced), which also fsyncs
-    ``host_file`` before every rank's results are gathered."""
-    return _writer_class()(str(path), host_file)
+    ``host_file`` before every rank's results are gathered; ``on_host``: every tensor
+    it writes is in host memory (then DCP's overlap of device copies has nothing to do)."""
+    return _writer_class()(str(path), host_file, on_host)
 
 
 def _gpu_like() -> bool:
@@ -76,9 +77,10 @@ def _writer_class() -> type:
         suffix = None
 
     class Writer(FileSystemWriter):
-        def __init__(self, path: str, host_file: Path) -> None:
+        def __init__(self, path: str, host_file: Path, on_host: bool) -> None:
             super().__init__(path, sync_files=True)
             self.host_file = host_file
+            self.on_host = on_host
 
         def _own_way(self, plan: Any) -> bool:
             """Whether this writer's layout is DCP's here (else DCP's own write_data)."""
@@ -89,7 +91,7 @@ def _writer_class() -> type:
                 and not getattr(self.transforms, "extensions", ())
                 and getattr(self, "serialization_format", torch_save) == torch_save
                 and isinstance(plan.storage_data, prefix_type)
-                and not _gpu_like()
+                and (self.on_host or not _gpu_like())
             )
 
         def write_data(self, plan: Any, planner: Any) -> Any:

@@ -99,7 +99,7 @@ class Writer:
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
-            writer = storage_writer(pending.partial, file)
+            writer = storage_writer(pending.partial, file, on_host=_on_host(tensors))
             if not self.background:
                 self._save(tensors, writer)
             elif self.distributed:
@@ -118,13 +118,12 @@ class Writer:
                 )
                 try:
                     _copy_all(copies)
-                except BaseException:
+                    pending.copied = True
+                finally:
                     pending.staged.set()  # (not copied: the future publishes nothing)
-                    concurrent.futures.wait([pending.future])  # before the partial goes
-                    raise
-                pending.copied = True
-                pending.staged.set()
         except BaseException as exc:
+            if isinstance(pending.future, Future):
+                concurrent.futures.wait([pending.future])  # before the partial goes
             self._failed(pending, exc)
         self.pending = pending
         if not self.background:
@@ -220,6 +219,17 @@ class Writer:
             f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
             f"Nothing of it became visible. {kept} {fix}"
         ) from exc
+
+
+def _on_host(tree: Any) -> bool:
+    """Whether every tensor of a nested state dict is in host memory."""
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "cpu"
+    if isinstance(tree, dict):
+        return all(_on_host(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return all(_on_host(v) for v in tree)
+    return True
 
 
 _Copy = tuple[torch.Tensor, torch.Tensor, threading.Event]

@@ -147,3 +147,39 @@ def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
     assert len(threads) == 3 * 6  # each file, the directory, its rename: all made durable
     assert threading.main_thread().name not in threads
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000003"]
+
+
+@pytest.mark.parametrize("on_a_gpu", [False, True])
+def test_dcp_writes_itself_only_where_it_overlaps_device_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_a_gpu: bool
+) -> None:
+    """Host tensors are written in one pass also on a machine with a GPU; tensors on a
+    device are left to DCP's own writer, which overlaps their copies with its writes."""
+    from cudakit.checkpoint import storage
+
+    monkeypatch.setattr(storage, "_gpu_like", lambda: True)
+    calls: list[Path] = []
+    real = storage._write_file
+
+    def spy(path: Path, *args: Any) -> Any:
+        calls.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(storage, "_write_file", spy)
+    model, opt = _model()
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    if on_a_gpu:  # (pretend: the state is on a device)
+        monkeypatch.setattr("cudakit.checkpoint.writer._on_host", lambda tree: False)
+    path = ckpt.save()
+    ckpt.close()
+    assert len(calls) == (0 if on_a_gpu else 1)
+    assert path is not None
+    again, again_opt = _model()
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    fresh = cudakit.Checkpointer(tmp_path, model=again, optimizer=again_opt, preemption=False)
+    fresh.resume()
+    fresh.close()
+    pairs = zip(again.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
