@@ -29,6 +29,9 @@ held before, against its own shard (parameters and optimizer state), then times 
 ``Checkpointer`` save and load against DCP's own ``save``/``load`` written by hand, in
 interleaved rounds.
 
+``--small``: only the small model's part (a save's fixed cost and the loop), in about
+a minute.
+
 ``--stop``: only the cost of agreeing on a stop signal across ranks, which every window
 boundary pays under a process group (one asynchronous all-reduce of a few flags on a
 gloo group, read at the next boundary).
@@ -709,6 +712,33 @@ def figure_data(
     )
 
 
+def small_part(quick: bool, directory: str | None) -> dict[str, Any]:
+    """The small model's figures (one save, the loop), printed as ratios."""
+    small_root = Path(tempfile.mkdtemp(prefix="bench_ckpt_small", dir=directory))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model's step: on a shared machine, more spin
+    try:
+        saves = small_saves(small_root / "saves", repeats=5 if quick else 25)
+        loops = small_loops(small_root / "loops", rounds=1 if quick else 5)
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(small_root, ignore_errors=True)
+    small_params = sum(p.numel() for p in tiny_gpt().parameters())
+    print(
+        f"\nsmall model ({small_params / 1e3:.0f}k parameters + AdamW state, one thread), "
+        "one save (median; goal: Checkpointer at most 1.5x torch.save):"
+    )
+    for name, value in saves.items():
+        print(f"  {name:24} {value * 1e3:7.1f} ms {value / saves['torch.save']:6.2f}x")
+    print(
+        "a 60-step loop saving every 5 steps (median; goal: Checkpointer at most 1.02x "
+        "the hand-written loop with its own atomic saves):"
+    )
+    for name, value in loops.items():
+        print(f"  {name:24} {value:7.3f} s {value / loops['hand-written']:7.3f}x")
+    return {"params": small_params, "save": saves, "loop": loops}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, one round")
@@ -718,6 +748,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument(
         "--stop", action="store_true", help="only the per-window cost of agreeing on a stop"
+    )
+    parser.add_argument(
+        "--small", action="store_true", help="only the small model: one save, and the loop"
     )
     parser.add_argument(
         "--json",
@@ -730,6 +763,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.stop:
         stop_cost(args.quick, args.rounds)
+        return
+    if args.small:
+        if args.json:
+            parser.error("--json writes the whole run's figures: leave out --small")
+        print(
+            f"bench_checkpoint --small: torch {torch.__version__}, {platform.machine()}, "
+            f"{os.cpu_count()} CPUs, load average {_report.load_average()}"
+        )
+        small_part(args.quick, args.dir)
         return
     load = _report.load_average()
     width, layers = (256, 4) if args.quick else (2048, 24)
@@ -789,29 +831,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"params": params, "rounds": rounds, "table": table}
     result["async_blocked_ratio"] = blocked_ratio
     result["safe_reader"] = {"parts": cost, "added_s": added, "of_load": added / full}
-    small_root = Path(tempfile.mkdtemp(prefix="bench_ckpt_small", dir=args.dir))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small model's step: on a shared machine, more spin
-    try:
-        saves = small_saves(small_root / "saves", repeats=5 if args.quick else 25)
-        loops = small_loops(small_root / "loops", rounds=1 if args.quick else 5)
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(small_root, ignore_errors=True)
-    small_params = sum(p.numel() for p in tiny_gpt().parameters())
-    result["small"] = {"params": small_params, "save": saves, "loop": loops}
-    print(
-        f"\nsmall model ({small_params / 1e3:.0f}k parameters + AdamW state, one thread), "
-        "one save (median; goal: Checkpointer at most 1.5x torch.save):"
-    )
-    for name, value in saves.items():
-        print(f"  {name:24} {value * 1e3:7.1f} ms {value / saves['torch.save']:6.2f}x")
-    print(
-        "a 60-step loop saving every 5 steps (median; goal: Checkpointer at most 1.02x "
-        "the hand-written loop with its own atomic saves):"
-    )
-    for name, value in loops.items():
-        print(f"  {name:24} {value:7.3f} s {value / loops['hand-written']:7.3f}x")
+    result["small"] = small_part(args.quick, args.dir)
     if args.fsdp:
         ranks = fsdp_memory(width, layers, rounds)
         result["fsdp"] = ranks

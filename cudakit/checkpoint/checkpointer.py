@@ -401,8 +401,12 @@ class Checkpointer:
         return self._save_now()
 
     def wait(self) -> Path | None:
-        """Finish a background save in flight; returns its path (None: nothing was in flight)."""
-        return self._writer.finish()
+        """Finish a background save in flight, and the removal of the checkpoints ``keep=``
+        let go; returns the save's path (None: no save was in flight)."""
+        try:
+            return self._writer.finish()
+        finally:
+            drain_background()
 
     def close(self) -> None:
         """Finish a background save, stop watching signals. Idempotent; also at exit."""
@@ -413,6 +417,7 @@ class Checkpointer:
         try:
             self._writer.finish()
         finally:
+            drain_background()  # (the removals keep= started, before the lock goes)
             self._preemption.close()
             if self._held is not None:
                 self._held.release()

@@ -42,7 +42,9 @@ __all__ = [
     "publish",
     "read_manifest",
     "remove_checkpoint",
+    "remove_set_aside",
     "remove_stale_partials",
+    "set_aside",
     "to_remove",
     "write_manifest",
 ]
@@ -186,12 +188,12 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
     }
     serial = 1 + _newest_serial(final.parent)
     manifest = Manifest(files=files, **fields, serial=serial)
-    tmp = partial / (MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    # Written in place: the directory is still .partial, and a manifest cut short is
+    # no JSON, so no complete checkpoint (remove_stale_partials removes it).
+    with open(partial / MANIFEST, "w", encoding="utf-8") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, partial / MANIFEST)
     fsync_dir(partial)
     publish(partial, final)
 
@@ -356,15 +358,29 @@ def _complete(path: Path) -> bool:
 def remove_checkpoint(path: Path) -> str | None:
     """Remove a complete checkpoint whole or not at all; why it failed, else None.
 
-    It is renamed out of the checkpoints' names first (``.removing``, atomic), so a
-    removal that fails part-way never leaves a checkpoint with files missing; what is
-    left goes at the next resume (:func:`remove_stale_partials`).
+    It is renamed out of the checkpoints' names first (``.removing``, atomic:
+    :func:`set_aside`), so a removal that fails part-way never leaves a checkpoint with
+    files missing; what is left goes at the next resume (:func:`remove_stale_partials`).
     """
+    doomed = set_aside(path)
+    if isinstance(doomed, str):
+        return doomed
+    return remove_set_aside(doomed)
+
+
+def set_aside(path: Path) -> Path | str:
+    """Rename a checkpoint out of the checkpoints' names (``.removing``): no listing
+    sees it from then on. Returns its new path, else why it could not."""
     doomed = path.with_name(path.name + REMOVING)
     try:
         os.replace(path, doomed)
     except OSError as exc:
         return f"{exc} (it is still complete)"
+    return doomed
+
+
+def remove_set_aside(doomed: Path) -> str | None:
+    """Remove what :func:`set_aside` renamed; why it failed, else None."""
     try:
         shutil.rmtree(doomed)
     except OSError as exc:

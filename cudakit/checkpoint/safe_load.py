@@ -51,6 +51,7 @@ __all__ = [
     "check_saved",
     "dcp_load",
     "dcp_reader",
+    "known_to_load",
     "load_host",
     "refused_globals",
     "refused_in",
@@ -650,17 +651,73 @@ def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield path, tree
 
 
-def check_saved(host_file: Path, tensors: Mapping[str, Any], safe_globals: Sequence[Any]) -> None:
+_EXACT = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+_CONTAINERS = frozenset({dict, list, tuple})
+
+
+def _plain_tensor(value: torch.Tensor) -> bool:
+    return (
+        value.layout == torch.strided
+        and value.device.type in ("cpu", "cuda")
+        and not value.is_quantized
+        and not value.is_conj()
+        and not value.is_neg()
+        and not value.__dict__
+    )
+
+
+def known_to_load(tree: Any) -> bool:
+    """Whether the safe loader surely takes ``tree`` back: builtin dicts, lists and tuples
+    of numbers, strings, bytes, None, dtypes, devices and plain tensors, each of exactly
+    its type (a subclass, a list or dict met twice, anything else: False, and the pickle
+    is loaded back to know).
+
+    >>> known_to_load({"step": 3, "rng": [torch.zeros(2), (1, 2.0)]})
+    True
+    >>> import collections
+    >>> known_to_load({"d": collections.OrderedDict()})
+    False
+    """
+    seen: set[int] = set()
+    stack = [tree]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind in _EXACT:
+            continue
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if not _plain_tensor(value):
+                return False
+            continue
+        if kind not in _CONTAINERS:
+            return False
+        if id(value) in seen:
+            if kind is tuple:  # (the empty tuple, a tuple shared: walked once)
+                continue
+            return False  # a list or dict twice, maybe a cycle
+        seen.add(id(value))
+        if kind is dict:
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        else:
+            stack.extend(value)
+    return True
+
+
+def check_saved(
+    host_file: Path, host: Any, tensors: Mapping[str, Any], safe_globals: Sequence[Any]
+) -> None:
     """Check that what a save wrote loads with the safe loaders: the rank file just
-    written (read back memory-mapped: its tensors are not read), and the values of the
-    DCP part that DCP pickles.
+    written (``host``, its state: read back memory-mapped unless :func:`known_to_load`
+    says it loads), and the values of the DCP part that DCP pickles.
 
     Raises:
         Unloadable: naming the refused globals, and the DCP value where it is one.
     """
     try:
-        with allowed_globals(safe_globals):
-            torch.load(host_file, weights_only=True, mmap=True, map_location="cpu")
+        if not known_to_load(host):
+            with allowed_globals(safe_globals):
+                torch.load(host_file, weights_only=True, mmap=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         with allowed_globals(safe_globals):
             refused = _reason(exc, _pickle_of(host_file))

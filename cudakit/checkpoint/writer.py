@@ -2,9 +2,11 @@
 
 Every rank writes its host file into the ``.partial`` directory, then calls DCP's
 ``save`` (or ``async_save``), whose first collective (planning) cannot finish before
-every rank has arrived: so once DCP has written its ``.metadata`` on rank 0, every
-rank's files are on disk. Rank 0 then writes the manifest and renames the directory
-(:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old checkpoints.
+every rank has arrived, and each rank fsyncs its files before DCP gathers the ranks
+(:mod:`~cudakit.checkpoint.storage`): so once DCP has written its ``.metadata`` on rank
+0, every rank's files are on disk. Rank 0 then writes the manifest and renames the
+directory (:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old
+checkpoints (their files on the background thread).
 
 Background saves run DCP's ``async_save`` on a gloo group of their own (made once,
 by every rank together), so the save's collectives never interleave with training's.
@@ -14,9 +16,11 @@ The loop waits only while DCP stages the state (a copy in host memory).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import logging
+import os
 import pickle
 import shutil
 import threading
@@ -30,6 +34,7 @@ import torch
 from ..exceptions import CheckpointSaveError
 from . import failures, layout, safe_load
 from .state import failure_cause
+from .storage import storage_writer
 
 __all__ = ["Pending", "Writer", "drain_background"]
 
@@ -44,6 +49,12 @@ class Pending:
     final: Path
     fields: dict[str, Any]
     future: Future[Any] | None = None
+    #: Whether the manifest is written and the directory renamed (by the future).
+    published: bool = False
+    #: Set by the loop once it has copied the state into the host buffers (``copied``:
+    #: it all was); the future publishes only a whole copy.
+    staged: threading.Event = dataclasses.field(default_factory=threading.Event)
+    copied: bool = False
 
 
 class Writer:
@@ -77,8 +88,6 @@ class Writer:
     def write(self, tensors: dict[str, Any], host: dict[str, Any], pending: Pending) -> None:
         """Write (or start writing) one checkpoint; a background save already running is
         finished first, so at most one is ever in flight."""
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
         self.finish()
         drain_background()  # a save an abandoned Checkpointer left running, writing here
         try:
@@ -86,11 +95,11 @@ class Writer:
             try:
                 file = pending.partial / layout.rank_file(self.rank)
                 torch.save(host, file)
-                safe_load.check_saved(file, tensors, self.safe_globals)
+                safe_load.check_saved(file, host, tensors, self.safe_globals)
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
-            writer = FileSystemWriter(str(pending.partial), sync_files=True)
+            writer = storage_writer(pending.partial, file, on_host=_on_host(tensors))
             if not self.background:
                 self._save(tensors, writer)
             elif self.distributed:
@@ -100,16 +109,21 @@ class Writer:
                 pending.future = getattr(result, "upload_completion", result)
             else:
                 # DCP writes each tensor as soon as it is copied: the loop waits for the
-                # copy, the save finishes about when the last tensor is written.
+                # copy, the save finishes about when the last tensor is written, and is
+                # made visible there too (the manifest's and the renames' fsyncs).
                 staged, copies = _staged(tensors, self._staging)
                 planner = _waiting_planner(copies)
-                pending.future = _executor().submit(self._save, staged, writer, planner)
+                pending.future = _executor().submit(
+                    self._save_and_publish, staged, writer, planner, pending
+                )
                 try:
                     _copy_all(copies)
-                except BaseException:
-                    concurrent.futures.wait([pending.future])  # before the partial goes
-                    raise
+                    pending.copied = True
+                finally:
+                    pending.staged.set()  # (not copied: the future publishes nothing)
         except BaseException as exc:
+            if isinstance(pending.future, Future):
+                concurrent.futures.wait([pending.future])  # before the partial goes
             self._failed(pending, exc)
         self.pending = pending
         if not self.background:
@@ -128,6 +142,17 @@ class Writer:
         else:  # pragma: no cover - a torch without the inner function
             state_dict_saver.save(tensors, storage_writer=writer, no_dist=True, planner=planner)
 
+    def _save_and_publish(
+        self, tensors: dict[str, Any], writer: Any, planner: Any, pending: Pending
+    ) -> None:
+        """A single-process background save, whole: DCP's save, then the manifest once
+        the loop's copy into the host buffers is known to be whole."""
+        self._save(tensors, writer, planner)
+        pending.staged.wait()
+        if pending.copied:
+            layout.write_manifest(pending.partial, pending.final, pending.fields)
+            pending.published = True
+
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
         pending, self.pending = self.pending, None
@@ -139,10 +164,11 @@ class Writer:
             except BaseException as exc:
                 self._failed(pending, exc)
         if self.rank == 0:
-            try:
-                layout.write_manifest(pending.partial, pending.final, pending.fields)
-            except OSError as exc:
-                self._failed(pending, exc)
+            if not pending.published:
+                try:
+                    layout.write_manifest(pending.partial, pending.final, pending.fields)
+                except OSError as exc:
+                    self._failed(pending, exc)
             self.prune()
         self.last = pending.final
         log.info("cudakit: checkpoint %s complete", pending.final)
@@ -160,21 +186,21 @@ class Writer:
         )
 
     def prune(self) -> None:
-        """Remove the old complete checkpoints ``keep=`` lets go (rank 0)."""
+        """Remove the old complete checkpoints ``keep=`` lets go (rank 0).
+
+        Each is renamed out of the checkpoints' names here, then its files are removed
+        on the background thread, beside the loop: the next save, :meth:`Checkpointer.wait`
+        and ``close()`` wait for that first (:func:`drain_background`).
+        """
         if self.keep is None or self.rank != 0:
             return
         found = layout.list_checkpoints(self.root)
         for path in layout.to_remove([p for p, _ in found.complete], self.keep, self._protect()):
-            failed = layout.remove_checkpoint(path)
-            if failed is None:
-                log.info("cudakit: removed old checkpoint %s (keep=%d)", path, self.keep)
+            doomed = layout.set_aside(path)
+            if isinstance(doomed, str):
+                _removed(path, self.keep, doomed)
             else:
-                log.warning(
-                    "cudakit: could not remove old checkpoint %s (keep=%d): %s",
-                    path,
-                    self.keep,
-                    failed,
-                )
+                _executor().submit(_remove, path, doomed, self.keep)
 
     def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
         if self.rank == 0:
@@ -193,6 +219,17 @@ class Writer:
             f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
             f"Nothing of it became visible. {kept} {fix}"
         ) from exc
+
+
+def _on_host(tree: Any) -> bool:
+    """Whether every tensor of a nested state dict is in host memory."""
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "cpu"
+    if isinstance(tree, dict):
+        return all(_on_host(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return all(_on_host(v) for v in tree)
+    return True
 
 
 _Copy = tuple[torch.Tensor, torch.Tensor, threading.Event]
@@ -257,23 +294,39 @@ def _waiting_planner(copies: list[_Copy]) -> Any:
     return WaitingPlanner()
 
 
-_POOL: list[ThreadPoolExecutor] = []
+def _remove(path: Path, doomed: Path, keep: int) -> None:
+    _removed(path, keep, layout.remove_set_aside(doomed))
+
+
+def _removed(path: Path, keep: int, failed: str | None) -> None:
+    if failed is None:
+        log.info("cudakit: removed old checkpoint %s (keep=%d)", path, keep)
+    else:
+        log.warning("cudakit: could not remove old checkpoint %s (keep=%d): %s", path, keep, failed)
+
+
+_POOL: list[tuple[int, ThreadPoolExecutor]] = []
 
 
 def drain_background() -> None:
-    """Wait for every single-process background save this process started, its errors
-    ignored: a Checkpointer that raised without ``close()`` may have left one running
-    (a crashed process takes its thread along; an exception caught in the same process
-    does not), and it must not write into a directory a new run uses."""
-    if _POOL:
-        _POOL[0].submit(lambda: None).result()
+    """Wait for everything this process started on the background thread (single-process
+    background saves, the removals of ``keep=``), its errors ignored: a Checkpointer
+    that raised without ``close()`` may have left a save running (a crashed process
+    takes its thread along; an exception caught in the same process does not), and it
+    must not write into a directory a new run uses."""
+    if _POOL and _POOL[0][0] == os.getpid():
+        with contextlib.suppress(RuntimeError):  # at exit: the thread has finished
+            _POOL[0][1].submit(lambda: None).result()
 
 
 def _executor() -> ThreadPoolExecutor:
-    """The one background thread of single-process saves (made on first use)."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudakit-ckpt"))
-    return _POOL[0]
+    """The one background thread (made on first use, again in a forked child, which
+    has no thread of its parent's)."""
+    if not _POOL or _POOL[0][0] != os.getpid():
+        _POOL[:] = [
+            (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudakit-ckpt"))
+        ]
+    return _POOL[0][1]
 
 
 def _unpicklable(host: dict[str, Any], exc: BaseException, safe_globals: tuple[Any, ...]) -> str:

@@ -99,10 +99,13 @@ def test_loading_a_truncated_checkpoint_is_a_clear_error_and_changes_nothing(
 def _fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.checkpoint import filesystem
 
+    from cudakit.checkpoint import storage
+
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(filesystem, "_write_item", full)
+    monkeypatch.setattr(filesystem, "_write_item", full)  # where DCP writes itself
+    monkeypatch.setattr(storage, "_write_file", full)  # where cudakit writes DCP's files
 
 
 def test_a_disk_that_fills_up_mid_save_keeps_the_previous_checkpoint(

@@ -4,6 +4,7 @@ refuse is refused at save(); checkpoints of an older host format only with trust
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pickle
 import random
@@ -358,3 +359,60 @@ def test_the_static_scan_never_raises_on_garbage(data: bytes) -> None:
     assert isinstance(safe_load.refused_globals(data), list)
     found = safe_load._host_format(data)
     assert found is None or isinstance(found, int)
+
+
+_loadable_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.complex_numbers()
+    | st.text(max_size=5)
+    | st.binary(max_size=5)
+    | st.sampled_from([torch.float32, torch.bfloat16, torch.device("cpu")])
+    | st.builds(torch.zeros, st.integers(0, 3))
+)
+_loadable = st.recursive(
+    _loadable_leaf,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=5) | st.integers(), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_loadable)
+def test_what_the_save_check_admits_unread_loads_with_the_safe_loader(value: Any) -> None:
+    """A save reads its rank file back only when the walk cannot vouch for its state."""
+    import io
+
+    from cudakit.checkpoint import safe_load
+
+    assert safe_load.known_to_load({"v": value})
+    buffer = io.BytesIO()
+    torch.save({"v": value}, buffer)
+    buffer.seek(0)
+    with safe_load.allowed_globals():
+        torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        Config("x", 1),
+        collections.OrderedDict(a=1),
+        np.float64(1.5),
+        torch.nn.Linear(1, 1),
+        torch.zeros(2).to_sparse(),
+        [[0]] * 2,  # the same list twice: read back to know
+        True.__class__,
+        range(3),
+    ],
+)
+def test_the_save_check_reads_back_what_it_cannot_vouch_for(value: Any) -> None:
+    from cudakit.checkpoint import safe_load
+
+    assert not safe_load.known_to_load({"k": [1, (2, value)]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def test_a_removal_that_fails_part_way_leaves_no_broken_checkpoint(
         monkeypatch.setattr(layout.shutil, "rmtree", failing)
         with caplog.at_level(logging.WARNING, logger="cudakit"):
             second = ckpt.save()
+            ckpt.ckpt.wait()  # (the removal runs beside the loop)
         monkeypatch.setattr(layout.shutil, "rmtree", real)
     assert first is not None
     assert second is not None
@@ -91,3 +93,32 @@ def test_what_a_failed_removal_left_is_cleared_at_the_next_resume(
     with _Run(tmp_path):  # (entering resumes)
         pass
     assert not any(p.name.endswith(".removing") for p in tmp_path.iterdir())
+
+
+def test_the_removal_runs_beside_the_loop_and_wait_finishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = shutil.rmtree
+    go = threading.Event()
+
+    def slow(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith(".removing"):
+            assert go.wait(timeout=30)
+        return real(path, *args, **kwargs)
+
+    with _Run(tmp_path) as ckpt:
+        first = ckpt.save()
+        monkeypatch.setattr(layout.shutil, "rmtree", slow)
+        second = ckpt.save()  # returns while the first is being removed
+        assert first is not None
+        assert second is not None
+        assert [p.name for p, _ in layout.list_checkpoints(tmp_path).complete] == [second.name]
+        assert (tmp_path / (first.name + ".removing")).exists()  # out of the names already
+        go.set()
+        assert ckpt.ckpt.wait() is None  # (no save in flight) and the removal finished
+        assert not (tmp_path / (first.name + ".removing")).exists()
+        go.clear()
+        third = ckpt.save()
+        assert third is not None
+        go.set()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [third.name]

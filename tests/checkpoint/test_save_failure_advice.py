@@ -15,10 +15,13 @@ import cudakit
 def _fail_with(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
     from torch.distributed.checkpoint import filesystem
 
+    from cudakit.checkpoint import storage
+
     def write_item(*args: object, **kwargs: object) -> None:
         raise exc
 
-    monkeypatch.setattr(filesystem, "_write_item", write_item)
+    monkeypatch.setattr(filesystem, "_write_item", write_item)  # where DCP writes itself
+    monkeypatch.setattr(storage, "_write_file", write_item)  # where cudakit writes DCP's files
 
 
 @pytest.mark.parametrize(
