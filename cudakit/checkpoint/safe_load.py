@@ -18,8 +18,8 @@ that global is looked up:
   DCP reads tensors safely itself.
 
 :func:`dcp_reader` and :func:`dcp_load` are the one way cudakit reads DCP; what it
-saves is checked by :func:`check_saved` first, so a value the safe loader would refuse
-is refused at ``save()``, not found at resume. ``trust=True`` reads with pickle's full
+saves is checked first (:mod:`~cudakit.checkpoint.admit`), so a value the safe loader
+would refuse is refused at ``save()``, not found at resume. ``trust=True`` reads with pickle's full
 loader instead: checkpoints written before host format 2 need it.
 """
 
@@ -48,13 +48,13 @@ __all__ = [
     "RefusedCheckpointError",
     "Unloadable",
     "allowed_globals",
-    "check_saved",
     "dcp_load",
     "dcp_reader",
-    "known_to_load",
     "load_host",
+    "pickle_of",
+    "pickle_of_bytes",
+    "refusal_reason",
     "refused_globals",
-    "refused_in",
     "safe_planner",
 ]
 
@@ -81,7 +81,7 @@ class DataFileError(Exception):
 
 
 class Unloadable(Exception):
-    """A value about to be saved that the safe loader would refuse (see :func:`check_saved`)."""
+    """A value about to be saved that the safe loader would refuse (see ``admit.check_saved``)."""
 
 
 # ---------------------------------------------------------------------------- allowlists
@@ -230,7 +230,7 @@ def _torch_allows(name: str) -> bool:
     return name in wo._get_allowed_globals() or name in wo._get_user_allowed_globals()
 
 
-def _pickle_of(file: Path) -> bytes:
+def pickle_of(file: Path) -> bytes:
     """The pickle of a ``torch.save`` file (its ``data.pkl``), or the file itself."""
     try:
         with zipfile.ZipFile(file) as archive:
@@ -243,7 +243,7 @@ def _pickle_of(file: Path) -> bytes:
             return b""
 
 
-def _reason(exc: BaseException, data: bytes) -> list[str]:
+def refusal_reason(exc: BaseException, data: bytes) -> list[str]:
     """What the safe loader refused: the globals a static read finds, else its message."""
     refused = refused_globals(data, _torch_allows)
     if refused:
@@ -323,12 +323,12 @@ def load_host(file: Path, *, trust: bool, safe_globals: Sequence[Any] = ()) -> A
             warnings.filterwarnings("ignore", message=".*pickle protocol", category=UserWarning)
             host = torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        data = _pickle_of(file)
+        data = pickle_of(file)
         found = _host_format(data)
         if found is not None and found < layout.HOST_FORMAT:
             raise _old_format(file, found) from None
         with allowed_globals(safe_globals):
-            refused = _reason(exc, data)
+            refused = refusal_reason(exc, data)
         raise _refusal(file, refused, "torch.load(weights_only=True)") from None
     found = host.get("format") if isinstance(host, dict) else None
     if is_int(found) and found < layout.HOST_FORMAT:
@@ -477,7 +477,7 @@ def _planner_class() -> type:
                     obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as exc:
                 file = getattr(self.reader, "current", None) or "a data file"
-                refused = _reason(exc, _pickle_of_bytes(value))
+                refused = refusal_reason(exc, pickle_of_bytes(value))
                 what = f"torch.load(weights_only=True), value {read_item.dest_index.fqn}"
                 raise _refusal(file, refused, what) from None
             self._put(read_item.dest_index.fqn, obj)
@@ -521,7 +521,7 @@ def _planner_class() -> type:
     return Planner
 
 
-def _pickle_of_bytes(value: io.BytesIO) -> bytes:
+def pickle_of_bytes(value: io.BytesIO) -> bytes:
     try:
         with zipfile.ZipFile(io.BytesIO(value.getvalue())) as archive:
             name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
@@ -586,7 +586,7 @@ def dcp_load(
             if isinstance(inner, pickle.UnpicklingError):
                 raise _refusal(
                     root / (file or "a data file"),
-                    _reason(inner, b""),
+                    refusal_reason(inner, b""),
                     "torch.load(weights_only=True)",
                 ) from None
             if file is not None and isinstance(inner, Exception):
@@ -605,132 +605,3 @@ def _inner(exc: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             return inner
     return exc
-
-
-# ---------------------------------------------------------------------------- at save
-
-
-_PLAIN = (
-    torch.Tensor,
-    int,
-    float,
-    bool,
-    str,
-    bytes,
-    type(None),
-    torch.dtype,
-    torch.device,
-    torch.Size,
-)
-
-
-def _loads_safely(value: Any, safe_globals: Sequence[Any]) -> list[str]:
-    """The globals that keep ``value`` from a safe load (empty: it loads)."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    try:
-        with allowed_globals(safe_globals):
-            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except pickle.UnpicklingError as exc:
-        with allowed_globals(safe_globals):
-            return _reason(exc, _pickle_of_bytes(buffer))
-    return []
-
-
-def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """The values of a state dict that DCP pickles (not tensors), with their names."""
-    if isinstance(tree, _PLAIN):
-        return
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, f"{path}.{i}")
-    else:
-        yield path, tree
-
-
-_EXACT = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
-_CONTAINERS = frozenset({dict, list, tuple})
-
-
-def _plain_tensor(value: torch.Tensor) -> bool:
-    return (
-        value.layout == torch.strided
-        and value.device.type in ("cpu", "cuda")
-        and not value.is_quantized
-        and not value.is_conj()
-        and not value.is_neg()
-        and not value.__dict__
-    )
-
-
-def known_to_load(tree: Any) -> bool:
-    """Whether the safe loader surely takes ``tree`` back: builtin dicts, lists and tuples
-    of numbers, strings, bytes, None, dtypes, devices and plain tensors, each of exactly
-    its type (a subclass, a list or dict met twice, anything else: False, and the pickle
-    is loaded back to know).
-
-    >>> known_to_load({"step": 3, "rng": [torch.zeros(2), (1, 2.0)]})
-    True
-    >>> import collections
-    >>> known_to_load({"d": collections.OrderedDict()})
-    False
-    """
-    seen: set[int] = set()
-    stack = [tree]
-    while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind in _EXACT:
-            continue
-        if kind is torch.Tensor or kind is torch.nn.Parameter:
-            if not _plain_tensor(value):
-                return False
-            continue
-        if kind not in _CONTAINERS:
-            return False
-        if id(value) in seen:
-            if kind is tuple:  # (the empty tuple, a tuple shared: walked once)
-                continue
-            return False  # a list or dict twice, maybe a cycle
-        seen.add(id(value))
-        if kind is dict:
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        else:
-            stack.extend(value)
-    return True
-
-
-def check_saved(
-    host_file: Path, host: Any, tensors: Mapping[str, Any], safe_globals: Sequence[Any]
-) -> None:
-    """Check that what a save wrote loads with the safe loaders: the rank file just
-    written (``host``, its state: read back memory-mapped unless :func:`known_to_load`
-    says it loads), and the values of the DCP part that DCP pickles.
-
-    Raises:
-        Unloadable: naming the refused globals, and the DCP value where it is one.
-    """
-    try:
-        if not known_to_load(host):
-            with allowed_globals(safe_globals):
-                torch.load(host_file, weights_only=True, mmap=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        with allowed_globals(safe_globals):
-            refused = _reason(exc, _pickle_of(host_file))
-        raise Unloadable(f"the rank file holds {', '.join(refused)}") from None
-    for name, value in _leaves(tensors, ""):
-        refused = _loads_safely(value, safe_globals)
-        if refused:
-            raise Unloadable(
-                f"the model or optimizer state {name!r} ({type(value).__name__}) holds "
-                f"{', '.join(refused)}"
-            )
-
-
-def refused_in(value: Any, safe_globals: Sequence[Any]) -> list[str]:
-    """The globals that keep ``value`` from a safe load (empty: it loads); for messages."""
-    return _loads_safely(value, safe_globals)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..exceptions import CheckpointSaveError
-from . import failures, layout, safe_load
+from . import admit, failures, layout, safe_load
 from .state import failure_cause
 from .storage import storage_writer
 
@@ -95,7 +95,7 @@ class Writer:
             try:
                 file = pending.partial / layout.rank_file(self.rank)
                 torch.save(host, file)
-                safe_load.check_saved(file, host, tensors, self.safe_globals)
+                admit.check_saved(file, host, tensors, self.safe_globals)
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
@@ -339,7 +339,7 @@ def _unpicklable(host: dict[str, Any], exc: BaseException, safe_globals: tuple[A
         except Exception as err:
             bad.append(f"{name!r} ({type(value).__name__}: {err})")
             continue
-        names = safe_load.refused_in(value, safe_globals)
+        names = admit.refused_in(value, safe_globals)
         if names:
             refused.append(f"{name!r} ({type(value).__name__}: {', '.join(names)})")
     allow = (

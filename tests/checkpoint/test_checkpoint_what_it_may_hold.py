@@ -330,14 +330,14 @@ def test_trust_pickles_loads_an_older_checkpoint_and_saves_the_new_format(
 @settings(max_examples=60, deadline=None)
 @given(value=_plain, where=st.integers(0, 3))
 def test_the_save_check_finds_a_users_object_anywhere_in_the_state(value: Any, where: int) -> None:
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import admit
 
-    assert list(safe_load._leaves({"model": {"w": torch.zeros(1), "v": value}}, "")) == []
+    assert list(admit._leaves({"model": {"w": torch.zeros(1), "v": value}}, "")) == []
     nests: list[Any] = [Config("x", 1)]
     for _ in range(where):
         nests = [{"k": nests}, (0, nests)][where % 2 : where % 2 + 1]
     state = {"optim": {"param_groups": [value, nests]}}
-    found = list(safe_load._leaves(state, ""))
+    found = list(admit._leaves(state, ""))
     assert [type(v) for _, v in found] == [Config]
     assert found[0][0].startswith("optim.param_groups.1")
 
@@ -389,9 +389,9 @@ def test_what_the_save_check_admits_unread_loads_with_the_safe_loader(value: Any
     """A save reads its rank file back only when the walk cannot vouch for its state."""
     import io
 
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import admit, safe_load
 
-    assert safe_load.known_to_load({"v": value})
+    assert admit.known_to_load({"v": value})
     buffer = io.BytesIO()
     torch.save({"v": value}, buffer)
     buffer.seek(0)
@@ -413,6 +413,6 @@ def test_what_the_save_check_admits_unread_loads_with_the_safe_loader(value: Any
     ],
 )
 def test_the_save_check_reads_back_what_it_cannot_vouch_for(value: Any) -> None:
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import admit
 
-    assert not safe_load.known_to_load({"k": [1, (2, value)]})
+    assert not admit.known_to_load({"k": [1, (2, value)]})
