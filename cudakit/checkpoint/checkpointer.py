@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from .._check import check_int
-from .._dist import group_rank, group_world_size, is_group_running
+from .._dist import group_rank
 from .._output import STDERR, check_file, check_log
 from . import arguments, layout, lock, progress, reader
 from .announce import Announcer
@@ -24,6 +24,7 @@ from .cursor import Cursor
 from .data import Position, is_stateful
 from .policy import SavePolicy
 from .preemption import Preemption
+from .ranks import Ranks
 from .resume import ResumeChoice
 from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state, warn_open_window
 from .writer import Pending, Writer, drain_background
@@ -150,40 +151,28 @@ class Checkpointer:
         self.extra: dict[str, Any] = self._parts.extras
         self.loader: Any = options.loader
         self.keep = options.keep
-        self._distributed = is_group_running()
-        self._rank = group_rank()
-        self._world = group_world_size()
-        layout.probe_writable(self.directory, self._rank)
-        self._control: Any = None
-        save_group: Any = None
-        if self._distributed:
-            import torch.distributed as dist
-
-            # Made by every rank together, in the same order: gloo, so that neither the
-            # stop agreement nor a background save shares training's communicator.
-            self._control = dist.new_group(backend="gloo")
-            if options.background:
-                save_group = dist.new_group(backend="gloo")
+        self._ranks = ranks = Ranks.join(background=options.background)
+        layout.probe_writable(self.directory, ranks.rank)
         # One run per directory: rank 0 holds the lock, every rank learns if it may.
-        self._held = lock.hold_on_rank0(self.directory, self._rank, self._control)
+        self._held = lock.hold_on_rank0(self.directory, ranks.rank, ranks.control)
         if self._held is not None:
             weakref.finalize(self, self._held.release)  # (a Checkpointer dropped unclosed)
         self._writer = Writer(
             self.directory,
-            rank=self._rank,
+            rank=ranks.rank,
             keep=options.keep,
             background=options.background,
-            group=save_group,
-            distributed=self._distributed,
+            group=ranks.save_group,
+            distributed=ranks.distributed,
             protect=self._protected,
             safe_globals=options.safe_globals,
         )
         self._preemption = Preemption(
-            options.preemption, self._control, options.requeue, options.exit_code
+            options.preemption, ranks.control, options.requeue, options.exit_code
         )
         self._cursor = Cursor()
         self._policy = SavePolicy(options.every)
-        self._choice = ResumeChoice(self.directory, self._rank, self._control, announcer)
+        self._choice = ResumeChoice(self.directory, ranks.rank, ranks.control, announcer)
         self._closed = False
         #: The checkpoint this run resumed from (None: a fresh start).
         self.resumed_from: Path | None = None
@@ -284,16 +273,16 @@ class Checkpointer:
         host, manifest = reader.read(
             root,
             self._parts,
-            self._rank,
-            self._world,
-            self._distributed,
+            self._ranks.rank,
+            self._ranks.world,
+            self._ranks.distributed,
             extras=self.extra,
             loader=self.loader,
-            group=self._control,
+            group=self._ranks.control,
             trust=self._options.trust_pickles,
             safe_globals=self._options.safe_globals,
         )
-        epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._rank)
+        epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._ranks.rank)
         pos = Position(**host["position"])
         self._cursor.restored(pos, epoch_rng, self.loader)
         self._policy.restored(pos)
@@ -477,7 +466,7 @@ class Checkpointer:
                 "epoch": pos.epoch,
                 "batch": pos.batch,
                 "windows": pos.windows,
-                "world_size": self._world,
+                "world_size": self._ranks.world,
                 "models": tuple(parts.models),
                 "optimizers": len(parts.optimizers),
                 "schedulers": len(parts.schedulers),
@@ -494,8 +483,8 @@ class Checkpointer:
         loader = self.loader
         return {
             "format": layout.HOST_FORMAT,
-            "rank": self._rank,
-            "world_size": self._world,
+            "rank": self._ranks.rank,
+            "world_size": self._ranks.world,
             "position": dataclasses.asdict(pos),
             "rng": self._cursor.rng_state(loader, pos, unconsumed),
             "epoch_rng": self._cursor.epoch_rng if pos.batch > 0 else None,
@@ -508,7 +497,7 @@ class Checkpointer:
 
     def _exit_after_stop(self) -> None:
         self.wait()
-        code = self._preemption.exit_status(self._rank)
+        code = self._preemption.exit_status(self._ranks.rank)
         log.warning(
             "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
         )
