@@ -188,9 +188,8 @@ class Writer:
     def prune(self) -> None:
         """Remove the old complete checkpoints ``keep=`` lets go (rank 0).
 
-        Each is renamed out of the checkpoints' names here, then its files are removed
-        on the background thread, beside the loop: the next save, :meth:`Checkpointer.wait`
-        and ``close()`` wait for that first (:func:`drain_background`).
+        Each is renamed out of the checkpoints' names, then its files are removed, before
+        the call returns: a listing of the directory after a save shows ``keep`` of them.
         """
         if self.keep is None or self.rank != 0:
             return
@@ -200,7 +199,7 @@ class Writer:
             if isinstance(doomed, str):
                 _removed(path, self.keep, doomed)
             else:
-                _executor().submit(_remove, path, doomed, self.keep)
+                _remove(path, doomed, self.keep)
 
     def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
         if self.rank == 0:
