@@ -307,25 +307,33 @@ class _OnCopies:
     def __init__(self, block: nn.Module, inner: Any) -> None:
         self.block = block
         self.inner = inner
-        self.swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        self.swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        for module in self.block.modules():  # before torch's context: not the block's ops
-            table = module._buffers
-            for name, buf in table.items():
-                if buf is not None:
-                    table[name] = copy = buf.clone()
-                    self.swapped.append((table, name, buf, copy))
-        self.inner.__enter__()
+        try:
+            for module in self.block.modules():  # before torch's context: not the block's ops
+                table = module._buffers
+                for name, buf in table.items():
+                    if buf is not None:
+                        table[name] = buf.clone()
+                        self.swapped.append((table, name, buf))
+            self.inner.__enter__()
+        except BaseException:  # an out-of-memory copy: `with` calls no __exit__
+            self._restore()
+            raise
 
     def __exit__(self, *exc: object) -> Any:
         try:
             return self.inner.__exit__(*exc)
         finally:
-            for table, name, buf, copy in self.swapped:
-                if table.get(name) is copy:
-                    table[name] = buf
-            self.swapped = []
+            self._restore()
+
+    def _restore(self) -> None:
+        # Every buffer back, also one the forward assigned anew (``self.mean = ...``):
+        # the recompute's assignment would count the batch a second time.
+        for table, name, buf in self.swapped:
+            table[name] = buf
+        self.swapped = []
 
 
 def _eager_context(block: nn.Module, policy: str) -> tuple[Any, Any]:
@@ -372,7 +380,8 @@ class _RecomputedForward(nn.Module):
         original = type(self)._cudakit_original  # type: ignore[attr-defined]
         if _CLASSES.get(original) is not type(self):  # a wrapper's class on top: its rules
             return super().__reduce_ex__(protocol)
-        return _unpickle_recomputed, (original,), self.__dict__.copy()
+        state = self.__getstate__()  # type: ignore[no-untyped-call]  # the class's own
+        return _unpickle_recomputed, (original,), state
 
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
