@@ -370,3 +370,41 @@ def test_a_recomputed_block_pickles_through_its_own_getstate(tmp_path: Any) -> N
     back = torch.load(tmp_path / "model.pt", weights_only=False)
     assert recomputed_blocks(back) == ["0.0"]
     assert isinstance(back[0][0].lock, type(threading.Lock()))
+
+
+class CachingLayer(nn.Module):
+    """A transformers decoder layer's shape (duck-typed): a class-level
+    ``gradient_checkpointing`` and a KV cache that every forward appends to, taken
+    positionally the way GPT2Model hands it to its blocks."""
+
+    gradient_checkpointing = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, cache: list[torch.Tensor] | None = None, use_cache: bool = False
+    ) -> torch.Tensor:
+        y = self.fc(x)
+        if cache is not None:
+            cache.append(y.detach())
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("positional", [True, False])
+def test_a_transformers_layer_gets_no_cache_in_training_however_it_is_passed(
+    policy: str, positional: bool
+) -> None:
+    torch.manual_seed(0)
+    model = recompute(nn.Sequential(nn.ModuleList([CachingLayer(), CachingLayer()])), policy)
+    cache: list[torch.Tensor] = []
+    x = torch.randn(3, 4)
+    for layer in model[0]:
+        x = layer(x, cache, use_cache=True) if positional else layer(x, cache=cache, use_cache=True)
+    x.sum().backward()
+    assert cache == []  # as under transformers' own checkpointing: nothing cached
+    with torch.no_grad():  # no backward, no recompute: the cache is written
+        model[0][0](x, cache) if positional else model[0][0](x, cache=cache)
+    assert len(cache) == 1
