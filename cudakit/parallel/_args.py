@@ -259,10 +259,13 @@ def _check_pinned_offload(func: str, policy: object) -> None:
 
     pinned = isinstance(policy, CPUOffloadPolicy) and policy.pin_memory
     if pinned and not torch.accelerator.is_available():
-        raise ValueError(
-            f"{func}(offload_policy=...) got CPUOffloadPolicy(pin_memory=True), which "
-            "pins host memory for copies to a GPU, and this machine has none. Pass "
-            "CPUOffloadPolicy(pin_memory=False) to offload without pinning."
+        fail_value(
+            func,
+            "offload_policy",
+            "CPUOffloadPolicy(pin_memory=False) on a machine without a GPU",
+            policy,
+            "Pinned memory is for copies to a GPU: pass CPUOffloadPolicy(pin_memory=False) "
+            "to offload without pinning.",
         )
 
 

@@ -237,11 +237,20 @@ def run_steps(
     return _own_steps(groups), call_init(init)
 
 
+def _hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (duck-typed): its
+    ``_init_weights(module)`` writes every tensor. Other models' ``_init_weights``
+    (nanoGPT's leaves its LayerNorms to torch; some take no argument) are not called."""
+    return callable(getattr(module, "_init_weights", None)) and callable(
+        getattr(module, "post_init", None)
+    )
+
+
 def hf_init(model: nn.Module, init: InitFn | None) -> bool:
     """Whether the init is a Hugging Face ``_init_weights(module)``: the model's own
-    (``init=None`` on a model that has one) or one passed as ``init=``."""
+    (``init=None`` on a Hugging Face model) or one passed as ``init=``."""
     if init is None:
-        return callable(getattr(model, "_init_weights", None))
+        return _hf_model(model)
     owner = getattr(init, "__self__", None)
     return isinstance(owner, nn.Module) and getattr(init, "__name__", "") == "_init_weights"
 
@@ -253,9 +262,8 @@ def _hf_call(model: nn.Module, init: InitFn | None) -> Callable[[nn.Module, str]
         return lambda module, name: init(module)
     owners: dict[str, Callable[[nn.Module], None]] = {}
     for name, module in model.named_modules():
-        own = getattr(module, "_init_weights", None)
         parent = owners.get(name.rpartition(".")[0]) if name else None
-        owners[name] = own if callable(own) else cast(Any, parent)
+        owners[name] = module._init_weights if _hf_model(module) else cast(Any, parent)
     return lambda module, name: owners[name](module)
 
 

@@ -324,11 +324,12 @@ def materialize(
 
     Each submodule that holds tensors itself is initialised by ``init(module)``
     (or ``init(module, name)``, with its name in the model), or by its own
-    ``reset_parameters()`` when ``init`` is None, under a seed derived from
-    ``init_seed`` and its name. A model sharded with FSDP2 (``fully_shard``) on the
-    meta device allocates only this rank's shards, and the full tensors after the
-    init are the same bit for bit at any world size: those of the same call on one
-    process. :func:`parallelize` calls this for a model on the meta device.
+    ``reset_parameters()`` when ``init`` is None (a Hugging Face model: its
+    ``_init_weights(module)``, for every submodule, children first), under a seed
+    derived from ``init_seed`` and its name. A model sharded with FSDP2
+    (``fully_shard``) on the meta device allocates only this rank's shards, and the
+    full tensors after the init are the same bit for bit at any world size: those of
+    the same call on one process. :func:`parallelize` calls this for a model on the meta device.
 
     Args:
         model: a module whose parameters and buffers are all on the meta device.

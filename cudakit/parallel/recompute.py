@@ -15,6 +15,7 @@ without recompute, and FSDP2's hooks stay on the block.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -283,19 +284,49 @@ def _hf_checkpointing(block: nn.Module) -> bool:
     return getattr(block, "gradient_checkpointing", False) is True
 
 
-def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A Hugging Face layer's keywords with its KV cache off, as its own checkpointing
+_POSITIONS: dict[type[nn.Module], dict[str, int]] = {}
+
+
+def _positions(cls: type[nn.Module]) -> dict[str, int]:
+    """Where ``cls.forward`` takes ``use_cache`` and the cache as positional arguments
+    (GPT2Model hands its blocks the cache so), after ``self``; found once per class."""
+    found = _POSITIONS.get(cls)
+    if found is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):  # no signature to read: keywords only
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = ("use_cache", *_CACHE_KWARGS)
+        found = {
+            p.name: i for i, p in enumerate(params) if p.kind in positional and p.name in names
+        }
+        _POSITIONS[cls] = found
+    return found
+
+
+def _on(value: object) -> bool:
+    return value is not None and value is not False
+
+
+def _without_cache(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A Hugging Face layer's arguments with its KV cache off, as its own checkpointing
     does: the recompute would write the cache a second time."""
     if not hasattr(type(block), "gradient_checkpointing"):  # not a transformers layer
-        return kwargs
-    out = dict(kwargs)
-    if out.get("use_cache"):
-        out["use_cache"] = False
+        return args, kwargs
+    off: dict[str, Any] = {"use_cache": False}  # a cache off is None (an empty one is falsy)
     if not getattr(block, "_can_checkpoint_with_cache", False):
-        for name in _CACHE_KWARGS:
-            if out.get(name) is not None:
-                out[name] = None
-    return out
+        off.update(dict.fromkeys(_CACHE_KWARGS))
+    out, listed = dict(kwargs), list(args)
+    for name, i in _positions(_original_class(block)).items():
+        if name in off and i < len(listed) and _on(listed[i]):
+            listed[i] = off[name]
+    for name, value in off.items():
+        if _on(out.get(name)):
+            out[name] = value
+    return tuple(listed), out
 
 
 class _OnCopies:
@@ -307,25 +338,33 @@ class _OnCopies:
     def __init__(self, block: nn.Module, inner: Any) -> None:
         self.block = block
         self.inner = inner
-        self.swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        self.swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        for module in self.block.modules():  # before torch's context: not the block's ops
-            table = module._buffers
-            for name, buf in table.items():
-                if buf is not None:
-                    table[name] = copy = buf.clone()
-                    self.swapped.append((table, name, buf, copy))
-        self.inner.__enter__()
+        try:
+            for module in self.block.modules():  # before torch's context: not the block's ops
+                table = module._buffers
+                for name, buf in table.items():
+                    if buf is not None:
+                        table[name] = buf.clone()
+                        self.swapped.append((table, name, buf))
+            self.inner.__enter__()
+        except BaseException:  # an out-of-memory copy: `with` calls no __exit__
+            self._restore()
+            raise
 
     def __exit__(self, *exc: object) -> Any:
         try:
             return self.inner.__exit__(*exc)
         finally:
-            for table, name, buf, copy in self.swapped:
-                if table.get(name) is copy:
-                    table[name] = buf
-            self.swapped = []
+            self._restore()
+
+    def _restore(self) -> None:
+        # Every buffer back, also one the forward assigned anew (``self.mean = ...``):
+        # the recompute's assignment would count the batch a second time.
+        for table, name, buf in self.swapped:
+            table[name] = buf
+        self.swapped = []
 
 
 def _eager_context(block: nn.Module, policy: str) -> tuple[Any, Any]:
@@ -355,7 +394,7 @@ class _RecomputedForward(nn.Module):
                     "switched on after it. Call model.activation_checkpointing_disable(), "
                     "or cudakit.parallel.recompute(model, 'none') to keep transformers' own."
                 )
-            kwargs = _without_cache(self, kwargs)
+            args, kwargs = _without_cache(self, args, kwargs)
         # The keywords are bound here: checkpoint() would take its own (debug=,
         # preserve_rng_state=, ...) out of them, and the block would never see them.
         run = functools.partial(inner, **kwargs) if kwargs else inner
@@ -372,7 +411,8 @@ class _RecomputedForward(nn.Module):
         original = type(self)._cudakit_original  # type: ignore[attr-defined]
         if _CLASSES.get(original) is not type(self):  # a wrapper's class on top: its rules
             return super().__reduce_ex__(protocol)
-        return _unpickle_recomputed, (original,), self.__dict__.copy()
+        state = self.__getstate__()  # type: ignore[no-untyped-call]  # the class's own
+        return _unpickle_recomputed, (original,), state
 
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}

@@ -573,7 +573,8 @@ def parallelize(
             :func:`~cudakit.parallel.recompute`. None leaves the model as it is.
         init: for a model built on the meta device, what initialises each submodule:
             ``init(module)`` or ``init(module, name)``; None calls each one's own
-            ``reset_parameters()`` (see :func:`materialize`).
+            ``reset_parameters()``, or a Hugging Face model's ``_init_weights``
+            (see :func:`materialize`).
         init_seed: the seed of that init; the same seed gives the same model at
             any world size.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (or to ``fully_shard``

@@ -63,6 +63,35 @@ def test_matches_the_hand_written_loop_bit_for_bit(init: object) -> None:
     assert torch.equal(model.rope.inv_freq, ref.rope.inv_freq)  # non-persistent
 
 
+class _NanoGPTInit(GPT):
+    """nanoGPT's _init_weights(module), in no Hugging Face model: Linear and Embedding
+    only, its LayerNorms keep torch's."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+
+class _ArglessInit(GPT):
+    """An _init_weights(self) that walks the model itself, as much hand-written code has."""
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+
+
+@pytest.mark.parametrize("cls", [_NanoGPTInit, _ArglessInit])
+def test_an_init_weights_outside_hugging_face_leaves_reset_parameters(cls: type[GPT]) -> None:
+    with torch.device("meta"):
+        meta = cls()
+    model = cp.materialize(meta, "cpu", init_seed=3)
+    ref = cls()
+    hand_written(ref, None, 3)
+    for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
 def test_tied_weights_stay_one_tensor_and_nothing_is_nan() -> None:
     model = cp.materialize(_meta_gpt(), "cpu", init=gpt_init)
     assert model.head.weight is model.embed.weight
@@ -274,6 +303,9 @@ class _HFStyle(nn.Module):
         self.norm = nn.LayerNorm(4)
         if gain:
             self.gain = nn.Parameter(torch.ones(4))
+
+    def post_init(self) -> None:  # transformers' PreTrainedModel has both
+        pass
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

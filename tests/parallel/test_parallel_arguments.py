@@ -526,9 +526,9 @@ def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
     before = _snapshot(net)
     with pytest.raises(
         ValueError,
-        match=r"parallelize\(offload_policy=\.\.\.\) got CPUOffloadPolicy\(pin_memory=True\), "
-        r"which pins host memory for copies to a GPU, and this machine has none\. Pass "
-        r"CPUOffloadPolicy\(pin_memory=False\)",
+        match=r"parallelize\(offload_policy=\.\.\.\) expects CPUOffloadPolicy\(pin_memory=False\) "
+        r"on a machine without a GPU, got CPUOffloadPolicy CPUOffloadPolicy\(pin_memory=True\)\. "
+        r"Pinned memory is for copies to a GPU: pass CPUOffloadPolicy\(pin_memory=False\)",
     ):
         cp.parallelize(net, "fsdp", device="cpu", offload_policy=CPUOffloadPolicy())
     assert _unchanged(net, before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -280,3 +281,130 @@ def test_a_recomputed_model_pickles_whole_and_comes_back_recomputed(tmp_path: An
     assert type(back.layers[0]) is Block
     want, got = _grads(model), _grads(back)
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+class Averaged(nn.Module):
+    """A block keeping a running mean the way hand-written code often does: by
+    assigning a new tensor to the buffer, not writing into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return torch.tanh(self.fc(x))
+
+
+def _averaged_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.ModuleList([Averaged(), Averaged()]))
+
+
+def _run_blocks(model: nn.Module, x: torch.Tensor) -> None:
+    for block in model[0]:
+        x = block(x)
+    x.sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_buffer_the_forward_assigns_anew_moves_once_per_step(policy: str) -> None:
+    plain, done = _averaged_net(), recompute(_averaged_net(), policy)
+    for step in range(3):
+        x = torch.randn(5, 4) + step
+        _run_blocks(plain, x)
+        _run_blocks(done, x)
+    for (name, want), (_, got) in zip(plain.named_buffers(), done.named_buffers(), strict=True):
+        assert torch.equal(want, got), name
+
+
+def test_a_failed_buffer_copy_in_the_recompute_leaves_the_blocks_own_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = recompute(nn.Sequential(nn.ModuleList([nn.BatchNorm1d(3)])), "full")
+    bn = model[0][0]
+    own = dict(bn.named_buffers())
+    y = bn(torch.randn(4, 3, requires_grad=True))
+    clone = torch.Tensor.clone
+    calls = []
+
+    def out_of_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:  # the second buffer's copy
+            raise torch.OutOfMemoryError("out of memory")
+        return clone(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        y.sum().backward()
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert all(buf is own[name] for name, buf in bn.named_buffers())
+
+
+class Locked(nn.Module):
+    """A block with an attribute pickle cannot take, left out by its __getstate__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_recomputed_block_pickles_through_its_own_getstate(tmp_path: Any) -> None:
+    model = recompute(nn.Sequential(nn.ModuleList([Locked()])), "full")
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert recomputed_blocks(back) == ["0.0"]
+    assert isinstance(back[0][0].lock, type(threading.Lock()))
+
+
+class CachingLayer(nn.Module):
+    """A transformers decoder layer's shape (duck-typed): a class-level
+    ``gradient_checkpointing`` and a KV cache that every forward appends to, taken
+    positionally the way GPT2Model hands it to its blocks."""
+
+    gradient_checkpointing = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(
+        self, x: torch.Tensor, cache: list[torch.Tensor] | None = None, use_cache: bool = False
+    ) -> torch.Tensor:
+        y = self.fc(x)
+        if cache is not None:
+            cache.append(y.detach())
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("positional", [True, False])
+def test_a_transformers_layer_gets_no_cache_in_training_however_it_is_passed(
+    policy: str, positional: bool
+) -> None:
+    torch.manual_seed(0)
+    model = recompute(nn.Sequential(nn.ModuleList([CachingLayer(), CachingLayer()])), policy)
+    cache: list[torch.Tensor] = []
+    x = torch.randn(3, 4)
+    for layer in model[0]:
+        x = layer(x, cache, use_cache=True) if positional else layer(x, cache=cache, use_cache=True)
+    x.sum().backward()
+    assert cache == []  # as under transformers' own checkpointing: nothing cached
+    with torch.no_grad():  # no backward, no recompute: the cache is written
+        model[0][0](x, cache) if positional else model[0][0](x, cache=cache)
+    assert len(cache) == 1

@@ -197,6 +197,37 @@ def test_recomputed_llama_layers_give_the_same_gradients(policy: str, use_cache:
         assert out.past_key_values.get_seq_length() == 0
 
 
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recomputed_gpt2_blocks_write_no_cache_and_give_the_same_gradients(policy: str) -> None:
+    # GPT2Model hands its blocks the cache positionally (config.use_cache is True).
+    grads, caches = [], []
+    for recomputed in (False, True):
+        model = cp.materialize(hf.build("gpt2"), "cpu", init_seed=1)
+        if recomputed:
+            cp.recompute(model, policy)
+        out = model(**hf.batch("gpt2"))
+        out.loss.backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+        caches.append(out.past_key_values)
+    _assert_equal(grads[1], grads[0], policy)
+    assert caches[1] is None or caches[1].get_seq_length() == 0
+
+
+def test_recomputed_gpt2_with_attention_dropout_equals_use_cache_false() -> None:
+    grads = []
+    for recomputed in (False, True):
+        model = cp.materialize(hf.build("gpt2"), "cpu", init_seed=1)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.1
+        if recomputed:
+            cp.recompute(model, "full")
+        torch.manual_seed(5)
+        model(**hf.batch("gpt2"), use_cache=False if not recomputed else None).loss.backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    _assert_equal(grads[1], grads[0], "gpt2 with dropout")
+
+
 def test_recompute_refuses_blocks_hf_already_checkpoints() -> None:
     model = cp.materialize(hf.build("llama"), "cpu")
     model.activation_checkpointing_enable()
