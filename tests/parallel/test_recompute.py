@@ -408,3 +408,33 @@ def test_a_transformers_layer_gets_no_cache_in_training_however_it_is_passed(
     with torch.no_grad():  # no backward, no recompute: the cache is written
         model[0][0](x, cache) if positional else model[0][0](x, cache=cache)
     assert len(cache) == 1
+
+
+class _Masked(nn.Module):
+    """minGPT's block shape: a causal mask the forward only reads."""
+
+    def __init__(self, width: int = 8, length: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("mask", torch.tril(torch.ones(length, length)))
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.mask.data_ptr())
+        t = x.shape[1]
+        att = (x @ x.transpose(1, 2)).masked_fill(self.mask[:t, :t] == 0, float("-inf"))
+        return x + self.fc(att.softmax(-1) @ x)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_buffer_the_forward_only_reads_is_not_copied_for_the_recompute(policy: str) -> None:
+    model = nn.Sequential(nn.ModuleList([_Masked(), _Masked()]))
+    cp.recompute(model, policy)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    h = x
+    for block in model[0]:
+        h = block(h)
+    h.sum().backward()
+    for block in model[0]:
+        assert len(block.seen) == 2  # the forward, then the recompute
+        assert block.seen[0] == block.seen[1] == block.mask.data_ptr()
