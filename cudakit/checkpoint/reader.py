@@ -89,6 +89,7 @@ def read(
     _agree(problem, group, distributed)
     tensors, fresh_now = _check_tensors(root, parts, metadata, group, distributed)
     rollback: _Rollback | None = None
+    fresh: _Fresh | None = None
     try:
         fresh = _Fresh(parts, tensors)
         rollback = _Rollback(parts, tensors, extras, loader, fresh_now, fresh.ids)
@@ -101,6 +102,8 @@ def read(
         fresh.install(tensors)  # last: nothing can fail after it
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
+        if fresh is not None and fresh.committed:
+            raise  # interrupted while the models took their tensors: the load is complete
         failed = rollback.restore() if rollback is not None else None
         reset_fresh(parts, fresh_now)
         if failed is not None:
@@ -141,37 +144,48 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class _Fresh:
     """The tensors a load reads into new storage, so that a failed load needs no copy of
-    them: the plain CPU tensors of optimizer state and of plain models.
+    them: the CPU tensors of optimizer state (FSDP2's shards too) and of models that
+    load as ``load_state_dict`` does.
 
     DCP's read of such a tensor keeps the tensor it read (:meth:`Planner.take
     <cudakit.checkpoint.safe_load.safe_planner>`) instead of copying it into the
     state dict's own: the optimizers then take the new tensors (their
-    ``load_state_dict`` keeps what it is given), and the models' parameters and buffers
-    take them at the very end (:meth:`install`: ``tensor.data = new``, the objects
-    themselves stay), after everything that can fail. Tensors on a GPU, DTensor shards,
-    tensor hyper-parameters and the state of models with load hooks, extra state or a
-    ``_load_from_state_dict`` of their own load in place, with a host copy to put back
-    (:class:`_Rollback`).
+    ``load_state_dict`` keeps what it is given), and the models take them at the very
+    end (:meth:`install`), after everything that can fail: a plain model's parameters
+    and buffers hold them (``tensor.data = new``, the objects themselves stay), an FSDP2
+    model's shards are copied into (its parameters' storage is FSDP2's own). Tensors on
+    a GPU, tensor hyper-parameters and the state of models with load hooks (other than
+    FSDP2's), extra state or a ``_load_from_state_dict`` of their own load in place,
+    with a host copy to put back (:class:`_Rollback`).
     """
 
     def __init__(self, parts: Parts, tensors: dict[str, Any]) -> None:
         #: Each plain model's state: its keys, the tensors they name, and the model's
         #: own parameters and buffers those are the data of.
         self.models: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
+        #: Each FSDP2 model's state alike: its shards are copied into.
+        self.copies: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
         self.ids: set[int] = set()
+        #: Whether :meth:`install` has begun copying: the load is then complete.
+        self.committed = False
         for name, state in tensors["model"].items():
-            owners = _owners(unwrap(parts.models[name]), state)
+            model = unwrap(parts.models[name])
+            owners = _owners(model, state)
+            where = self.models
+            if owners is None:
+                owners, where = _owners(model, state, sharded=True), self.copies
             if owners is not None:
-                self.models[name] = [(k, t, owners[k]) for k, t in state.items()]
+                where[name] = [(k, t, owners[k]) for k, t in state.items()]
                 self.ids.update(id(t) for t in state.values())
         for optim_state in tensors["optim"].values():
             for per_param in optim_state.get("state", {}).values():
                 values = per_param.values() if isinstance(per_param, dict) else ()
-                self.ids.update(id(v) for v in values if _plain_cpu(v))
+                self.ids.update(id(v) for v in values if _cpu_data(v))
 
     def install(self, tensors: dict[str, Any]) -> None:
-        """Make the models' parameters and buffers hold the new tensors; all of them or,
-        should this be interrupted, none."""
+        """Make the models' parameters and buffers hold the new tensors: the plain
+        models' all or, should this be interrupted, none; then the FSDP2 models' copied
+        in, all of them even if interrupted (the load is complete then)."""
         done: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             with torch.no_grad():
@@ -186,24 +200,55 @@ class _Fresh:
                         for owner in owners:
                             done.append((owner, old))
                             owner.data = new
+                self.committed = True
         except BaseException:
             for owner, old in reversed(done):
                 owner.data = old
             raise
+        pending = [
+            (_local(owners[0]), _local(tensors["model"][name][key]))
+            for name, entries in self.copies.items()
+            for key, old, owners in entries
+            if tensors["model"][name][key] is not old
+        ]
+        with torch.no_grad():
+            try:
+                while pending:
+                    live, new = pending[-1]
+                    live.copy_(new)
+                    pending.pop()
+            finally:
+                for live, new in pending:  # interrupted: finish, then raise
+                    live.copy_(new)
 
 
 def _plain_cpu(t: object) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu"
 
 
-def _owners(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, list[torch.Tensor]] | None:
+def _cpu_data(t: object) -> bool:
+    """A plain CPU tensor, or a DTensor whose local shard is one."""
+    return isinstance(t, torch.Tensor) and _plain_cpu(_local(t))
+
+
+def _owners(
+    model: torch.nn.Module, state: dict[str, Any], *, sharded: bool = False
+) -> dict[str, list[torch.Tensor]] | None:
     """For each key of ``state``, the model's parameters and buffers whose data it is;
     None where that does not load the model as its ``load_state_dict`` would: a tensor
     that is not a CPU tensor of the model's own, or a module that loads in a way of its
-    own (a load hook, extra state, its own ``_load_from_state_dict``)."""
+    own (a load hook, extra state, its own ``_load_from_state_dict``). ``sharded``:
+    the tensors may be DTensors (their local shards are compared), and FSDP2's own load
+    hooks (they reshard before a load and re-pad after one that swaps the storage) are
+    allowed."""
+
+    def own_way(hook: Any) -> bool:
+        fn = getattr(hook, "hook", hook)  # (a pre-hook is wrapped)
+        return not (sharded and getattr(fn, "__module__", "").startswith(_FSDP2))
+
     if any(
-        m._load_state_dict_pre_hooks
-        or m._load_state_dict_post_hooks
+        any(own_way(h) for h in m._load_state_dict_pre_hooks.values())
+        or any(own_way(h) for h in m._load_state_dict_post_hooks.values())
         or type(m).set_extra_state is not torch.nn.Module.set_extra_state
         or not type(m)._load_from_state_dict.__module__.startswith("torch.nn.")
         for m in model.modules()
@@ -211,6 +256,7 @@ def _owners(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, list[tor
         return None
 
     def key(t: torch.Tensor) -> tuple[Any, ...]:
+        t = _local(t)
         return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
     live: dict[tuple[Any, ...], dict[int, torch.Tensor]] = {}
@@ -220,10 +266,14 @@ def _owners(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, list[tor
         live.setdefault(key(t), {})[id(t)] = t
     owners = {}
     for k, t in state.items():
-        if not _plain_cpu(t) or key(t) not in live:
+        fits = _cpu_data(t) if sharded else _plain_cpu(t)
+        if not fits or key(t) not in live:
             return None
         owners[k] = list(live[key(t)].values())
     return owners
+
+
+_FSDP2 = "torch.distributed.fsdp._fully_shard."
 
 
 class _Rollback:
@@ -518,7 +568,7 @@ def _load_tensors(
     )
     for name, model in parts.models.items():
         optimizers = parts.optimizers_of(name)
-        if name not in fresh.models:
+        if name not in fresh.models and name not in fresh.copies:
             set_state_dict(
                 unwrap(model),
                 optimizers,

@@ -430,6 +430,30 @@ def _dcp_reader_class() -> type:
     return SafeReader
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own data: a DTensor's local shard, else the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
+def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``target`` is: a DTensor of the same mesh, placements, shape and
+    strides over it where ``target`` is one, else ``local`` itself."""
+    if getattr(target, "to_local", None) is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    like: torch.Tensor = DTensor.from_local(
+        local,
+        target.device_mesh,  # type: ignore[attr-defined]
+        target.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=target.shape,
+        stride=target.stride(),
+    )
+    return like
+
+
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     from torch.distributed._shard._utils import narrow_tensor_by_index
 
@@ -491,31 +515,34 @@ def _planner_class() -> type:
 
         def take(self, read_item: Any, loaded: torch.Tensor) -> bool:
             """Load a chunk of a fresh tensor into new storage: the chunk itself where it
-            is the whole tensor, else a new tensor it is copied into. False: the
-            tensor is loaded in place (DCP's way)."""
+            is the whole tensor (a DTensor's: its local shard), else a new tensor it is
+            copied into. False: the tensor is loaded in place (DCP's way)."""
             fqn = read_item.dest_index.fqn
             new = self.taken.get(fqn)
             target = self.state_dict.get(fqn)
             fresh = new is not None or id(target) in self.fresh
             if not fresh or not isinstance(target, torch.Tensor):
                 return False
+            local = _local(target)
             lengths = list(read_item.lengths)
             whole = (
                 new is None
-                and list(target.size()) == lengths == list(loaded.size())
-                and loaded.dtype == target.dtype
+                and list(local.size()) == lengths == list(loaded.size())
+                and loaded.dtype == local.dtype
                 and not any(read_item.dest_offsets)
                 and not any(read_item.storage_offsets)
             )
+            first = new is None
             if whole:
                 new = loaded
             else:
                 if new is None:
-                    new = torch.empty_like(target)
+                    new = torch.empty_like(local)
                 part = _narrow(loaded, read_item.storage_offsets, lengths)
                 _narrow(new, read_item.dest_offsets, lengths).copy_(part)
             self.taken[fqn] = new
-            self._put(fqn, new)
+            if first:
+                self._put(fqn, _like(target, new))
             return True
 
     return Planner

@@ -11,6 +11,9 @@ writes the full weights and optimizer state and every loss to ``O`` on rank 0.
 only; ``--sigterm-at K`` sends rank 1 a SIGTERM there; ``--async-save`` writes in the
 background. ``load`` resumes (or loads checkpoint ``--path``) and writes what it
 loaded; a CheckpointError is printed by each rank, which exits with status 3.
+``--stepped`` steps the optimizer once before the load; ``--report`` prints, on each
+rank, the bytes the load copied to host memory to put the run back, and after a failed
+load whether each rank's shards, optimizer state and RNG are as they were.
 """
 
 from __future__ import annotations
@@ -88,19 +91,59 @@ def train(args: argparse.Namespace) -> None:
         )
 
 
+def _local_state(model: Any, opt: Any) -> list[tuple[Any, torch.Tensor]]:
+    """Each shard and optimizer state tensor of this rank: the object and a copy."""
+    tensors = [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]
+    local = [getattr(t, "to_local", lambda t=t: t)() for t in tensors]
+    return [(t, x.clone()) for t, x in zip(tensors, local, strict=True)]
+
+
+def _unchanged(before: list[tuple[Any, torch.Tensor]], model: Any, opt: Any) -> bool:
+    after = _local_state(model, opt)
+    return len(after) == len(before) and all(
+        a is b and torch.equal(x, y) for (a, x), (b, y) in zip(before, after, strict=True)
+    )
+
+
+def _say(line: str) -> None:
+    # One write, under PIPE_BUF: the ranks share the pipe, and print's two writes
+    # (the text, then the newline) could interleave with the other rank's line.
+    sys.stdout.flush()
+    os.write(1, line.encode())
+
+
 def load(args: argparse.Namespace) -> None:
+    import cudakit.checkpoint.reader as reader
+
     model, opt, _, step = build(args.strategy, lr=0.5)  # another lr: the checkpoint's wins
+    if args.stepped:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    copied = [0]
+    real_to_host = reader._to_host
+
+    def counting(tree: Any) -> Any:
+        out = real_to_host(tree)
+        if isinstance(out, torch.Tensor):
+            copied[0] += out.numel() * out.element_size()
+        return out
+
+    reader._to_host = counting  # type: ignore[assignment]
+    before = _local_state(model, opt) if args.report else []
+    rng = torch.get_rng_state()
     ckpt = cudakit.Checkpointer(args.dir, step=step, preemption=False)
     try:
         position = ckpt.load(args.path) if args.path else ckpt.resume()
     except cudakit.CheckpointError as exc:
-        # One write, under PIPE_BUF: the ranks share the pipe, and print's two writes
-        # (the text, then the newline) could interleave with the other rank's line.
-        line = f"rank {cp.rank()} stopped: {type(exc).__name__}: {exc}\n"
-        sys.stdout.flush()
-        os.write(1, line.encode())
+        _say(f"rank {cp.rank()} stopped: {type(exc).__name__}: {exc}\n")
+        if args.report:
+            same = _unchanged(before, model, opt) and torch.equal(rng, torch.get_rng_state())
+            _say(f"rank {cp.rank()} unchanged: {same}\n")
         ckpt.close()
         raise SystemExit(3) from None
+    if args.report:
+        _say(f"rank {cp.rank()} copied to host: {copied[0]} bytes\n")
     ckpt.close()
     state = full_state(model, opt)
     if cp.rank() == 0:
@@ -117,6 +160,8 @@ def main() -> None:
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--path", default=None, help="load: this checkpoint, not the newest")
+    parser.add_argument("--stepped", action="store_true", help="load: step once before")
+    parser.add_argument("--report", action="store_true", help="load: host copies, rollback")
     args = parser.parse_args()
     with cudakit.process_group(timeout=datetime.timedelta(seconds=60)):
         (train if args.mode == "train" else load)(args)

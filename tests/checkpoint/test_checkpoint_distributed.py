@@ -243,3 +243,54 @@ def test_resume_on_2_ranks_skips_a_checkpoint_one_rank_refuses(
     got = torch.load(out, weights_only=False)
     assert got["position"].total == 12
     assert not proof.exists()
+
+
+def test_an_fsdp2_load_copies_nothing_to_host_memory(
+    tmp_path: Path, fsdp_reference: tuple[Path, dict[str, Any]]
+) -> None:
+    """The shards are read into new storage and copied in at the end: no host copy of
+    them is kept to put the run back, and the loaded values are the saved ones."""
+    ckpt_dir, ref = fsdp_reference
+    out = tmp_path / "o.pt"
+    code = torchrun(
+        "load", "--dir", str(ckpt_dir), "--out", str(out), "--strategy", "fsdp", "--stepped",
+        "--report",
+    )  # fmt: skip
+    log = torchrun.last_output  # type: ignore[attr-defined]
+    assert code == 0, log[-3000:]
+    assert sorted(re.findall(r"rank (\d) copied to host: (\d+) bytes", log)) == [
+        ("0", "0"),
+        ("1", "0"),
+    ], log[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert equal(got["state"]["model"], ref["state"]["model"])
+    assert equal(got["state"]["optim"], ref["state"]["optim"])
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh optimizer", "stepped"])
+def test_an_fsdp2_load_failing_part_way_changes_nothing_on_either_rank(
+    tmp_path: Path, fsdp_reference: tuple[Path, Any], stepped: bool
+) -> None:
+    """Rank 1's data file with other bytes (same size): rank 0 reads its own shards, rank 1
+    fails part-way; on both ranks the shards, the optimizer state (the same tensors) and
+    the RNG are as they were."""
+    ckpt_dir, _ = fsdp_reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpt_dir, run_dir)
+    target = run_dir / "ckpt-0000000008"
+    data = target / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 :] = bytes(len(raw) - len(raw) // 2)
+    data.write_bytes(bytes(raw))
+    args = ["--stepped"] if stepped else []
+    code = torchrun(
+        "load", "--dir", str(run_dir), "--out", str(tmp_path / "o.pt"), "--strategy", "fsdp",
+        "--path", str(target), "--report", *args, timeout=150,
+    )  # fmt: skip
+    log = torchrun.last_output  # type: ignore[attr-defined]
+    assert code != 0, log[-3000:]
+    assert sorted(re.findall(r"rank (\d) unchanged: (\w+)", log)) == [
+        ("0", "True"),
+        ("1", "True"),
+    ], log[-3000:]
+    assert not (tmp_path / "o.pt").exists()
