@@ -335,6 +335,36 @@ def recompute_table(record: Record) -> list[str]:
     return lines
 
 
+def estimate_table(record: Record) -> list[str]:
+    """Per cell: the measured peak (the largest over the ranks), then each estimate of it as
+    a ratio (accelerate's where the run had it); and how many cells are within tolerance."""
+    rows = record["table"]
+    theirs = any(r.get("accelerate_ratio") is not None for r in rows)
+    body = [
+        [
+            str(r["world"]),
+            r["strategy"],
+            r["recompute"],
+            r["precision"],
+            f"{r['measured_kib']:,.1f}",
+            f"{r['ratio']:.3f}",
+            *([f"{r['accelerate_ratio']:.3f}"] if theirs else []),
+        ]
+        for r in rows
+    ]
+    header = ["ranks", "strategy", "recompute", "precision", "measured KiB", "cudakit"]
+    lines = _table([*header, *(["accelerate"] if theirs else [])], "llllrr" + "r" * theirs, body)
+    tolerance = record["tolerance"]
+    within = sum(abs(r["ratio"] - 1) <= tolerance for r in rows)
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    return [
+        *lines,
+        "",
+        f"- `estimate_memory` within {tolerance * 100:.0f} % in {within} of {len(rows)} "
+        f"cells; furthest {worst * 100:.1f} % off",
+    ]
+
+
 def bars_table(record: Record) -> list[str]:
     """Any bar chart's rows: group, series, value."""
     body = [[r["group"], r["series"], f"{r['value']:g}"] for r in record["rows"]]
@@ -355,6 +385,7 @@ TABLES: dict[str, Callable[[Record], list[str]]] = {
     "bench_meta_init": meta_init_table,
     "bench_watching": ratio_table,
     "bench_recompute": recompute_table,
+    "bench_estimate": estimate_table,
 }
 
 

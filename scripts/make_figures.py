@@ -37,6 +37,10 @@ bench_speed_report.json           bench_speed_report.png            what the met
                                                                     a step
 bench_watching.json               bench_watching.png                a watched run over the
                                                                     hand-written loop
+bench_recompute.json              bench_recompute.png               step time and peak per
+                                                                    recompute policy
+bench_estimate.json               bench_estimate.png                estimated peak /
+                                                                    measured peak per cell
 ================================  ================================  ==========================
 
 Each ``bench_*.json`` is what its script writes with ``--json`` (``benchmarks/_report.py``):

@@ -38,6 +38,7 @@ BENCHMARKS = {
     "bench_meta_init.py": "big-models.md",
     "bench_watching.py": "observe.md",
     "bench_recompute.py": "memory.md",
+    "bench_estimate.py": "memory.md",
 }
 
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
@@ -218,12 +219,28 @@ def _ratio_rows(cases: list[str], impls: list[str]) -> list[dict[str, Any]]:
     ]
 
 
+def _estimate_rows(accelerate: bool) -> list[dict[str, Any]]:
+    """bench_estimate's table for made-up peaks, with accelerate's column or without."""
+    rows = []
+    for k, (world, strategy) in enumerate([(1, "none"), (2, "ddp"), (4, "fsdp")]):
+        theirs = 0.5 + k / 10 if accelerate else None
+        rows.append(
+            {"cell": f"{world}, {strategy}, none, fp32", "world": world, "strategy": strategy,
+             "recompute": "none", "precision": "fp32", "measured_kib": 100.0 * world,
+             "ranks_kib": [100.0 * world] * world, "estimate_kib": 100.0 * world,
+             "ratio": 1 + k / 20, "accelerate_kib": theirs and 50.0,
+             "accelerate_ratio": theirs}
+        )  # fmt: skip
+    return rows
+
+
 def _records() -> dict[str, Any]:
     """The data file each slow script would write for made-up measurements."""
     autocast = _import("benchmarks", "bench_autocast_step")
     warmup = _import("benchmarks", "bench_warmup")
     speed = _import("benchmarks", "bench_speed_report")
     checkpoint = _import("benchmarks", "bench_checkpoint")
+    estimate = _import("benchmarks", "bench_estimate")
     impls = ["hand-written", "hand-written + guard", "cudakit @autocast_step", "accelerate"]
     pairs = [{"case": "a", "mine": impls[2], "theirs": impls[1], "ratio": 0.99}]
     speed_rows = [
@@ -258,6 +275,8 @@ def _records() -> dict[str, Any]:
         ),
         "bench_speed_report": speed.figure_data(speed_rows, steps, "settings", [], 0.5),
         "bench_checkpoint": checkpoint.figure_data(result, "settings", [], 0.5),
+        "bench_estimate": estimate.figure_data(_estimate_rows(True), "settings", [], 0.5),
+        "bench_estimate_alone": estimate.figure_data(_estimate_rows(False), "settings", [], 0.5),
     }
 
 
@@ -269,6 +288,8 @@ def _records() -> dict[str, Any]:
         "bench_warmup",
         "bench_speed_report",
         "bench_checkpoint",
+        "bench_estimate",
+        "bench_estimate_alone",
     ],
 )
 def test_a_slow_script_writes_its_data_file(
@@ -278,7 +299,7 @@ def test_a_slow_script_writes_its_data_file(
     report = _import("benchmarks", "_report")
     path = report.write(tmp_path / f"{name}.json", _records()[name])
     assert capsys.readouterr().out == f"# data written to {path}\n"
-    _rendered(name, path)
+    _rendered(name.removesuffix("_alone"), path)
 
 
 def test_a_data_file_without_its_keys_is_refused(tmp_path: Path) -> None:
