@@ -151,6 +151,26 @@ def accelerate_estimate(depth: int, width: int, precision: str) -> int | None:
     return int(max(usage.values()))
 
 
+def deepspeed_estimate(depth: int, width: int, strategy: str, world: int) -> int | None:
+    """What DeepSpeed's estimators give per GPU for this model's states (parameters,
+    gradients, optimizer; mixed precision, nothing offloaded), or None without DeepSpeed:
+    ZeRO-3's for FSDP2, ZeRO-2's on one GPU (nothing sharded) for one process and DDP."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except ImportError:
+        return None
+    with torch.device("meta"):
+        model = Net(depth, width)
+    total = sum(p.numel() for p in model.parameters())
+    if strategy == "fsdp":
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        return estimate_zero3_model_states_mem_needs(
+            total, largest, num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
+        )[1]
+    return estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=1, cpu_offload=False)[1]
+
+
 def _label(cell: Cell) -> str:
     world, strategy, policy, precision = cell
     return f"{world}, {strategy}, {policy or 'none'}, {precision}"
@@ -161,13 +181,17 @@ def figure_data(
     settings: str,
     argv: Sequence[str] | None,
     load_before: float | None,
-    peers: Sequence[str] = ("accelerate",),
+    peers: Sequence[str] = ("accelerate", "deepspeed"),
 ) -> dict[str, Any]:
     """The data file of a run: the chart's rows (each estimate / measured per cell), the table."""
     chart = [
         {"group": r["cell"], "series": name, "value": r[key]}
         for r in table
-        for name, key in (("accelerate", "accelerate_ratio"), ("cudakit", "ratio"))
+        for name, key in (
+            ("accelerate", "accelerate_ratio"),
+            ("DeepSpeed", "deepspeed_ratio"),
+            ("cudakit", "ratio"),
+        )
         if r.get(key) is not None
     ]
     return _report.record(
@@ -213,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         peak = max(measured[cell])
         mine_est = estimate(depth, width, shape, cell)
         other = theirs[cell[3]]
+        ds = deepspeed_estimate(depth, width, cell[1], cell[0])
         table.append(
             {
                 "cell": _label(cell),
@@ -226,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
                 "ratio": round(mine_est / peak, 3),
                 "accelerate_kib": None if other is None else round(other / 2**10, 1),
                 "accelerate_ratio": None if other is None else round(other / peak, 3),
+                "deepspeed_kib": None if ds is None else round(ds / 2**10, 1),
+                "deepspeed_ratio": None if ds is None else round(ds / peak, 3),
             }
         )
     print(
@@ -236,12 +263,16 @@ def main(argv: list[str] | None = None) -> None:
     head += f"{'est/meas':>10}"
     if theirs["fp32"] is not None:
         head += f"{'accel/meas':>12}"
+    if table and table[0]["deepspeed_ratio"] is not None:
+        head += f"{'ds/meas':>10}"
     print(head)
     for r in table:
         line = f"{r['cell']:<40}{r['measured_kib']:>10.1f}{r['estimate_kib']:>10.1f}"
         line += f"{r['ratio']:>10.3f}"
         if r["accelerate_ratio"] is not None:
             line += f"{r['accelerate_ratio']:>12.3f}"
+        if r["deepspeed_ratio"] is not None:
+            line += f"{r['deepspeed_ratio']:>10.3f}"
         print(line)
     worst = max(abs(r["ratio"] - 1) for r in table)
     within = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in table)

@@ -339,7 +339,11 @@ def estimate_table(record: Record) -> list[str]:
     """Per cell: the measured peak (the largest over the ranks), then each estimate of it as
     a ratio (accelerate's where the run had it); and how many cells are within tolerance."""
     rows = record["table"]
-    theirs = any(r.get("accelerate_ratio") is not None for r in rows)
+    peers = [
+        (name, key)
+        for name, key in (("accelerate", "accelerate_ratio"), ("DeepSpeed", "deepspeed_ratio"))
+        if any(r.get(key) is not None for r in rows)
+    ]
     body = [
         [
             str(r["world"]),
@@ -348,12 +352,13 @@ def estimate_table(record: Record) -> list[str]:
             r["precision"],
             f"{r['measured_kib']:,.1f}",
             f"{r['ratio']:.3f}",
-            *([f"{r['accelerate_ratio']:.3f}"] if theirs else []),
+            *(f"{r[key]:.3f}" for _, key in peers),
         ]
         for r in rows
     ]
     header = ["ranks", "strategy", "recompute", "precision", "measured KiB", "cudakit"]
-    lines = _table([*header, *(["accelerate"] if theirs else [])], "llllrr" + "r" * theirs, body)
+    header += [name for name, _ in peers]
+    lines = _table(header, "llllrr" + "r" * len(peers), body)
     tolerance = record["tolerance"]
     within = sum(abs(r["ratio"] - 1) <= tolerance for r in rows)
     worst = max(abs(r["ratio"] - 1) for r in rows)
