@@ -8,43 +8,21 @@ assertion's message carries the measured figure.
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import cudakit.parallel as cp
 from cudakit.memory import estimate_memory
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_memory_estimate import Net  # the model the CPU's estimate tests measure
+
 pytestmark = pytest.mark.cuda
 
 TOLERANCE = 0.10
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, depth: int, width: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(width, width)
-        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _warm_cuda() -> None:
