@@ -17,8 +17,8 @@ starting anything.
 
 # Modules, one concern each: strategy (the pure decisions), options (the wrapper
 # options, checked), group (the process group's lifetime), ranks (who am I), launcher
-# (launch), failures (which rank a failed launch blames), wrap (parallelize, unwrap,
-# state dicts), recompute (activation recompute) and loaders. The launcher
+# (launch), failures (which rank a failed launch blames), wrap (parallelize), unwrapped
+# (unwrap, state dicts), recompute (activation recompute) and loaders. The launcher
 # environment is read in cudakit._dist.
 
 from .._dist import DistributedEnv, read_env
@@ -31,7 +31,8 @@ from .pretrained import PretrainedLoad, load_pretrained, save_pretrained
 from .ranks import is_main_process, local_rank, main_process_first, rank, world_size
 from .recompute import Recompute, recompute, recomputed_blocks
 from .strategy import Strategy, StrategyRequest, choose_strategy
-from .wrap import LoadResult, load_state_dict, parallelize, state_dict, unwrap
+from .unwrapped import LoadResult, load_state_dict, state_dict, unwrap
+from .wrap import parallelize
 
 __all__ = [
     "DistributedEnv",

@@ -24,7 +24,7 @@ from torch import nn
 from .._check import check_bool, check_int, check_optional, check_type, fail_type
 from ._safetensors import DTYPES, Entry, FileWriter, HeaderError, SliceReader, read_header
 from .meta import check_all_meta, is_sharded, local_part, local_region
-from .wrap import unwrap
+from .unwrapped import unwrap
 
 __all__ = ["PretrainedLoad", "load_pretrained", "save_pretrained"]
 

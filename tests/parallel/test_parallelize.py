@@ -21,7 +21,7 @@ from torch import nn
 import cudakit.parallel as cp
 from cudakit.exceptions import CudakitError, DeviceError, DistributedSetupError
 from cudakit.parallel import group as cp_group
-from cudakit.parallel import wrap as cp_wrap
+from cudakit.parallel import unwrapped
 from cudakit.parallel._failures import RankEnd, explain, shutdown_notes
 
 
@@ -508,7 +508,7 @@ def test_strip_prefixes_property(keys: list[str], stack: list[str], lead: bool) 
     own = [("module." + k if lead else k) for k in keys]  # maybe a real `module` submodule
     prefix = "".join(stack)
     sd: OrderedDict[str, int] = OrderedDict((prefix + k, i) for i, k in enumerate(own))
-    out = cp_wrap._strip(sd, set(own))
+    out = unwrapped._strip(sd, set(own))
     assert list(out) == own
     assert list(out.values()) == list(range(len(own)))
     assert list(sd) == [prefix + k for k in own]  # untouched
