@@ -182,7 +182,7 @@ def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) 
 
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import safe_dcp, safe_load
 
     ckpt = cudakit.Checkpointer(root / "reader", model=model, optimizer=opt, preemption=False)
     path = ckpt.save()
@@ -207,7 +207,7 @@ def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) 
     host = path / "rank-00000.pt"
     parts: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
         "metadata": (
-            lambda: safe_load.dcp_reader(path).read_metadata(),
+            lambda: safe_dcp.dcp_reader(path).read_metadata(),
             lambda: FileSystemReader(str(path)).read_metadata(),
             2,
         ),

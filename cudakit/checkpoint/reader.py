@@ -26,7 +26,7 @@ import torch
 
 from ..exceptions import CheckpointError
 from ..parallel import unwrap
-from . import layout, safe_load
+from . import layout, safe_dcp, safe_load
 from .arguments import describe_parts
 from .data import generators_of, is_stateful, restore_rng
 from .safe_load import RefusedCheckpointError
@@ -65,10 +65,10 @@ def read(
     scheduler states, extras and loader state; returns this rank's host state and the
     manifest.
 
-    Every file is read through the safe loaders (:mod:`.safe_load`; ``trust``: pickle's
-    full loader). Under a process group (``distributed``; the checks agree over
-    ``group``), a check that fails on one rank stops every rank with its error, before
-    any of them loads.
+    Every file is read through the safe loaders (:mod:`.safe_load`, :mod:`.safe_dcp`;
+    ``trust``: pickle's full loader). Under a process group (``distributed``; the checks
+    agree over ``group``), a check that fails on one rank stops every rank with its
+    error, before any of them loads.
 
     Raises:
         CheckpointError: a corrupted or incomplete checkpoint, or one that does not fit,
@@ -80,7 +80,7 @@ def read(
         manifest = layout.read_manifest(root)
         _check_fits(root, manifest, parts, world)
         host = _read_host(root, manifest, rank, trust, safe_globals)
-        storage = safe_load.dcp_reader(root, trust=trust)
+        storage = safe_dcp.dcp_reader(root, trust=trust)
         metadata = _read_metadata(root, storage)
     except CheckpointError as exc:
         problem = exc
@@ -148,7 +148,7 @@ class _Fresh:
     load as ``load_state_dict`` does.
 
     DCP's read of such a tensor keeps the tensor it read (:meth:`Planner.take
-    <cudakit.checkpoint.safe_load.safe_planner>`) instead of copying it into the
+    <cudakit.checkpoint.safe_dcp.safe_planner>`) instead of copying it into the
     state dict's own: the optimizers then take the new tensors (their
     ``load_state_dict`` keeps what it is given), and the models take them at the very
     end (:meth:`install`), after everything that can fail: a plain model's parameters
@@ -479,7 +479,7 @@ def _is_host(host: object) -> bool:
 
 
 def _read_metadata(root: Path, storage: Any) -> Any:
-    """DCP's metadata of ``root``, read by ``storage`` (:func:`safe_load.dcp_reader`),
+    """DCP's metadata of ``root``, read by ``storage`` (:func:`safe_dcp.dcp_reader`),
     which keeps it for the load."""
     try:
         return storage.read_metadata()
@@ -557,7 +557,7 @@ def _load_tensors(
     does not copy at the end) put into the objects."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
-    safe_load.dcp_load(
+    safe_dcp.dcp_load(
         tensors,
         root,
         distributed=distributed,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import cudakit
-from cudakit.checkpoint import safe_load
+from cudakit.checkpoint import safe_dcp, safe_load
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import make_data, make_net, run
@@ -172,5 +172,5 @@ def test_cudakit_files_load_with_torchs_safe_loader(genuine: Path) -> None:
     assert host["format"] == 2
     assert isinstance(host["rng"]["cpu"], torch.Tensor)
     with open(genuine / "ckpt-0000000020" / ".metadata", "rb") as f:
-        metadata = safe_load._MetadataUnpickler(f).load()
+        metadata = safe_dcp._MetadataUnpickler(f).load()
     assert metadata.state_dict_metadata
