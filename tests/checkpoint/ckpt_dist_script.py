@@ -113,7 +113,7 @@ def _say(line: str) -> None:
 
 
 def load(args: argparse.Namespace) -> None:
-    import cudakit.checkpoint.reader as reader
+    import cudakit.checkpoint.rollback as rollback
 
     model, opt, _, step = build(args.strategy, lr=0.5)  # another lr: the checkpoint's wins
     if args.stepped:
@@ -121,7 +121,7 @@ def load(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
     copied = [0]
-    real_to_host = reader._to_host
+    real_to_host = rollback._to_host
 
     def counting(tree: Any) -> Any:
         out = real_to_host(tree)
@@ -129,7 +129,7 @@ def load(args: argparse.Namespace) -> None:
             copied[0] += out.numel() * out.element_size()
         return out
 
-    reader._to_host = counting  # type: ignore[assignment]
+    rollback._to_host = counting  # type: ignore[assignment]
     before = _local_state(model, opt) if args.report else []
     rng = torch.get_rng_state()
     ckpt = cudakit.Checkpointer(args.dir, step=step, preemption=False)

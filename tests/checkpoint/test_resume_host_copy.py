@@ -20,6 +20,7 @@ from torch import nn
 
 import cudakit
 import cudakit.checkpoint.reader as reader
+import cudakit.checkpoint.rollback as rollback
 from cudakit.amp import autocast_step
 
 
@@ -47,7 +48,7 @@ def _run(first: Callable[[], nn.Module] = lambda: nn.Linear(8, 16)) -> tuple[Any
 
 def _copied_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
-    real = reader._to_host
+    real = rollback._to_host
 
     def counting(tree: Any) -> Any:
         out = real(tree)
@@ -55,7 +56,7 @@ def _copied_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             sizes.append(out.numel() * out.element_size())
         return out
 
-    monkeypatch.setattr(reader, "_to_host", counting)
+    monkeypatch.setattr(rollback, "_to_host", counting)
     return sizes
 
 
