@@ -11,25 +11,38 @@ nothing: started again, it runs no forward or backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+from .data import Position
 
 __all__ = ["budgeted"]
 
 
-def budgeted(ckpt: Checkpointer, loader: Any, steps: int) -> Iterator[Any]:
-    """Yield ``loader``'s batches across epochs until ``steps`` optimizer steps in all."""
-    ckpt.resume()
-    while ckpt.position.windows < steps:
-        before = ckpt.position
-        yield from ckpt._batches(loader, until=steps)
-        if ckpt.position.total == before.total:
+def budgeted(
+    loader: Any,
+    steps: int,
+    *,
+    resume: Callable[[], object],
+    position: Callable[[], Position],
+    epoch: Callable[[Any, int], Iterator[Any]],
+    finish: Callable[[], None],
+) -> Iterator[Any]:
+    """Yield ``loader``'s batches across epochs until ``steps`` optimizer steps in all.
+
+    The run's parts (a :class:`~cudakit.Checkpointer`'s) are passed in: ``resume()``
+    picks the run up, ``position()`` says where it stands, ``epoch(loader, until)``
+    yields one epoch's batches and stops once the run has made ``until`` steps, and
+    ``finish()`` saves the last checkpoint and waits for it.
+    """
+    resume()
+    while position().windows < steps:
+        before = position()
+        yield from epoch(loader, steps)
+        if position().total == before.total:
             raise ValueError(
                 f"Checkpointer.batches(steps={steps}): the loader yielded no batch in epoch "
                 f"{before.epoch}, so no step of the {steps} can run. Check that the loader "
                 "has data (its dataset, drop_last= with a batch larger than the dataset)."
             )
-    ckpt._finish_run()
+    finish()

@@ -337,7 +337,14 @@ class Checkpointer:
         if steps is None:
             return self._batches(loader)
         budget = check_int("Checkpointer.batches", "steps", steps, minimum=0)
-        return budgeted(self, loader, budget)
+        return budgeted(
+            loader,
+            budget,
+            resume=self.resume,
+            position=lambda: self.position,
+            epoch=self._batches,
+            finish=self._finish_run,
+        )
 
     def _batches(self, loader: Any, until: int | None = None) -> Iterator[Any]:
         """One epoch's batches; ``until``: stop once the run has made that many steps."""
