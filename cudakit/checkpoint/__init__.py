@@ -15,7 +15,9 @@ batch, and the totals so far.
 
 # The parts: layout (the directory, the manifest, which checkpoints are complete),
 # state (the tensor and host parts), data (the data position and RNG), writer
-# (synchronous and background writes), preemption (signals, agreed across ranks),
+# (synchronous and background writes), reader (a load, checked first) with rollback
+# (nothing changes when it fails), safe_load and safe_dcp (the rank files and DCP's,
+# read without running what they hold), preemption (signals, agreed across ranks),
 # arguments (the door) and checkpointer (the object that composes them).
 
 from .checkpointer import Checkpointer
