@@ -97,18 +97,22 @@ class Archives:
     make one for each file)."""
 
     def __init__(self) -> None:
-        from torch.utils.serialization import config
+        self._settings: tuple[Any, ...] | None
+        try:
+            from torch.utils.serialization import config
 
-        tls = getattr(torch.serialization, "_serialization_tls", None)
-        self._settings = (
-            config.save.compute_crc32,
-            config.save.storage_alignment,
-            getattr(tls, "skip_data", False),
-        )
+            tls = getattr(torch.serialization, "_serialization_tls", None)
+            self._settings = (
+                config.save.compute_crc32,
+                config.save.storage_alignment,
+                getattr(tls, "skip_data", False),
+            )
+        except (ImportError, AttributeError):  # pragma: no cover - a torch that moved them
+            self._settings = None  # (then torch.save writes every archive)
 
     def save(self, tensor: torch.Tensor, file: IO[bytes]) -> None:
         """Write ``torch.save(tensor, file)``'s bytes into ``file``."""
-        kind = _kind(tensor, self._settings)
+        kind = None if self._settings is None else _kind(tensor, self._settings)
         if kind is None:
             torch.save(tensor, file)
             return
