@@ -5,8 +5,10 @@ its byte items first, then each tensor as a ``torch.save`` archive, at the offse
 DCP's ``FileSystemWriter`` gives them, indexed by DCP's ``.metadata``. What differs
 is how they get there. DCP streams each archive through a Python wrapper, a call per
 record; here small archives are gathered in memory and written in large pieces (a
-tensor of :data:`DIRECT` bytes or more goes straight to the file, never copied), so
-a small model's save is not mostly per-tensor overhead.
+tensor of :data:`DIRECT` bytes or more goes straight to the file, never copied), and
+each small one is made from a template of its kind (:mod:`.archive`: the same bytes
+``torch.save`` writes, without pickling again), so a small model's save is not
+mostly per-tensor overhead.
 
 ``write_data`` also fsyncs the rank's host file (``rank-NNNNN.pt``, written before
 DCP starts) right after its data file: it runs before DCP gathers every rank's
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .archive import Archives
 
 __all__ = ["DIRECT", "fsync_file", "storage_writer"]
 
@@ -121,6 +125,7 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
     from torch.distributed.checkpoint.planner import WriteItemType
 
     where = []
+    archives = Archives()
     with open(path, "wb") as file:
         piece = io.BytesIO()
         offset = 0
@@ -135,7 +140,7 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
                     piece = io.BytesIO()
                     torch.save(tensor, file)
                 else:
-                    torch.save(tensor, piece)
+                    archives.save(tensor, piece)
             end = file.tell() + piece.tell()
             where.append((offset, end - offset))
             offset = end
