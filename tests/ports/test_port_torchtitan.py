@@ -88,11 +88,13 @@ def test_the_model_level_init_weights_is_refused_with_the_per_module_form() -> N
     # cudakit calls init once per module, so that is refused, before anything is
     # allocated, with the form that works.
     model = titan.meta_model()
-    with pytest.raises(TypeError, match=r"parallelize\(init=Transformer\.init_weights\)") as info:
-        cp.parallelize(model, "none", device="cpu", init=model.init_weights)
+    with pytest.raises(TypeError, match=r"^parallelize\(init=\.\.\.\) expects a callable") as info:
+        cp.parallelize(model, "fsdp", device="cpu", init=model.init_weights)
     message = str(info.value)
-    assert "init(module, name)" in message
+    assert "got method <bound method Transformer.init_weights" in message
+    assert "Transformer.init_weights() takes no module" in message
     assert "one module at a time" in message
+    assert "init(module, name)" in message
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
