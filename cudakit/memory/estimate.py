@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from .._blocks import repeated_blocks
 from .._check import check_callable, check_choice, check_int, fail_type, fail_value
 from .._units import format_bytes
 from ._live import Event, LiveBytes
@@ -181,13 +182,11 @@ def _units(model: nn.Module) -> tuple[list[int], int]:
     """FSDP2's units as ``parallelize(strategy="fsdp")`` makes them: block bytes, root bytes."""
     blocks: list[int] = []
     seen: set[int] = set()
-    for sub in model.modules():
-        if isinstance(sub, nn.ModuleList):
-            for block in sub:
-                params = [p for p in block.parameters() if id(p) not in seen]
-                if any(p.requires_grad for p in params):
-                    blocks.append(sum(p.numel() * p.element_size() for p in params))
-                    seen.update(id(p) for p in params)
+    for block in repeated_blocks(model):
+        params = [p for p in block.parameters() if id(p) not in seen]
+        if any(p.requires_grad for p in params):
+            blocks.append(sum(p.numel() * p.element_size() for p in params))
+            seen.update(id(p) for p in params)
     root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in seen)
     return blocks, root
 

@@ -15,13 +15,13 @@ import contextlib
 import hashlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["InitFn", "Watch", "call_init", "module_seed", "seeded"]
+__all__ = ["InitFn", "Watch", "call_init", "module_seed", "seeded", "whole_model_init"]
 
 #: ``init(module)`` or ``init(module, name)``: writes the module's own tensors.
 InitFn = Callable[..., Any]
@@ -95,6 +95,23 @@ def _takes_name(init: InitFn) -> bool:
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return True
     return sum(p.kind in kinds for p in params) >= 2
+
+
+def whole_model_init(init: object) -> bool:
+    """Whether ``init`` is a module's method that takes no module: every argument
+    optional (torchtitan's ``model.init_weights(buffer_device=None)``, a
+    ``model.reset_parameters``). It initialises its own module, the whole model,
+    not the one module it would be handed."""
+    if not isinstance(getattr(init, "__self__", None), nn.Module):
+        return False
+    try:
+        params = list(inspect.signature(cast(Any, init)).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return False
+    return all(p.default is not inspect.Parameter.empty for p in params if p.kind in kinds)
 
 
 def call_init(init: InitFn | None) -> Callable[[nn.Module, str], None]:

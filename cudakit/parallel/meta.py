@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .._check import check_callable, check_int, check_type
+from .._check import check_callable, check_int, check_type, fail_type
 from ._init_plan import (
     Slot,
     Step,
@@ -42,7 +42,7 @@ from ._init_plan import (
     run_watched,
     untouched_error,
 )
-from ._init_watch import InitFn, module_seed, seeded
+from ._init_watch import InitFn, module_seed, seeded, whole_model_init
 
 __all__ = ["materialize", "meta_model_state"]
 
@@ -303,6 +303,20 @@ def check_init(func: str, init: object, init_seed: object) -> int:
         check_callable(
             func, "init", init, expected=_INIT, fix="For example: init=model._init_weights."
         )
+        if whole_model_init(init):
+            owner = type(cast(Any, init).__self__).__name__
+            name = getattr(init, "__name__", "init")
+            fail_type(
+                func,
+                "init",
+                _INIT,
+                init,
+                f"{owner}.{name}() takes no module: it initialises the whole {owner}, but "
+                "the init is called once per module, one module at a time, so that a rank "
+                "holds its shards and one module's full tensors. Pass a function that "
+                "initialises the one module it gets, with the call your "
+                f"{name}() makes for that module (docs/big-models.md, torchtitan).",
+            )
     return check_int(func, "init_seed", init_seed, minimum=0)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from .._blocks import repeated_blocks
 from .._check import check_choice, check_int, check_number, fail_type, fail_value
 from ._recompute_buffers import buffer_contexts
 
@@ -61,7 +62,7 @@ def _check_blocks(func: str, blocks: object) -> BlockSpec | None:
         "None, an nn.Module subclass, a tuple of them, or a function (name, module) -> bool",
         blocks,
         "Pass the class of the model's repeated block, e.g. blocks=TransformerBlock, or "
-        "None to recompute each block of every nn.ModuleList.",
+        "None to recompute each block of every nn.ModuleList or nn.ModuleDict.",
     )
 
 
@@ -106,9 +107,9 @@ class Recompute:
         policy: one of :data:`POLICIES`.
         every: recompute every k-th block (1: all of them).
         blocks: which modules are blocks: ``None`` for each module of every
-            ``nn.ModuleList`` (the way ``parallelize(strategy="fsdp")`` finds its
-            units), a class or tuple of classes, or a function ``(name, module) ->
-            bool``.
+            ``nn.ModuleList`` or ``nn.ModuleDict`` (the way
+            ``parallelize(strategy="fsdp")`` finds its units), a class or tuple of
+            classes, or a function ``(name, module) -> bool``.
         budget: with ``"budget"`` only, the share of activation memory kept.
 
     Raises:
@@ -198,11 +199,12 @@ def find_blocks(model: nn.Module, spec: Recompute) -> list[tuple[str, nn.Module]
     Only the outermost match counts: a block inside another block is left alone.
 
     Raises:
-        ValueError: the model has no block the spec names (no ``nn.ModuleList``, or
-            no module of the given class), with the classes it does have.
+        ValueError: the model has no block the spec names (no ``nn.ModuleList`` or
+            ``nn.ModuleDict``, or no module of the given class), with the classes it
+            does have.
     """
     func = "recompute"
-    listed = {id(m) for sub in model.modules() if isinstance(sub, nn.ModuleList) for m in sub}
+    listed = {id(m) for m in repeated_blocks(model)}
     found: list[tuple[str, nn.Module]] = []
     inside: list[str] = []
     for name, module in model.named_modules():
@@ -220,9 +222,10 @@ def find_blocks(model: nn.Module, spec: Recompute) -> list[tuple[str, nn.Module]
             fail_value(
                 func,
                 "blocks",
-                "an nn.ModuleList of repeated blocks in the model (or blocks=...)",
+                "an nn.ModuleList or nn.ModuleDict of repeated blocks in the model (or blocks=...)",
                 spec.blocks,
-                f"{type(model).__name__} has no nn.ModuleList; its module classes are: "
+                f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict; its module "
+                "classes are: "
                 f"{shown}. Pass blocks=TheBlockClass, or a function (name, module) -> bool.",
             )
         fail_value(
@@ -501,7 +504,7 @@ def recompute(
         policy: a policy name or a :class:`Recompute` (then no other keyword).
         every: recompute every k-th block.
         blocks: which modules are blocks (default: each module of every
-            ``nn.ModuleList``), a class, a tuple of classes, or a predicate.
+            ``nn.ModuleList`` or ``nn.ModuleDict``), a class, a tuple of classes, or a predicate.
         budget: with ``policy="budget"``, the share of activation memory kept.
 
     Returns:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._accel import current_cuda_index
+from .._blocks import repeated_blocks
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
@@ -162,17 +163,15 @@ def _self_contained(model: nn.Module) -> Callable[[nn.Module], bool]:
 def _shard(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
     shard = fully_shard()
     alone = _self_contained(model)
-    # Shard every block of every ModuleList (a transformer's layers) as its own unit,
-    # so parameters are gathered one block at a time, then the root for the rest.
-    for sub in list(model.modules()):
-        if isinstance(sub, nn.ModuleList):
-            for block in sub:
-                if (
-                    any(p.requires_grad for p in block.parameters())
-                    and not is_fsdp2(block)
-                    and alone(block)
-                ):
-                    shard(block, **kwargs)
+    # Shard every block of every ModuleList or ModuleDict (a transformer's layers) as
+    # its own unit, so parameters are gathered one block at a time, then the root.
+    for block in repeated_blocks(model):
+        if (
+            any(p.requires_grad for p in block.parameters())
+            and not is_fsdp2(block)
+            and alone(block)
+        ):
+            shard(block, **kwargs)
     return cast(nn.Module, shard(model, **kwargs))
 
 
@@ -291,7 +290,8 @@ def parallelize(
     (its options still checked against its wrapper; another wrapper is refused).
 
     ``strategy="fsdp"`` shards with FSDP2 (``fully_shard``): each block of every
-    ``nn.ModuleList`` (a transformer's layers) becomes its own unit, then the root.
+    ``nn.ModuleList`` or ``nn.ModuleDict`` (a transformer's layers) becomes its own
+    unit, then the root.
 
     A model built on the meta device (``with torch.device("meta"):``) is sharded
     before it exists: only this rank's shards are allocated, then initialised by

@@ -226,6 +226,37 @@ def test_bad_arguments() -> None:
     assert model.weight.is_meta
 
 
+def test_a_whole_model_init_is_refused_before_anything() -> None:
+    # torchtitan's model.init_weights(buffer_device=None), an argless _init_weights(self),
+    # a reset_parameters: each initialises its own module, not the one it is handed.
+    for cls, name in ((_ArglessInit, "_init_weights"), (GPT, "reset_parameters")):
+        with torch.device("meta"):
+            model = cls()
+        init = model._init_weights if name == "_init_weights" else model.norm.reset_parameters
+        owner = type(init.__self__).__name__  # type: ignore[union-attr]
+        method = init.__name__  # type: ignore[union-attr]
+        with pytest.raises(TypeError, match=r"^materialize\(init=\.\.\.\) expects a callable") as e:
+            cp.materialize(model, "cpu", init=init)
+        assert f"{owner}.{method}() takes no module" in str(e.value)
+        assert "one module at a time" in str(e.value)
+        assert all(t.is_meta for t in model.parameters())
+    with torch.device("meta"):  # a method that takes the module is an init like any other
+        owner = _Owner()
+    cp.materialize(owner, "cpu", init=owner.init_module)
+    assert torch.equal(owner.fc.weight, torch.zeros(2, 2))
+
+
+class _Owner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def init_module(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
 def test_seeds_differ_by_name_and_seed() -> None:
     seeds = {module_seed(s, n) for s in range(3) for n in ("", "a", "a.b", "b")}
     assert len(seeds) == 12

@@ -75,7 +75,9 @@ def test_block_class_the_model_lacks_changes_nothing() -> None:
 
 
 def test_no_module_list_names_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"Linear has no nn.ModuleList.*Pass blocks=TheBlockClass"):
+    with pytest.raises(
+        ValueError, match=r"Linear has no nn.ModuleList or nn.ModuleDict.*Pass blocks=TheBlockClass"
+    ):
         recompute(nn.Linear(2, 2), "full")
 
 
