@@ -3,8 +3,10 @@
 A transformer keeps its blocks in a container: an ``nn.ModuleList`` (nanoGPT,
 transformers) or an ``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ... (torchtitan, so
 that a pipeline stage can drop the others). Every member of every such container is
-a block; ``parallelize(strategy="fsdp")``, ``recompute`` and ``estimate_memory``
-find them here, so the three agree.
+a block, unless it sits inside another block (a block's own containers, LoRA's
+adapter dicts or a mixture's experts, are part of that block);
+``parallelize(strategy="fsdp")``, ``recompute`` and ``estimate_memory`` find them
+here, so the three agree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ __all__ = ["repeated_blocks"]
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """Every member of every ``nn.ModuleList`` and ``nn.ModuleDict`` in ``model``.
+    """Every member of every ``nn.ModuleList`` and ``nn.ModuleDict`` in ``model`` that
+    is not inside another such member.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2)}))
@@ -25,9 +28,18 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     In ``model.modules()`` order, each container's members in their own order.
     """
     blocks: list[nn.Module] = []
+    inside: set[int] = set()  # the modules of the blocks found so far
     for sub in model.modules():
+        if id(sub) in inside:
+            continue
         if isinstance(sub, nn.ModuleList):
-            blocks.extend(sub)
+            members = list(sub)
         elif isinstance(sub, nn.ModuleDict):
-            blocks.extend(sub.values())
+            members = list(sub.values())
+        else:
+            continue
+        for block in members:
+            if id(block) not in inside:
+                blocks.append(block)
+                inside.update(id(m) for m in block.modules())
     return blocks

@@ -291,7 +291,8 @@ def parallelize(
 
     ``strategy="fsdp"`` shards with FSDP2 (``fully_shard``): each block of every
     ``nn.ModuleList`` or ``nn.ModuleDict`` (a transformer's layers) becomes its own
-    unit, then the root.
+    unit, then the root; containers inside a block (adapters, experts) stay part of
+    their block.
 
     A model built on the meta device (``with torch.device("meta"):``) is sharded
     before it exists: only this rank's shards are allocated, then initialised by

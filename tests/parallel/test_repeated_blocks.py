@@ -46,3 +46,26 @@ def test_the_blocks_of_a_module_list_or_dict(container: type[nn.Module]) -> None
 
 def test_a_model_without_one_has_no_blocks() -> None:
     assert repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+class Adapted(nn.Module):
+    """A block holding adapters in an ``nn.ModuleDict`` (PEFT's LoRA layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(4, 2, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(2, 4, bias=False)})
+        self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+
+def test_containers_inside_a_block_are_part_of_that_block() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([Adapted(), Adapted()]))
+    outer = list(net[1])
+    assert repeated_blocks(net) == outer
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([Adapted(), Adapted()]))
+    blocks, root = _units(meta)
+    per_block = (4 * 4 + 4) + 4 * 2 + 2 * 4 + 2 * (4 * 4 + 4)
+    assert blocks == [per_block * 4] * 2
+    assert root == (4 * 4 + 4) * 4
