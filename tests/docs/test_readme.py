@@ -23,8 +23,8 @@ def test_readme_starts_with_two_commands() -> None:
     assert demo.endswith("cudakit demo")
     assert tests.endswith("python -m pytest")
     for cmd in (demo, tests):
-        # the CPU wheel on this disk first, so no multi-GB CUDA build is pulled
-        assert "pip install torch==2.13.0 && pip install -e" in cmd
+        # the newest tested torch, pinned (docs/compatibility.md)
+        assert "pip install torch==2.15.0 && pip install -e" in cmd
 
 
 def test_ci_runs_readme_test_command_verbatim() -> None:
