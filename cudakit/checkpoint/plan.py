@@ -18,7 +18,11 @@ keeps them:
   plan in DCP's collective as before), so the decision is one rank's and the same for
   all of them;
 * each pickled value's archive, by the value's pickle (plain values only: numbers,
-  strings, containers of them), with the serialization settings of the moment.
+  strings, containers of them), with the serialization settings of the moment;
+* the pickle of the ``.metadata``: where the metadata equals the last save's but for
+  its save id and the checkpoint's directory name (of the same lengths), those two
+  are put into the last pickle's bytes. Such a pickle is used once it has reproduced
+  ``pickle.dumps`` byte for byte (on the save after the one it was made on).
 
 What changes from save to save is recomputed as before: the data, the archives of
 values that changed, each item's offset and length in the file (the metadata's
@@ -32,6 +36,7 @@ import functools
 import io
 import pickle
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -54,9 +59,11 @@ class Plans:
     #: and pickle), so that a value that changes does not make the cache grow.
     archives: dict[tuple[Any, bytes], bytes] = dataclasses.field(default_factory=dict)
     earlier: dict[tuple[Any, bytes], bytes] = dataclasses.field(default_factory=dict)
-    #: How many plans were made and reused (read by the tests).
+    pickled: _Pickled | None = None  # the last .metadata pickle
+    #: How many plans were made and reused, and metadata pickled (read by the tests).
     made: int = 0
     reused: int = 0
+    pickles: int = 0
 
     def start(self) -> None:
         """A save begins: the archives of the save before become the older ones."""
@@ -74,6 +81,101 @@ class Plans:
                 found = _torch_saved(value).getvalue()
             self.archives[key] = found
         return io.BytesIO(found)
+
+    def metadata_pickle(self, metadata: Any) -> bytes:
+        """``pickle.dumps(metadata)``: the last save's bytes with the save id and the
+        directory name put in, where nothing else changed."""
+        fixed, names = _metadata_parts(metadata)
+        last = self.pickled
+        if last is not None and names is not None and last.fits(fixed, names):
+            spliced = last.spliced(names)
+            if last.verified:
+                return spliced
+            data = self._pickle(metadata)
+            if data == spliced:
+                last.verified = True
+                return data
+        else:
+            data = self._pickle(metadata)
+        self.pickled = _Pickled.make(data, fixed, names)
+        return data
+
+    def _pickle(self, metadata: Any) -> bytes:
+        self.pickles += 1
+        return pickle.dumps(metadata)
+
+
+@dataclasses.dataclass
+class _Pickled:
+    """A ``.metadata`` pickle, what of its metadata must stay the same to reuse it, and
+    where the strings that may change are in it (start, length)."""
+
+    data: bytes
+    fixed: tuple[Any, ...]
+    at: tuple[tuple[int, int], ...]
+    verified: bool = False
+
+    @classmethod
+    def make(cls, data: bytes, fixed: tuple[Any, ...], names: tuple[bytes, ...] | None) -> Any:
+        if names is None:
+            return None
+        at = []
+        for name in names:
+            start = data.find(name)
+            if not name or start < 0 or data.find(name, start + 1) >= 0:
+                return None  # (not found once: where to put it in is not known)
+            at.append((start, len(name)))
+        return cls(data, fixed, tuple(at))
+
+    def fits(self, fixed: tuple[Any, ...], names: tuple[bytes, ...]) -> bool:
+        return (
+            fixed[0] is self.fixed[0]
+            and fixed[1] is self.fixed[1]
+            and fixed[2:] == self.fixed[2:]
+            and all(len(n) == size for n, (_, size) in zip(names, self.at, strict=True))
+        )
+
+    def spliced(self, names: tuple[bytes, ...]) -> bytes:
+        data = bytearray(self.data)
+        for name, (start, size) in zip(names, self.at, strict=True):
+            data[start : start + size] = name
+        return bytes(data)
+
+
+def _metadata_parts(metadata: Any) -> tuple[tuple[Any, ...], tuple[bytes, ...] | None]:
+    """What of ``metadata`` must be the same for its pickle to be the last one's (the
+    state's metadata and the planner's data by identity, the rest by value), and the
+    encoded strings that may change (None: a metadata of another form)."""
+    meta = metadata.storage_meta
+    storage = metadata.storage_data
+    places = (
+        tuple(
+            (key, key.index, type(value), tuple(value.__dict__.items()))
+            for key, value in storage.items()
+        )
+        if isinstance(storage, dict)
+        else storage
+    )
+    fixed: tuple[Any, ...] = (
+        metadata.state_dict_metadata,
+        metadata.planner_data,
+        type(metadata),
+        sorted(k for k in metadata.__dict__),
+        places,
+        metadata.version,
+        type(meta),
+    )
+    checkpoint = getattr(meta, "checkpoint_id", None)
+    save_id = getattr(meta, "save_id", None)
+    if not isinstance(checkpoint, PurePath) or type(save_id) is not str:
+        return fixed, None
+    rest = tuple((k, v) for k, v in meta.__dict__.items() if k not in ("checkpoint_id", "save_id"))
+    fixed += (type(checkpoint), str(checkpoint.parent), rest)
+    return fixed, (_encoded(save_id), _encoded(checkpoint.name))
+
+
+def _encoded(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # (as pickle writes a string)
 
 
 def planner(plans: Plans) -> Any:

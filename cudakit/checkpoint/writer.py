@@ -100,7 +100,9 @@ class Writer:
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
-            writer = storage_writer(pending.partial, file, on_host=_on_host(tensors))
+            writer = storage_writer(
+                pending.partial, file, on_host=_on_host(tensors), plans=self._plans
+            )
             if not self.background:
                 self._save(tensors, writer)
             elif self.distributed:

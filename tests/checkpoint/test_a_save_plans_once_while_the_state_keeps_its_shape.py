@@ -11,6 +11,7 @@ save), resumes bit for bit, and loads with plain ``dcp.load``.
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ class Net(torch.nn.Module):
 
 def _objects() -> tuple[Net, torch.optim.Optimizer]:
     model = Net()
-    return model, torch.optim.AdamW(model.a.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.a.parameters(), lr=1e-2)
+    opt.param_groups[0]["tag"] = "short"  # a value of the user's, saved and loaded
+    return model, opt
 
 
 def _step(model: Net, opt: torch.optim.Optimizer) -> None:
@@ -74,6 +77,10 @@ def _lr_as_tensor(model: Net, opt: torch.optim.Optimizer) -> None:
     opt.param_groups[0]["lr"] = torch.tensor(0.25)
 
 
+def _longer_value(model: Net, opt: torch.optim.Optimizer) -> None:
+    opt.param_groups[0]["tag"] = "long" * 100  # its archive grows: later offsets move
+
+
 def _same_fqns_other_nesting(model: Net, opt: torch.optim.Optimizer) -> None:
     opt.param_groups[0]["betas"] = [0.8, 0.9]  # a tuple before: pickled otherwise
 
@@ -85,6 +92,7 @@ CHANGES: dict[str, Callable[[Net, torch.optim.Optimizer], None]] = {
     "a hyper-parameter's new value": _new_lr,
     "a hyper-parameter's new type": _lr_as_tensor,
     "a hyper-parameter's new container": _same_fqns_other_nesting,
+    "a hyper-parameter's longer value": _longer_value,
 }
 
 
@@ -219,6 +227,15 @@ def test_an_unchanged_state_is_planned_and_pickled_once(
         _save_next(ckpt)
         ckpt.wait()
     assert counts == first
+    # The .metadata pickle: made, checked against pickle.dumps on the next save, reused.
+    assert ckpt._writer._plans.pickles == 2
+    latest = ckpt.latest
+    assert latest is not None
+    raw = (latest / ".metadata").read_bytes()
+    metadata = pickle.loads(raw)
+    assert pickle.dumps(metadata) == raw
+    assert metadata.storage_meta.checkpoint_id.name == latest.name + ".partial"
+    assert _where(metadata) == _where(_metadata(latest))
     _new_lr(model, opt)  # a new value: its archive is made again, the plan is kept
     _save_next(ckpt)
     ckpt.wait()
