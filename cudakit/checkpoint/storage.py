@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .archive import Archives
+from .plan import Plans
 
 __all__ = ["DIRECT", "fsync_file", "storage_writer"]
 
@@ -47,11 +48,12 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def storage_writer(path: Path, host_file: Path, *, on_host: bool) -> Any:
+def storage_writer(path: Path, host_file: Path, *, on_host: bool, plans: Plans) -> Any:
     """DCP's ``FileSystemWriter`` for ``path`` (files fsynced), which also fsyncs
     ``host_file`` before every rank's results are gathered; ``on_host``: every tensor
-    it writes is in host memory (then DCP's overlap of device copies has nothing to do)."""
-    return _writer_class()(str(path), host_file, on_host)
+    it writes is in host memory (then DCP's overlap of device copies has nothing to do);
+    ``plans``: the saves' kept plans, whose ``.metadata`` pickle it reuses."""
+    return _writer_class()(str(path), host_file, on_host, plans)
 
 
 def _gpu_like() -> bool:
@@ -77,14 +79,16 @@ def _writer_class() -> type:
         suffix, info = fs.DEFAULT_SUFFIX, fs._StorageInfo
         torch_save = fs.SerializationFormat.TORCH_SAVE
         prefix_type = fs._StoragePrefix
+        version, metadata_name = fs.CURRENT_DCP_VERSION, fs._metadata_fn
     except (ImportError, AttributeError):  # pragma: no cover - a torch that moved them
         suffix = None
 
     class Writer(FileSystemWriter):
-        def __init__(self, path: str, host_file: Path, on_host: bool) -> None:
+        def __init__(self, path: str, host_file: Path, on_host: bool, plans: Plans) -> None:
             super().__init__(path, sync_files=True)
             self.host_file = host_file
             self.on_host = on_host
+            self.plans = plans
 
         def _own_way(self, plan: Any) -> bool:
             """Whether this writer's layout is DCP's here (else DCP's own write_data)."""
@@ -115,6 +119,26 @@ def _writer_class() -> type:
             future: Any = Future()
             future.set_result(results)
             return future
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            """DCP's ``finish``, with the ``.metadata`` pickle the last save's where
+            only its save id and directory name changed (:meth:`Plans.metadata_pickle`)."""
+            if suffix is None or not self.use_collectives or not isinstance(self.path, Path):
+                super().finish(metadata, results)
+                return
+            metadata.version = version
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_meta = self.storage_meta()
+            data = self.plans.metadata_pickle(metadata)
+            tmp = self.fs.concat_path(self.path, f"{metadata_name}.tmp")
+            with self.fs.create_stream(tmp, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            final = self.fs.concat_path(self.path, metadata_name)
+            if self.fs.exists(final):
+                self.fs.rm_file(final)
+            self.fs.rename(tmp, final)
 
     return Writer
 

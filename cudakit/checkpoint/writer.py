@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..exceptions import CheckpointSaveError
-from . import admit, failures, layout, safe_load
+from . import admit, failures, layout, plan, safe_load
 from .state import failure_cause
 from .storage import storage_writer
 
@@ -82,6 +82,7 @@ class Writer:
         self._protect = protect
         self.pending: Pending | None = None
         self._staging: dict[str, torch.Tensor] = {}  # reused host buffers of background saves
+        self._plans = plan.Plans()  # DCP's plan, kept while the state keeps its shape
         #: The newest checkpoint this writer completed.
         self.last: Path | None = None
 
@@ -99,20 +100,27 @@ class Writer:
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
                 raise  # (not reached: _failed raises)
-            writer = storage_writer(pending.partial, file, on_host=_on_host(tensors))
+            writer = storage_writer(
+                pending.partial, file, on_host=_on_host(tensors), plans=self._plans
+            )
             if not self.background:
                 self._save(tensors, writer)
             elif self.distributed:
                 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-                result: Any = async_save(tensors, storage_writer=writer, process_group=self.group)
+                result: Any = async_save(
+                    tensors,
+                    storage_writer=writer,
+                    planner=plan.planner(self._plans),
+                    process_group=self.group,
+                )
                 pending.future = getattr(result, "upload_completion", result)
             else:
                 # DCP writes each tensor as soon as it is copied: the loop waits for the
                 # copy, the save finishes about when the last tensor is written, and is
                 # made visible there too (the manifest's and the renames' fsyncs).
                 staged, copies = _staged(tensors, self._staging)
-                planner = _waiting_planner(copies)
+                planner = _waiting_planner(copies, self._plans)
                 pending.future = _executor().submit(
                     self._save_and_publish, staged, writer, planner, pending
                 )
@@ -135,8 +143,12 @@ class Writer:
         from torch.distributed.checkpoint import state_dict_saver
 
         inner = getattr(state_dict_saver, "_save_state_dict", None)
+        if planner is None:
+            planner = plan.planner(self._plans)
         if self.distributed:
-            state_dict_saver.save(tensors, storage_writer=writer, process_group=self.group)
+            state_dict_saver.save(
+                tensors, storage_writer=writer, planner=planner, process_group=self.group
+            )
         elif inner is not None:
             inner(state_dict=tensors, storage_writer=writer, no_dist=True, planner=planner)
         else:  # pragma: no cover - a torch without the inner function
@@ -275,22 +287,21 @@ def _copy_all(copies: list[_Copy]) -> None:
             done.set()
 
 
-def _waiting_planner(copies: list[_Copy]) -> Any:
-    """DCP's default save planner, whose ``resolve_data`` waits until a tensor's copy
-    has been made (:func:`_copy_all`) before DCP writes it."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
+def _waiting_planner(copies: list[_Copy], plans: plan.Plans) -> Any:
+    """The save planner, whose ``resolve_data`` waits until a tensor's copy has been
+    made (:func:`_copy_all`) before DCP writes it."""
     events = {id(buf): done for _, buf, done in copies}
+    planner = plan.planner(plans)
 
-    class WaitingPlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            found = self.lookup_object(write_item.index)
-            done = events.get(id(found))
-            if done is not None:
-                done.wait()
-            return self.transform_object(write_item, found)
+    def resolve_data(write_item: Any) -> Any:
+        found = planner.lookup_object(write_item.index)
+        done = events.get(id(found))
+        if done is not None:
+            done.wait()
+        return planner.transform_object(write_item, found)
 
-    return WaitingPlanner()
+    planner.resolve_data = resolve_data
+    return planner
 
 
 def _remove(path: Path, doomed: Path, keep: int) -> None:
