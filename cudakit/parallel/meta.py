@@ -279,17 +279,17 @@ def _initialise(
                 handed[i] = s.tensor
                 device = s.tensor.device
         # The tensors searched for NaN after: those the dry run did not see written whole.
-        kept = [s.first and _nan_able(s.tensor) for s in slots]
-        filled = {i for i, s in enumerate(slots) if kept[i] and s.fqn not in step.whole}
+        nan_able = [s.first and _nan_able(s.tensor) for s in slots]
+        filled = {i for i, s in enumerate(slots) if nan_able[i] and s.fqn not in step.whole}
         for i in filled:
             _poison(handed[i])
         try:
             written, whole = _run_step(step, call, handed, init_seed, device)
             if any(
-                kept[i] and i not in filled and i not in whole and s.get() is handed[i]
+                nan_able[i] and i not in filled and i not in whole and s.get() is handed[i]
                 for i, s in enumerate(slots)
             ):  # the dry run saw a whole write the real run did not make: again, filled
-                filled = {i for i in range(len(slots)) if kept[i]}
+                filled = {i for i in range(len(slots)) if nan_able[i]}
                 for i in filled:
                     _poison(handed[i])
                 written, whole = _run_step(step, call, handed, init_seed, device)
@@ -308,7 +308,7 @@ def _initialise(
                         "Write the values into the tensor the module holds (e.g. "
                         "nn.init.normal_(module.weight)) instead of assigning a new one."
                     )
-                if kept[i]:
+                if nan_able[i]:
                     bad = (replaced or i not in whole) and _holes(now)
                 else:
                     bad = not (replaced or i in written)
