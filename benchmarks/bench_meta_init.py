@@ -24,6 +24,12 @@ the resident set follows what is alive. Bytes read are the ``rchar`` of
 ``/proc/self/io`` (every ``read`` call). The table shows the largest rank's figures
 and each peak over the goal, shard + largest tensor (goal: at most 1.1).
 
+``--device cuda`` sets the model up on one GPU instead (one process, NCCL, the
+two ways in turn in each of ``--rounds`` launches): the setup time and the peak of
+``torch.cuda.max_memory_allocated`` above the start, against the same goal. The
+usual way builds on the CPU (torch's default threads) and moves the model. Without
+a CUDA GPU it stops with a message.
+
 ``--json PATH`` writes the figures, the machine and the date (the data file of
 ``docs/figures/bench_meta_init.json``). Linux only (``/proc``).
 """
@@ -120,6 +126,45 @@ def _sizes(model: nn.Module) -> dict[str, int]:
     }
 
 
+def _set_up(way: str, cfg: tuple[int, int, int], device: str) -> nn.Module:
+    """The model set up ``way``: built on meta and parallelized, or built, then sharded."""
+    if way == "meta":
+        with torch.device("meta"):
+            model = Model(*cfg)
+        return cp.parallelize(model, "fsdp", device, init_seed=0)
+    torch.manual_seed(0)
+    return cp.parallelize(Model(*cfg), "fsdp", device)
+
+
+def _warm_up(device: str) -> None:
+    """Both ways' imports and first calls (FSDP2, DTensor) before anything is measured."""
+    for way in ("meta", "build"):
+        _set_up(way, (64, 8, 1), device)
+    gc.collect()
+
+
+def _gpu_rank(cfg: tuple[int, int, int], order: list[str]) -> dict[str, Any]:
+    """One process on one GPU: each way in ``order``, its setup time and the device's
+    peak allocation above the start (the model before it freed)."""
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name()}
+    with cp.process_group(timeout=600, device="cuda"):
+        _warm_up("cuda")
+        for way in order:
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            model = _set_up(way, cfg, "cuda")
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() - start
+            out[way] = {"setup": {"peak": peak, "seconds": seconds, "read": 0, **_sizes(model)}}
+            del model
+    return out
+
+
 def _rank(way: str, cfg: tuple[int, int, int], file: str) -> dict[str, Any]:
     """One rank: set the model up ``way``, then load the file (the loads of that way)."""
     import torch.distributed as dist
@@ -129,26 +174,18 @@ def _rank(way: str, cfg: tuple[int, int, int], file: str) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    with cp.process_group(timeout=3600):
-        # Both ways' imports and first calls (FSDP2, DTensor) before anything is measured.
-        with torch.device("meta"):
-            tiny = Model(64, 8, 1)
-        cp.parallelize(tiny, "fsdp", init_seed=0)
-        cp.parallelize(Model(64, 8, 1), "fsdp")
-        del tiny
+    with cp.process_group(timeout=3600, device="cpu"):  # gloo, even on a GPU machine
+        _warm_up("cpu")
         if way == "meta":
             with Phase() as ph:
-                with torch.device("meta"):
-                    model = Model(*cfg)
-                model = cp.parallelize(model, "fsdp", init_seed=0)
+                model = _set_up("meta", cfg, "cpu")
             out["setup"] = ph.figures(**_sizes(model))
             with Phase() as ph:
                 cp.load_pretrained(model, file)
             out["load_pretrained"] = ph.figures()
             return out
         with Phase() as ph:
-            torch.manual_seed(0)
-            model = cp.parallelize(Model(*cfg), "fsdp")
+            model = _set_up("build", cfg, "cpu")
         out["setup"] = ph.figures(**_sizes(model))
         entries = read_header(Path(file))
         with Phase() as ph:  # every rank reads the whole file, keeps its rows
@@ -194,11 +231,25 @@ def _median_run(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model (~6M parameters)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ranks", type=int, nargs="+", help="world sizes (default: 1 2 4)")
     parser.add_argument("--rounds", type=int, default=3, help="launches of each way")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="gloo ranks or one GPU"
+    )
     parser.add_argument("--json", "--figure", dest="json", help="write the data file here")
     args = parser.parse_args(argv)
     cfg = (8000, 256, 4) if args.quick else (32000, 1024, 12)
+    if args.device == "cuda":
+        if args.ranks not in (None, [1]):
+            parser.error("--device cuda sets the model up on one GPU: leave --ranks out")
+        if not torch.cuda.is_available():
+            sys.exit(
+                "bench_meta_init.py --device cuda needs a CUDA GPU; this machine has none "
+                "(torch.cuda.is_available() is False). Run it without --device for the "
+                "gloo ranks on the CPU."
+            )
+        return _gpu_main(args, cfg, sys.argv[1:] if argv is None else argv)
+    args.ranks = args.ranks or [1, 2, 4]
     load_before = _report.load_average()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # big blocks go back when freed
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,7 +288,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def _gpu_main(args: argparse.Namespace, cfg: tuple[int, int, int], argv: list[str]) -> int:
+    load_before = _report.load_average()
+    n_params = sum(p.numel() for p in Model(*cfg).parameters())
+    print(f"# model: {n_params / 1e6:.1f}M parameters, one GPU")
+    runs: dict[str, list[list[dict[str, Any]]]] = {"build": [], "meta": []}
+    gpu = ""
+    for r in range(args.rounds):  # the two ways take turns, so noise hits both
+        order = ["build", "meta"] if r % 2 == 0 else ["meta", "build"]
+        (got,) = cp.launch(_gpu_rank, cfg, order, nprocs=1, timeout=600)
+        gpu = got["gpu"]
+        for way in order:
+            runs[way].append([got[way]])
+    by_way = {way: _median_run(rounds) for way, rounds in runs.items()}
+    rows = _rows({1: by_way}, loads=False)
+    for row in rows:
+        row["group"] = "1 GPU: setup"
+    _print(rows, n_params)
+    if args.json:
+        record = _report.record(
+            "benchmarks/bench_meta_init.py",
+            title=f"A model's setup on one GPU, {n_params / 1e6:.0f}M parameters",
+            settings=(
+                f"{gpu}, one process (NCCL), {args.rounds} rounds, the two ways taking turns "
+                "in each; peak torch.cuda.max_memory_allocated above the start of the setup "
+                "(the highest round's), median time; the usual way builds on the CPU with "
+                f"{torch.get_num_threads()} threads"
+            ),
+            unit="MiB",
+            rows=rows,
+            argv=argv,
+            load_before=load_before,
+        )
+        _report.write(args.json, record)
+    return 0
+
+
+def _rows(results: dict[int, dict[str, Any]], loads: bool = True) -> list[dict[str, Any]]:
     rows = []
     for n, by_way in results.items():
         setups = {
@@ -264,6 +351,8 @@ def _rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     "largest_mib": round(worst["largest"] / MiB, 1),
                 }
             )
+        if not loads:
+            continue
         shard = max(r["setup"]["shard"] for r in by_way["meta"])
         largest = by_way["meta"][0]["setup"]["largest"]
         loads = {

@@ -5,7 +5,9 @@ watches what it writes. From that, :func:`plan` makes the steps of the real run:
 per module that holds tensors (``reset_parameters()`` or ``init=``), or, for a Hugging
 Face model's ``_init_weights``, one per group of modules writing the same tensors
 (children first). It also names every tensor that nothing would write, so
-:mod:`cudakit.parallel.meta` refuses the model before allocating it.
+:mod:`cudakit.parallel.meta` refuses the model before allocating it, and every tensor
+written whole (:class:`~cudakit.parallel._init_watch.Watch`), which the real run
+need not fill with NaN nor search for NaN after.
 """
 
 from __future__ import annotations
@@ -74,15 +76,24 @@ def group_slots(model: nn.Module) -> list[tuple[str, nn.Module, list[Slot]]]:
 
 @dataclasses.dataclass
 class Step:
-    """One init run: the modules it calls, in order, and the tensors they write."""
+    """One init run: the modules it calls, in order, the tensors they write, and the
+    names of those the dry run saw written whole."""
 
     calls: list[tuple[str, nn.Module]]
     slots: list[Slot]
+    whole: set[str] = dataclasses.field(default_factory=set)
 
 
-def _own_steps(groups: list[tuple[str, nn.Module, list[Slot]]]) -> list[Step]:
-    """One step per module that holds tensors: its init writes those, and only those."""
-    return [Step([(mname, module)], slots) for mname, module, slots in groups]
+def _own_steps(
+    groups: list[tuple[str, nn.Module, list[Slot]]], whole: Iterable[str] = ()
+) -> list[Step]:
+    """One step per module that holds tensors: its init writes those, and only those
+    (``whole``: the names of the tensors a dry run saw written whole)."""
+    names = set(whole)
+    return [
+        Step([(mname, module)], slots, {s.fqn for s in slots if s.fqn in names})
+        for mname, module, slots in groups
+    ]
 
 
 def quoted(names: Iterable[str], limit: int = 8) -> str:
@@ -106,31 +117,41 @@ def _fresh(slot: Slot, device: torch.device | str, fill: bool) -> torch.Tensor:
     return t
 
 
-def run_watched(run: Callable[[], None], handed: dict[int, torch.Tensor]) -> set[int]:
-    """``run()`` under no_grad, watched: the keys of the handed tensors it wrote."""
+def run_watched(
+    run: Callable[[], None], handed: dict[int, torch.Tensor]
+) -> tuple[set[int], set[int]]:
+    """``run()`` under no_grad, watched: the keys of the handed tensors it wrote, and
+    of those it wrote whole."""
     versions = {key: t._version for key, t in handed.items()}
     watch = Watch({id(t): t for t in handed.values()})
     with torch.no_grad(), watch:
         run()
-    return {
+    written = {
         key for key, t in handed.items() if id(t) in watch.written or t._version != versions[key]
     }
+    whole = watch.whole_at_end()
+    return written, {key for key, t in handed.items() if id(t) in whole}
 
 
 def _written_on_meta(
     call: Any, mname: str, module: nn.Module, slots: list[Slot]
-) -> list[Slot] | None:
-    """The slots ``call(module, mname)`` writes, found on fresh meta tensors (nothing
-    allocated); None when the init cannot run there (it reads values)."""
+) -> tuple[list[Slot], list[Slot]] | None:
+    """The slots ``call(module, mname)`` writes, and those it writes whole, found on
+    fresh meta tensors (nothing allocated); None when the init cannot run there (it
+    reads values). A slot the init replaces is written, not whole."""
     handed = {i: _fresh(s, "meta", fill=False) for i, s in enumerate(slots)}
     try:
         for i, s in enumerate(slots):
             s.put(handed[i])
         try:
-            written = run_watched(lambda: call(module, mname), handed)
+            written, whole = run_watched(lambda: call(module, mname), handed)
         except Exception:
             return None  # the real run raises it, with the values at hand
-        return [s for i, s in enumerate(slots) if s.get() is not handed[i] or i in written]
+        kept = [slot.get() is handed[i] for i, slot in enumerate(slots)]
+        return (
+            [s for i, s in enumerate(slots) if not kept[i] or i in written],
+            [s for i, s in enumerate(slots) if kept[i] and i in whole],
+        )
     finally:
         for s in slots:
             s.put(s.tensor)
@@ -148,13 +169,15 @@ def _own_plan(
 ) -> tuple[list[Step], list[str] | None]:
     """One step per module, and the tensors the init would not write (None: the init
     cannot run on the meta device)."""
-    steps = _own_steps(groups)
     written: list[Slot] = []
+    whole: list[str] = []
     for mname, module, slots in groups:
         wrote = _written_on_meta(call, mname, module, slots)
         if wrote is None:
-            return steps, None
-        written += wrote
+            return _own_steps(groups), None
+        written += wrote[0]
+        whole += [s.fqn for s in wrote[1]]
+    steps = _own_steps(groups, whole)
     return steps, _untouched(steps, written)
 
 
@@ -184,6 +207,7 @@ def _tree_plan(
     writes only a tied weight's second name is skipped: the first holder's init wins."""
     found: list[tuple[int, str, nn.Module, list[Slot]]] = []
     written: list[Slot] = []
+    whole: set[str] = set()
     for index, (mname, module) in enumerate(_post_order(model)):
         inside = [
             s
@@ -193,12 +217,14 @@ def _tree_plan(
         ]
         if not inside:
             continue
-        wrote = _written_on_meta(call, mname, module, inside)
-        if wrote is None:
+        result = _written_on_meta(call, mname, module, inside)
+        if result is None:
             return _own_steps(groups), None
+        wrote = result[0]
         if any(s.first for s in wrote):
             found.append((index, mname, module, wrote))
             written += wrote
+            whole |= {s.fqn for s in result[1]}
     merged: list[tuple[list[tuple[int, str, nn.Module]], dict[int, Slot]]] = []
     for index, mname, module, wrote in found:
         calls, slots = [(index, mname, module)], {id(s): s for s in wrote}
@@ -210,7 +236,14 @@ def _tree_plan(
                 keep.append((other_calls, other_slots))
         merged = [*keep, (sorted(calls, key=lambda c: c[0]), slots)]
     merged.sort(key=lambda m: m[0][0][0])
-    steps = [Step([(n, m) for _, n, m in calls], list(slots.values())) for calls, slots in merged]
+    steps = [
+        Step(
+            [(n, m) for _, n, m in calls],
+            list(slots.values()),
+            {s.fqn for s in slots.values() if s.fqn in whole},
+        )
+        for calls, slots in merged
+    ]
     return steps, _untouched(_own_steps(groups), written)
 
 
@@ -227,14 +260,18 @@ def plan(
 
 
 def run_steps(
-    model: nn.Module, groups: list[tuple[str, nn.Module, list[Slot]]], init: InitFn | None
+    model: nn.Module,
+    groups: list[tuple[str, nn.Module, list[Slot]]],
+    init: InitFn | None,
+    whole: Iterable[str] = (),
 ) -> tuple[list[Step], Any]:
     """:func:`plan`'s steps and call, without a dry run where the steps do not depend
-    on what the init writes (one step per module); Hugging Face's grouping needs one."""
+    on what the init writes (one step per module, ``whole`` the names of the tensors
+    an earlier dry run saw written whole); Hugging Face's grouping needs one."""
     if hf_init(model, init):
         call = _hf_call(model, init)
         return _tree_plan(model, groups, call)[0], call
-    return _own_steps(groups), call_init(init)
+    return _own_steps(groups, whole), call_init(init)
 
 
 def _hf_model(module: nn.Module) -> bool:

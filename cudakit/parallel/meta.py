@@ -9,14 +9,21 @@ submodule at a time:
    leave untouched, before anything is allocated;
 2. ``model.to_empty(device=...)``, tied weights tied again;
 3. for each submodule that owns tensors, in ``model.named_modules()`` order: its full
-   tensors are handed to it (for a sharded one, a full copy of each, filled with NaN),
-   the init runs under the seed :func:`~cudakit.parallel._init_watch.module_seed`
-   derives from ``init_seed`` and the module's name, and a sharded tensor keeps the
-   rows of its own shard. The full copies go before the next module: a rank holds its
-   shards plus one module's tensors at most.
+   tensors are handed to it (for a sharded one, a full copy of each, unless this
+   rank's shard is the whole tensor), the init runs under the seed
+   :func:`~cudakit.parallel._init_watch.module_seed` derives from ``init_seed`` and
+   the module's name, and a sharded tensor keeps the rows of its own shard. The full
+   copies go before the next module: a rank holds its shards plus one module's
+   tensors at most.
 
 So the gathered parameters equal bit for bit those of the same init on one process,
 whatever the world size.
+
+No element is left unwritten: a floating-point tensor is filled with NaN before the
+init and searched for NaN after, unless the dry run saw it written whole and the real
+run confirms it (:class:`~cudakit.parallel._init_watch.Watch`). When the real run
+does not confirm what the dry run saw, the module's tensors are filled and its init
+runs again, under the same seed.
 """
 
 from __future__ import annotations
@@ -149,6 +156,16 @@ def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     return _local_rows(tensor) if is_sharded(tensor) else None
 
 
+def _nan_able(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with NaN: an element the init leaves unwritten stays NaN."""
+    with torch.no_grad():
+        tensor.fill_(math.nan)
+
+
 def _holes(value: torch.Tensor) -> bool:
     """Whether a NaN is left: a sum first (one read, no mask), exact only if it is NaN
     (a tensor holding both infinities sums to NaN too)."""
@@ -162,10 +179,20 @@ def _holes(value: torch.Tensor) -> bool:
 _ALIGN = 64
 
 
+def _whole_shard(slot: Slot) -> bool:
+    """Whether this rank's shard of a sharded tensor is all of it (one rank): the init
+    writes into the shard itself, the same draw as into a full copy."""
+    if not is_sharded(slot.tensor):
+        return False
+    local = local_part(slot.tensor)
+    return local.shape == slot.tensor.shape and local.is_contiguous()
+
+
 def _scratched(slot: Slot) -> bool:
     """Whether the init gets a scratch copy of this tensor: a sharded one (the full
-    tensor, rows kept after) or a tied one met again (written, then dropped)."""
-    return not slot.first or is_sharded(slot.tensor)
+    tensor, rows kept after) unless its shard is all of it, or a tied one met again
+    (written, then dropped)."""
+    return not slot.first or (is_sharded(slot.tensor) and not _whole_shard(slot))
 
 
 class _Scratch:
@@ -183,13 +210,13 @@ class _Scratch:
         n = slot.tensor.numel() * slot.tensor.element_size()
         return -(-n // _ALIGN) * _ALIGN
 
-    def handed(self, slots: list[Slot]) -> dict[int, torch.Tensor]:
-        """Full tensors for the scratched slots among ``slots``, by index (NaN-filled
-        where the values are kept and can be NaN)."""
+    def handed(self, slots: list[Slot], scratched: list[bool]) -> dict[int, torch.Tensor]:
+        """Full tensors for the scratched slots among ``slots``, by index (as they are:
+        the caller fills those it searches after)."""
         out: dict[int, torch.Tensor] = {}
         offsets: dict[torch.device, int] = {}
         for i, s in enumerate(slots):
-            if not _scratched(s):
+            if not scratched[i]:
                 continue
             like = s.tensor
             device = local_part(like).device
@@ -202,11 +229,32 @@ class _Scratch:
             n = like.numel() * like.element_size()
             t = buf[offset : offset + n].view(like.dtype).view(like.shape)
             offsets[device] = offset + self._bytes(s)
-            if s.first and (like.is_floating_point() or like.is_complex()):
-                t.fill_(math.nan)
-            param = s.table == "_parameters"
-            out[i] = nn.Parameter(t, requires_grad=like.requires_grad) if param else t
+            out[i] = _as_slot(s, t)
         return out
+
+
+def _as_slot(slot: Slot, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the slot holds it: a Parameter for a parameter."""
+    if slot.table == "_parameters":
+        return nn.Parameter(t, requires_grad=slot.tensor.requires_grad)
+    return t
+
+
+def _run_step(
+    step: Step, call: Any, handed: dict[int, torch.Tensor], seed: int, device: torch.device
+) -> tuple[set[int], set[int]]:
+    """The step's inits, each under its own seed, on the handed tensors: the indexes
+    of those written, and of those written whole."""
+    for i, s in enumerate(step.slots):
+        s.put(handed[i])
+    written: set[int] = set()
+    whole: set[int] = set()
+    for mname, module in step.calls:
+        with seeded(module_seed(seed, mname), device):
+            wrote, all_of = run_watched(functools.partial(call, module, mname), handed)
+        written |= wrote
+        whole |= all_of
+    return written, whole
 
 
 def _initialise(
@@ -218,25 +266,33 @@ def _initialise(
     scratch = _Scratch(steps)
     for step in steps:
         slots = step.slots
-        handed: dict[int, torch.Tensor] = {}
+        scratched = [_scratched(s) for s in slots]
+        handed = scratch.handed(slots, scratched)
         device = torch.device("cpu")
-        handed.update(scratch.handed(slots))
         for i, s in enumerate(slots):
-            if _scratched(s):  # a full copy; a tied one met again is dropped after
+            if scratched[i]:  # a full copy; a tied one met again is dropped after
                 device = local_part(s.tensor).device
+            elif is_sharded(s.tensor):  # the shard is the whole tensor: written in place
+                handed[i] = _as_slot(s, local_part(s.tensor))
+                device = handed[i].device
             else:
-                device = s.tensor.device
-                if s.tensor.is_floating_point() or s.tensor.is_complex():
-                    with torch.no_grad():
-                        s.tensor.fill_(math.nan)
                 handed[i] = s.tensor
+                device = s.tensor.device
+        # The tensors searched for NaN after: those the dry run did not see written whole.
+        nan_able = [s.first and _nan_able(s.tensor) for s in slots]
+        filled = {i for i, s in enumerate(slots) if nan_able[i] and s.fqn not in step.whole}
+        for i in filled:
+            _poison(handed[i])
         try:
-            for i, s in enumerate(slots):
-                s.put(handed[i])
-            written: set[int] = set()
-            for mname, module in step.calls:  # each under its own seed
-                with seeded(module_seed(init_seed, mname), device):
-                    written |= run_watched(functools.partial(call, module, mname), handed)
+            written, whole = _run_step(step, call, handed, init_seed, device)
+            if any(
+                nan_able[i] and i not in filled and i not in whole and s.get() is handed[i]
+                for i, s in enumerate(slots)
+            ):  # the dry run saw a whole write the real run did not make: again, filled
+                filled = {i for i in range(len(slots)) if nan_able[i]}
+                for i in filled:
+                    _poison(handed[i])
+                written, whole = _run_step(step, call, handed, init_seed, device)
             for i, s in enumerate(slots):
                 if not s.first:
                     continue
@@ -252,19 +308,19 @@ def _initialise(
                         "Write the values into the tensor the module holds (e.g. "
                         "nn.init.normal_(module.weight)) instead of assigning a new one."
                     )
-                if s.tensor.is_floating_point() or s.tensor.is_complex():
-                    bad = _holes(now)
+                if nan_able[i]:
+                    bad = (replaced or i not in whole) and _holes(now)
                 else:
                     bad = not (replaced or i in written)
                 if bad:
                     untouched.append(f"{s.fqn} ({s.kind})")
                     continue
-                region = local_region(s.tensor)
                 with torch.no_grad():
-                    if region is not None:
-                        local_part(s.tensor).copy_(now[region])
+                    if scratched[i]:  # a first slot scratched is sharded: keep its rows
+                        region = local_region(s.tensor)
+                        local_part(s.tensor).copy_(now[region] if region is not None else now)
                     elif replaced:
-                        s.tensor.copy_(now)
+                        local_part(s.tensor).copy_(now)
         finally:
             for s in slots:
                 s.put(s.tensor)
@@ -393,6 +449,7 @@ class MetaBuild:
 
     init: InitFn | None
     seed: int
+    whole: frozenset[str] = frozenset()  # the tensors the dry run saw written whole
 
     def run(
         self,
@@ -404,7 +461,7 @@ class MetaBuild:
         """Allocate ``model`` (sharded or not) on ``device`` and initialise it; under
         ``fully_shard``'s ``options`` CPU offload, its parameters on the CPU."""
         groups = group_slots(model)
-        steps, call = run_steps(model, groups, self.init)  # on the sharded meta model
+        steps, call = run_steps(model, groups, self.init, self.whole)  # sharded, on meta
         _allocate(model, groups, device, params_device(options or {}, device))
         untouched, on_meta = _initialise(func, steps, call, self.seed)
         if on_meta:
@@ -429,7 +486,7 @@ def plan_build(
                 "device, or call your init yourself and leave init=None."
             )
         return None
-    _, untouched, _ = plan(model, group_slots(model), init)
+    steps, untouched, _ = plan(model, group_slots(model), init)
     if untouched:
         raise ValueError(untouched_error(func, model, untouched, init))
-    return MetaBuild(init, seed)
+    return MetaBuild(init, seed, frozenset(name for st in steps for name in st.whole))

@@ -94,6 +94,47 @@ def test_fsdp_init_over_widths_at_three_ranks(configs: list[Config]) -> None:
     _check(results, configs)
 
 
+def _counted_fsdp() -> dict[str, Any]:
+    """One rank: the NaN fills, the scratch bytes and the values of a meta GPT's setup."""
+    from cudakit.parallel import meta
+
+    filled: list[tuple[int, ...]] = []
+    scratch: list[int] = []
+    poison, scratch_type = meta._poison, meta._Scratch
+
+    class Scratch(scratch_type):  # type: ignore[misc, valid-type]
+        def __init__(self, steps: Any) -> None:
+            super().__init__(steps)
+            scratch.append(self.size)
+
+    def counted(t: torch.Tensor) -> None:
+        filled.append(tuple(t.shape))
+        poison(t)
+
+    meta._poison = counted  # this rank's process only: it ends with the launch
+    meta._Scratch = Scratch  # type: ignore[misc]
+    with cp.process_group(timeout=120):
+        model = cp.parallelize(_meta_gpt(37, 10), "fsdp", init=gpt_init, init_seed=7)
+        full = {k: v.clone() for k, v in cp.state_dict(model).items()}
+    return {"filled": filled, "scratch": scratch, "full": full}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_init_writes_whole_tensors_without_a_nan_fill(world: int) -> None:
+    results = cp.launch(_counted_fsdp, nprocs=world, timeout=300)
+    ref = _one_process(37, 10)
+    tied = 37 * 10 * 4  # the head's copy of the tied embedding, written then dropped
+    for res in results:
+        assert res["filled"] == []
+        if world == 1:  # each shard is its whole tensor: written in place
+            assert res["scratch"] == [-(-tied // 64) * 64]
+        else:  # a full copy of the largest module's tensors
+            assert res["scratch"][0] > tied
+    for key, value in results[0]["full"].items():
+        assert torch.equal(value, ref[key]), key
+
+
 @pytest.mark.distributed
 def test_ddp_takes_a_meta_model() -> None:
     configs = [(11, 6)]
