@@ -126,7 +126,7 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 def _same_bytes(view: torch.Tensor, tensor: torch.Tensor) -> bool:
     """Whether ``view``, on ``tensor``'s storage, covers exactly its bytes."""
-    return (
+    return bool(
         view.is_contiguous()
         and tensor.is_contiguous()
         and view.nbytes == tensor.nbytes
