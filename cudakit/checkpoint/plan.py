@@ -60,6 +60,8 @@ class Plans:
     archives: dict[tuple[Any, bytes], bytes] = dataclasses.field(default_factory=dict)
     earlier: dict[tuple[Any, bytes], bytes] = dataclasses.field(default_factory=dict)
     pickled: _Pickled | None = None  # the last .metadata pickle
+    #: Whether the state's flattening differed from DCP's (then DCP flattens it).
+    flatten_refused: bool = False
     #: How many plans were made and reused, and metadata pickled (read by the tests).
     made: int = 0
     reused: int = 0
@@ -198,9 +200,24 @@ def _planner_class() -> type:
         def set_up_planner(
             self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
         ) -> None:
-            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            plans = self.plans
+            flat = None if plans.flatten_refused else _flattened(state_dict)
+            if flat is None:
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            else:
+                self.state_dict, self.mappings = flat
+                self.is_coordinator = is_coordinator
             self._structure = _structure(self.state_dict, self.mappings, self.is_coordinator)
-            self.plans.start()
+            if flat is not None and self._structure != plans.structure:
+                # a new plan: the flattening checked against DCP's own once more
+                flat_state, mappings = self.state_dict, self.mappings
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                if not _same_flat(flat_state, mappings, self.state_dict, self.mappings):
+                    plans.flatten_refused = True
+                    self._structure = _structure(
+                        self.state_dict, self.mappings, self.is_coordinator
+                    )
+            plans.start()
 
         def create_local_plan(self) -> Any:
             plans = self.plans
@@ -251,14 +268,14 @@ def _same(plans: list[Any], kept: list[Any]) -> bool:
 def _structure(flat: Mapping[str, Any], mappings: Any, coordinator: bool) -> Any:
     """What DCP's local plan of the flat state ``flat`` depends on (None: a value whose
     plan is not known from it, planned afresh every time)."""
-    from torch.distributed.checkpoint.metadata import TensorProperties
     from torch.distributed.tensor import DTensor
 
+    properties = _properties()
     parts: list[Any] = [coordinator]
     for name, value in flat.items():
         kind = type(value)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
-            leaf: Any = (value.size(), TensorProperties.create_from_tensor(value))
+            leaf: Any = (value.size(), properties(value))
         elif kind is DTensor:
             local = value.to_local()
             leaf = (
@@ -266,7 +283,7 @@ def _structure(flat: Mapping[str, Any], mappings: Any, coordinator: bool) -> Any
                 value.device_mesh,
                 value.placements,
                 local.size(),
-                TensorProperties.create_from_tensor(local),
+                properties(local),
             )
         elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
             return None
@@ -274,6 +291,96 @@ def _structure(flat: Mapping[str, Any], mappings: Any, coordinator: bool) -> Any
             leaf = None  # (a pickled value: its plan is its name)
         parts.append((name, mappings.get(name) if mappings else None, kind, leaf))
     return tuple(parts)
+
+
+@functools.cache
+def _properties() -> Any:
+    """What DCP's ``TensorProperties`` of a tensor holds, as a tuple where its fields are
+    those known here (a dataclass per tensor costs more than the rest of the walk)."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    fields = tuple(f.name for f in dataclasses.fields(TensorProperties))
+    known = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+    if fields == known:
+        return lambda t: (t.dtype, t.layout, t.requires_grad, t.is_pinned())
+    if fields == (*known, "strides"):
+        return lambda t: (t.dtype, t.layout, t.requires_grad, t.is_pinned(), t.stride())
+    return TensorProperties.create_from_tensor  # pragma: no cover - a torch with others
+
+
+def _flattened(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """DCP's flat state and its mappings, as ``flatten_state_dict`` and then
+    ``_flatten_sharded_tensors`` give them (None: a state or a torch where they may not
+    be these: a ShardedTensor, DCP's 2.3 layout).
+
+    Mappings are walked, lists too where they hold a tensor or a mapping with one (a
+    list of plain values, and a tuple, stay one value); a value's name is its path
+    joined with dots. :func:`_same_flat` checks the result against DCP's own.
+    """
+    try:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+        from torch.distributed.checkpoint import _version
+    except ImportError:  # pragma: no cover - a torch that moved them
+        return None
+    if getattr(_version, "_derived_version", None) is not None:
+        return None
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+
+    def terminal(value: Any) -> bool:
+        kind = type(value)
+        if kind is dict or (kind is not list and isinstance(value, Mapping)):
+            return False
+        if kind is not list and not isinstance(value, list):
+            return True
+        for entry in value:
+            if type(entry) in _PLAIN:
+                continue
+            if isinstance(entry, Mapping | list) and not terminal(entry):
+                return False
+            if isinstance(entry, torch.Tensor):
+                return False
+        return True
+
+    def walk(path: tuple[Any, ...], value: Any) -> None:
+        kind = type(value)
+        if kind is dict or (kind is not torch.Tensor and isinstance(value, Mapping)):
+            for k, v in value.items():
+                walk((*path, str(k)), v)
+        elif kind is torch.Tensor or isinstance(value, torch.Tensor) or terminal(value):
+            if kind is not torch.Tensor and isinstance(value, ShardedTensor):
+                raise _Unflat
+            name = ".".join(map(str, path))
+            if name in flat:
+                raise _Unflat  # (DCP raises its own error for it)
+            flat[name] = value
+            mappings[name] = path
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk((*path, i), v)
+
+    try:
+        for key, value in state.items():
+            walk((str(key),), value)
+    except _Unflat:
+        return None
+    return flat, mappings
+
+
+class _Unflat(Exception):
+    """A state :func:`_flattened` leaves to DCP."""
+
+
+def _same_flat(
+    flat: dict[str, Any], mappings: dict[str, Any], dcp_flat: Any, dcp_mappings: Any
+) -> bool:
+    """Whether a flattening is DCP's: the same names in order, the same objects, the same
+    paths."""
+    return (
+        list(flat) == list(dcp_flat)
+        and all(v is dcp_flat[k] for k, v in flat.items())
+        and mappings == dict(dcp_mappings)
+    )
 
 
 def _archive_key(value: Any) -> tuple[Any, bytes] | None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from .._check import describe
 from ..parallel import unwrap
+from .gather import Gather
 
 __all__ = [
     "Parts",
@@ -51,6 +52,8 @@ class Parts:
     schedulers: tuple[Any, ...]
     steps: tuple[Any, ...]
     extras: dict[str, Any]
+    # get_state_dict for each model, its names kept while its structure is the same
+    gathers: dict[str, Gather] = dataclasses.field(default_factory=dict, repr=False)
 
     def optimizers_of(self, name: str) -> list[torch.optim.Optimizer]:
         return [o for o, m in zip(self.optimizers, self.owner, strict=True) if m == name]
@@ -107,20 +110,20 @@ def fresh_optimizers(parts: Parts) -> list[bool]:
 def tensor_state(parts: Parts) -> dict[str, Any]:
     """The DCP part: ``{"model": {name: sd}, "optim": {name: osd}}``.
 
-    DCP's ``get_state_dict`` fills an optimizer without state by stepping it once with
-    zero gradients and a zero learning rate; the caller undoes that with
-    :func:`reset_fresh` once the state is saved or loaded.
+    Each model's is DCP's ``get_state_dict`` (:class:`.gather.Gather`, which keeps
+    the names it works out). ``get_state_dict`` fills an optimizer without state by
+    stepping it once with zero gradients and a zero learning rate; the caller undoes
+    that with :func:`reset_fresh` once the state is saved or loaded.
     """
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for name, model in parts.models.items():
         opts = parts.optimizers_of(name)
+        gather = parts.gathers.setdefault(name, Gather())
         with _grads_hidden(opts):
             # Names without DataParallel's, DDP's or torch.compile's prefixes, so that a
             # checkpoint loads into the model however it is wrapped.
-            msd, osd = get_state_dict(unwrap(model), opts)
+            msd, osd = gather(unwrap(model), opts)
         model_sd[name] = msd
         if opts:
             optim_sd[name] = osd

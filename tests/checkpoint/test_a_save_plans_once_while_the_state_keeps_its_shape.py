@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cudakit
 
@@ -267,3 +270,64 @@ def test_two_checkpointers_keep_plans_of_their_own(
     assert counts["global"] == 2
     keys = [set(_metadata(p).state_dict_metadata) for p in paths]
     assert "optim.model.param_groups.1.lr" in keys[1] - keys[0]
+
+
+_LEAVES = st.one_of(
+    st.integers(-5, 5),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.none(),
+    st.builds(torch.zeros, st.integers(0, 3)),
+)
+_STATES = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.tuples(inner, inner),
+        st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, max_size=3),
+        st.dictionaries(st.integers(0, 3), inner, max_size=2),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(state=st.dictionaries(st.text("xyz", min_size=1, max_size=2), _STATES, max_size=3))
+def test_the_state_is_flattened_as_dcp_flattens_it(state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    from cudakit.checkpoint import plan
+
+    try:
+        dcp_flat, dcp_mappings = flatten_state_dict(state)
+    except ValueError:  # a name made twice ('a.0' from a dict and a list): DCP refuses it
+        assert plan._flattened(state) is None
+        return
+    dcp_flat = _flatten_sharded_tensors(dcp_flat)
+    got = plan._flattened(state)
+    assert got is not None
+    assert plan._same_flat(*got, dcp_flat, dcp_mappings)
+
+
+def test_a_flattening_unlike_dcps_is_left_to_dcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudakit.checkpoint import plan
+
+    real = plan._flattened
+
+    def renamed(state: Any) -> Any:
+        flat, mappings = real(state)
+        return {f"x{k}": v for k, v in flat.items()}, {f"x{k}": v for k, v in mappings.items()}
+
+    monkeypatch.setattr(plan, "_flattened", renamed)
+    model, opt = _objects()
+    _step(model, opt)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    for _ in range(2):
+        _save_next(ckpt)
+    assert ckpt._writer._plans.flatten_refused
+    ckpt.close()
+    names = set(dcp.FileSystemReader(str(ckpt.latest)).read_metadata().state_dict_metadata)
+    assert "model.model.a.weight" in names
