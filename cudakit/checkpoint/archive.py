@@ -77,10 +77,13 @@ class _Template:
                 tail[at : at + 4] = packed
         return bytes(tail)
 
+    def pieces(self, data: Any) -> tuple[bytes, Any, bytes]:
+        """The archive of a tensor whose storage is ``data``, in three pieces."""
+        return self.head, data, self.tail_for(zlib.crc32(data))
+
     def write(self, data: Any, file: IO[bytes]) -> None:
-        file.write(self.head)
-        file.write(data)
-        file.write(self.tail_for(zlib.crc32(data)))
+        for piece in self.pieces(data):
+            file.write(piece)
 
 
 #: Each kind's template, or None where this torch's archives are not reproduced.
@@ -112,19 +115,22 @@ class Archives:
 
     def save(self, tensor: torch.Tensor, file: IO[bytes]) -> None:
         """Write ``torch.save(tensor, file)``'s bytes into ``file``."""
+        for piece in self.pieces(tensor):
+            file.write(piece)
+
+    def pieces(self, tensor: torch.Tensor) -> tuple[Any, ...]:
+        """``torch.save(tensor)``'s bytes, in pieces to write one after the other (a piece
+        may be a view of the tensor's memory: keep the tensor until they are written)."""
         kind = None if self._settings is None else _kind(tensor, self._settings)
         if kind is None:
-            torch.save(tensor, file)
-            return
+            return (_torch_saved(tensor),)
         try:
             template = _TEMPLATES[kind]
         except KeyError:
-            file.write(_learn(tensor, kind))
-            return
+            return (_learn(tensor, kind),)
         if template is None:
-            torch.save(tensor, file)
-        else:
-            template.write(_storage_bytes(tensor), file)
+            return (_torch_saved(tensor),)
+        return template.pieces(_storage_bytes(tensor))
 
 
 def save(tensor: torch.Tensor, file: IO[bytes]) -> None:

@@ -249,6 +249,15 @@ def _planner_class() -> type:
                 self.plans.structure, self.plans.local = self._made
             return plan
 
+        def resolve_data(self, write_item: Any) -> Any:
+            # A plain tensor is its own data (what DCP's lookup gives, in fewer calls).
+            if write_item.type != WriteItemType.BYTE_IO:
+                index = write_item.index
+                value = self.state_dict.get(index.fqn)
+                if type(value) is torch.Tensor and (index.offset is None or not any(index.offset)):
+                    return value
+            return super().resolve_data(write_item)
+
         def transform_object(self, write_item: Any, obj: Any) -> Any:
             if write_item.type == WriteItemType.BYTE_IO:
                 return self.plans.archive(obj)

@@ -22,7 +22,6 @@ runs, then the host file is fsynced all the same.
 from __future__ import annotations
 
 import functools
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ __all__ = ["DIRECT", "fsync_file", "storage_writer"]
 
 #: Tensors of at least this many bytes are written straight into the file.
 DIRECT = 1 << 20
-_PIECE = 8 << 20  # bytes gathered in memory before they are written
+_PIECE = 8 << 20  # bytes gathered before they are written
+_IOV = 512  # pieces written by one writev (the system allows at least 1024)
 
 
 def fsync_file(path: Path) -> None:
@@ -150,31 +150,67 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
 
     where = []
     archives = Archives()
-    with open(path, "wb") as file:
-        piece = io.BytesIO()
+    with open(path, "wb", buffering=0) as file:
+        pieces = _Pieces(file)
         offset = 0
         for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                piece.write(data.getbuffer())
+                size = pieces.add((data.getbuffer(),), data)
             else:
                 tensor = _on_host(data)
                 if tensor.nbytes >= DIRECT:
-                    file.write(piece.getbuffer())
-                    piece = io.BytesIO()
+                    pieces.flush()
                     torch.save(tensor, file)
+                    size = file.tell() - offset
                 else:
-                    archives.save(tensor, piece)
-            end = file.tell() + piece.tell()
-            where.append((offset, end - offset))
-            offset = end
-            if piece.tell() >= _PIECE:
-                file.write(piece.getbuffer())
-                piece = io.BytesIO()
-        file.write(piece.getbuffer())
-        file.flush()
+                    size = pieces.add(archives.pieces(tensor), tensor)
+            where.append((offset, size))
+            offset += size
+        pieces.flush()
         os.fsync(file.fileno())
     return where
+
+
+class _Pieces:
+    """Pieces of a file gathered, then written with one ``writev`` per :data:`_IOV`
+    pieces (or :data:`_PIECE` bytes): no copy of them into a buffer first."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.pieces: list[memoryview] = []
+        self.owners: list[Any] = []  # what the pieces are views of, kept until written
+        self.size = 0
+
+    def add(self, pieces: tuple[Any, ...], owner: Any) -> int:
+        """Gather ``pieces`` (views into ``owner``); returns their bytes."""
+        size = 0
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            if view.nbytes:
+                self.pieces.append(view)
+                size += view.nbytes
+        self.owners.append(owner)
+        self.size += size
+        if len(self.pieces) >= _IOV or self.size >= _PIECE:
+            self.flush()
+        return size
+
+    def flush(self) -> None:
+        """Write what is gathered, whole (a short write goes on from where it stopped)."""
+        pieces = self.pieces
+        fd = self.file.fileno()
+        first = 0
+        while first < len(pieces):
+            written = os.writev(fd, pieces[first : first + _IOV])
+            while first < len(pieces) and written >= pieces[first].nbytes:
+                written -= pieces[first].nbytes
+                first += 1
+            if written:
+                pieces[first] = pieces[first][written:]
+        pieces.clear()
+        self.owners.clear()
+        self.size = 0
 
 
 def _on_host(data: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,31 @@ def test_the_data_file_is_dcps_own_and_dcp_alone_loads_it_bit_for_bit(tmp_path: 
             assert torch.equal(target["optim"]["model"]["state"][pid][name], value), (pid, name)
 
 
+def test_a_data_file_written_in_short_writes_is_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _model()
+    whole = cudakit.Checkpointer(tmp_path / "whole", model=model, optimizer=opt, preemption=False)
+    expected = whole.save()
+    whole.close()
+    real_writev = os.writev
+    calls = []
+
+    def short(fd: int, buffers: Any) -> int:  # at most 5 bytes a call, cut mid-piece
+        calls.append(len(buffers))
+        return real_writev(fd, [bytes(memoryview(buffers[0]).cast("B")[:5])])
+
+    monkeypatch.setattr(os, "writev", short)
+    cut = cudakit.Checkpointer(tmp_path / "cut", model=model, optimizer=opt, preemption=False)
+    path = cut.save()
+    cut.close()
+    assert path is not None
+    assert expected is not None
+    assert max(calls) > 1  # several pieces were offered to one call
+    name = "__0_0.distcp"
+    assert (path / name).read_bytes() == (expected / name).read_bytes()
+
+
 def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
