@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import signal
@@ -17,17 +16,16 @@ from typing import Any, Self
 from .._check import check_int
 from .._dist import group_rank
 from .._output import STDERR, check_file, check_log
-from . import arguments, layout, lock, progress, reader
+from . import arguments, layout, lock, reader
 from .announce import Announcer
 from .budget import budgeted
 from .cursor import Cursor
-from .data import Position, is_stateful
-from .policy import SavePolicy
-from .preemption import Preemption
+from .data import Position
 from .ranks import Ranks
 from .resume import ResumeChoice
-from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state, warn_open_window
-from .writer import Pending, Writer, drain_background
+from .saver import Saver
+from .state import warn_open_window
+from .writer import Writer, drain_background
 
 __all__ = ["Checkpointer"]
 
@@ -157,21 +155,8 @@ class Checkpointer:
         self._held = lock.hold_on_rank0(self.directory, ranks.rank, ranks.control)
         if self._held is not None:
             weakref.finalize(self, self._held.release)  # (a Checkpointer dropped unclosed)
-        self._writer = Writer(
-            self.directory,
-            rank=ranks.rank,
-            keep=options.keep,
-            background=options.background,
-            group=ranks.save_group,
-            distributed=ranks.distributed,
-            protect=self._protected,
-            safe_globals=options.safe_globals,
-        )
-        self._preemption = Preemption(
-            options.preemption, ranks.control, options.requeue, options.exit_code
-        )
         self._cursor = Cursor()
-        self._policy = SavePolicy(options.every)
+        self._saver = Saver(options, ranks, self._cursor, protect=self._protected, close=self.close)
         self._choice = ResumeChoice(self.directory, ranks.rank, ranks.control, announcer)
         self._closed = False
         #: The checkpoint this run resumed from (None: a fresh start).
@@ -197,7 +182,7 @@ class Checkpointer:
     @property
     def every(self) -> int | None:
         """Save every ``every`` optimizer steps (None: on request, a stop, the run's end)."""
-        return self._policy.every
+        return self._saver.policy.every
 
     @property
     def latest(self) -> Path | None:
@@ -208,7 +193,7 @@ class Checkpointer:
     @property
     def stop_requested(self) -> bool:
         """Whether this process received a watched stop signal (see ``preemption=``)."""
-        return self._preemption.requested
+        return self._saver.preemption.requested
 
     def __repr__(self) -> str:
         return (
@@ -216,9 +201,14 @@ class Checkpointer:
             f"keep={self.keep}, every={self.every}, resumed_from={self.resumed_from})"
         )
 
+    @property
+    def _writer(self) -> Writer:
+        # (the saver's: tests read its plans)
+        return self._saver.writer
+
     def _protected(self) -> list[Path]:
         # The checkpoint this run resumed from stays until one of its own is complete.
-        if self.resumed_from is not None and self._writer.last is None:
+        if self.resumed_from is not None and self._saver.writer.last is None:
             return [self.resumed_from]
         return []
 
@@ -285,7 +275,7 @@ class Checkpointer:
         epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._ranks.rank)
         pos = Position(**host["position"])
         self._cursor.restored(pos, epoch_rng, self.loader)
-        self._policy.restored(pos)
+        self._saver.policy.restored(pos)
         self.resumed_from = root
         self._choice.done = True
         log.info("cudakit: resumed from %s at %s", root, pos)
@@ -309,13 +299,13 @@ class Checkpointer:
             epoch = cursor.position.epoch
             yield epoch
             cursor.end_epoch(epoch)
-            self._boundary()
+            self._saver.boundary()
         self._finish_run()
 
     def _finish_run(self) -> None:
         """The end of a run (its epochs, its step budget): the last save, waited for."""
-        cursor, policy = self._cursor, self._policy
-        if policy.unsaved(cursor.position) and self._at_window_end():
+        cursor, policy = self._cursor, self._saver.policy
+        if policy.unsaved(cursor.position) and self._saver.at_window_end():
             self.save()
         self.wait()
         if policy.unsaved(cursor.position):  # the last window is open
@@ -349,7 +339,7 @@ class Checkpointer:
     def _batches(self, loader: Any, until: int | None = None) -> Iterator[Any]:
         """One epoch's batches; ``until``: stop once the run has made that many steps."""
         self.resume()
-        yield from self._cursor.batches(loader, self._parts.steps, self._boundary, until)
+        yield from self._cursor.batches(loader, self._parts.steps, self._saver.boundary, until)
 
     def maybe_save(self) -> Path | None:
         """Count one batch, and save if one is due (``every``, a request, a stop signal)
@@ -365,7 +355,7 @@ class Checkpointer:
             if not self._choice.done:
                 self._choice.check_fresh()
             self._cursor.count_batch()
-        return self._boundary()
+        return self._saver.boundary()
 
     def save(self) -> Path | None:
         """Save now, or at the end of the current accumulation window.
@@ -381,28 +371,12 @@ class Checkpointer:
                 nothing of it is visible, the previous one is intact.
         """
         self._check_open("save")
-        if not self._at_window_end():
-            self._policy.requested = True
-            return None
-        cursor, steps = self._cursor, self._parts.steps
-        if cursor.before_step(steps):  # (a position saved already is not written again)
-            done = self._policy.saved_just_before(cursor.position)
-            return self._writer.newest if done else self._save_now(unconsumed=True)
-        # A window that ended since the last boundary (a step, a flush()) is counted first.
-        saved = self._boundary() if cursor.yielded is not None or steps else None
-        if saved is not None:
-            return saved
-        if cursor.yielded is None:  # a loop of its own: what the steps closed, or the saves
-            cursor.position = progress.explicit_save(cursor.position, steps)
-        return self._save_now()
+        return self._saver.save()
 
     def wait(self) -> Path | None:
         """Finish a background save in flight, and the removal of the checkpoints ``keep=``
         let go; returns the save's path (None: no save was in flight)."""
-        try:
-            return self._writer.finish()
-        finally:
-            drain_background()
+        return self._saver.wait()
 
     def close(self) -> None:
         """Finish a background save, stop watching signals. Idempotent; also at exit."""
@@ -411,10 +385,10 @@ class Checkpointer:
         self._closed = True
         _OPEN.discard(self)
         try:
-            self._writer.finish()
+            self._saver.writer.finish()
         finally:
             drain_background()  # (the removals keep= started, before the lock goes)
-            self._preemption.close()
+            self._saver.preemption.close()
             if self._held is not None:
                 self._held.release()
 
@@ -436,80 +410,6 @@ class Checkpointer:
             raise RuntimeError(
                 f"Checkpointer.{method}() after close(): make a new Checkpointer for another run."
             )
-
-    def _at_window_end(self) -> bool:
-        return all(s.position == 0 for s in self._parts.steps)
-
-    def _boundary(self) -> Path | None:
-        """At most once per batch: count the window, poll the stop flag, save if due."""
-        policy = self._policy
-        if not self._at_window_end() or not policy.first_look(self._cursor.position):
-            return None
-        pos = self._cursor.count_window()
-        if self._writer.pending is not None and self._writer.done():
-            self._writer.finish()
-        stop = self._preemption.poll()
-        due = policy.due(pos)
-        saved = self._save_now() if (due or stop) and policy.unsaved(pos) else None
-        if stop:
-            self._exit_after_stop()
-        return saved
-
-    def _save_now(self, unconsumed: bool = False) -> Path:
-        """Save now; ``unconsumed``: without the batch just yielded, which a resume steps on."""
-        pos = self._cursor.saved_position(unconsumed)
-        name = layout.checkpoint_name(pos.windows)
-        partial = self.directory / (name + layout.PARTIAL)
-        final = self.directory / name
-        parts = self._parts
-        fresh = fresh_optimizers(parts)
-        try:
-            # The host state first: the steps' state settles a pending (sync-free) verdict,
-            # which may put the schedulers and learning rates back, before they are read.
-            host = self._host_state(fresh, pos, unconsumed)
-            tensors = tensor_state(parts)
-            fields = {
-                "total": pos.total,
-                "epoch": pos.epoch,
-                "batch": pos.batch,
-                "windows": pos.windows,
-                "world_size": self._ranks.world,
-                "models": tuple(parts.models),
-                "optimizers": len(parts.optimizers),
-                "schedulers": len(parts.schedulers),
-                "steps": len(parts.steps),
-                "mid_epoch_data": self.loader is not None and pos.batch > 0,
-            }
-            self._writer.write(tensors, host, Pending(partial, final, fields))
-        finally:
-            reset_fresh(parts, fresh)
-        self._policy.saved(pos)
-        return final
-
-    def _host_state(self, fresh: list[bool], pos: Position, unconsumed: bool) -> dict[str, Any]:
-        loader = self.loader
-        return {
-            "format": layout.HOST_FORMAT,
-            "rank": self._ranks.rank,
-            "world_size": self._ranks.world,
-            "position": dataclasses.asdict(pos),
-            "rng": self._cursor.rng_state(loader, pos, unconsumed),
-            "epoch_rng": self._cursor.epoch_rng if pos.batch > 0 else None,
-            "steps": [s.state_dict() for s in self._parts.steps],
-            "schedulers": [s.state_dict() for s in self._parts.schedulers],
-            "fresh": fresh,
-            "loader": loader.state_dict() if loader is not None and is_stateful(loader) else None,
-            "extras": extras_state(self.extra),
-        }
-
-    def _exit_after_stop(self) -> None:
-        self.wait()
-        code = self._preemption.exit_status(self._ranks.rank)
-        log.warning(
-            "cudakit: stop signal: saved %s, exiting with status %d", self._writer.last, code
-        )
-        self.close()
-        raise SystemExit(code)
 
 
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

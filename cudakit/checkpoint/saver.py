@@ -1,0 +1,169 @@
+"""The save side of a run: when a save is due, what it records, and a stop signal's exit.
+
+:class:`Saver` owns the :class:`~cudakit.checkpoint.writer.Writer` (a save's files and
+``keep=``), the :class:`~cudakit.checkpoint.policy.SavePolicy` (when a save is due)
+and the :class:`~cudakit.checkpoint.preemption.Preemption` watcher (a stop signal,
+agreed by every rank). At each window boundary it counts the window on the
+:class:`~cudakit.checkpoint.cursor.Cursor` it shares with the loop, saves when due,
+and after a stop saves, closes the run and exits. The
+:class:`~cudakit.checkpoint.Checkpointer` composes it with the loop and the resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import layout, progress
+from .arguments import Options
+from .cursor import Cursor
+from .data import Position, is_stateful
+from .policy import SavePolicy
+from .preemption import Preemption
+from .ranks import Ranks
+from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
+from .writer import Pending, Writer, drain_background
+
+__all__ = ["Saver"]
+
+log = logging.getLogger("cudakit.checkpoint")
+
+
+class Saver:
+    """Saves a run when a save is due or asked for, and exits after a stop signal."""
+
+    def __init__(
+        self,
+        options: Options,
+        ranks: Ranks,
+        cursor: Cursor,
+        *,
+        protect: Callable[[], list[Path]],
+        close: Callable[[], None],
+    ) -> None:
+        self.directory = options.root
+        self.loader = options.loader
+        self._parts = options.parts
+        self._ranks = ranks
+        self._cursor = cursor  # (shared with the loop, which moves it)
+        self._close = close  # (the whole run's, before a stop's exit)
+        #: Writes checkpoints into :attr:`directory` and keeps the ``keep`` newest.
+        self.writer = Writer(
+            self.directory,
+            rank=ranks.rank,
+            keep=options.keep,
+            background=options.background,
+            group=ranks.save_group,
+            distributed=ranks.distributed,
+            protect=protect,
+            safe_globals=options.safe_globals,
+        )
+        #: The stop signals watched, and every rank's agreement on them.
+        self.preemption = Preemption(
+            options.preemption, ranks.control, options.requeue, options.exit_code
+        )
+        #: Whether a save is due at a boundary, and what was saved last.
+        self.policy = SavePolicy(options.every)
+
+    def at_window_end(self) -> bool:
+        """Whether every step is between accumulation windows."""
+        return all(s.position == 0 for s in self._parts.steps)
+
+    def boundary(self) -> Path | None:
+        """At most once per batch: count the window, poll the stop flag, save if due."""
+        policy = self.policy
+        if not self.at_window_end() or not policy.first_look(self._cursor.position):
+            return None
+        pos = self._cursor.count_window()
+        if self.writer.pending is not None and self.writer.done():
+            self.writer.finish()
+        stop = self.preemption.poll()
+        due = policy.due(pos)
+        saved = self.save_now() if (due or stop) and policy.unsaved(pos) else None
+        if stop:
+            self._exit_after_stop()
+        return saved
+
+    def save(self) -> Path | None:
+        """Save now, or ask for a save at the end of the current accumulation window."""
+        if not self.at_window_end():
+            self.policy.requested = True
+            return None
+        cursor, steps = self._cursor, self._parts.steps
+        if cursor.before_step(steps):  # (a position saved already is not written again)
+            done = self.policy.saved_just_before(cursor.position)
+            return self.writer.newest if done else self.save_now(unconsumed=True)
+        # A window that ended since the last boundary (a step, a flush()) is counted first.
+        saved = self.boundary() if cursor.yielded is not None or steps else None
+        if saved is not None:
+            return saved
+        if cursor.yielded is None:  # a loop of its own: what the steps closed, or the saves
+            cursor.position = progress.explicit_save(cursor.position, steps)
+        return self.save_now()
+
+    def save_now(self, unconsumed: bool = False) -> Path:
+        """Save now; ``unconsumed``: without the batch just yielded, which a resume steps on."""
+        pos = self._cursor.saved_position(unconsumed)
+        name = layout.checkpoint_name(pos.windows)
+        partial = self.directory / (name + layout.PARTIAL)
+        final = self.directory / name
+        parts = self._parts
+        fresh = fresh_optimizers(parts)
+        try:
+            # The host state first: the steps' state settles a pending (sync-free) verdict,
+            # which may put the schedulers and learning rates back, before they are read.
+            host = self._host_state(fresh, pos, unconsumed)
+            tensors = tensor_state(parts)
+            fields = {
+                "total": pos.total,
+                "epoch": pos.epoch,
+                "batch": pos.batch,
+                "windows": pos.windows,
+                "world_size": self._ranks.world,
+                "models": tuple(parts.models),
+                "optimizers": len(parts.optimizers),
+                "schedulers": len(parts.schedulers),
+                "steps": len(parts.steps),
+                "mid_epoch_data": self.loader is not None and pos.batch > 0,
+            }
+            self.writer.write(tensors, host, Pending(partial, final, fields))
+        finally:
+            reset_fresh(parts, fresh)
+        self.policy.saved(pos)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish a background save in flight, and the removal of the checkpoints ``keep=``
+        let go; returns the save's path (None: no save was in flight)."""
+        try:
+            return self.writer.finish()
+        finally:
+            drain_background()
+
+    def _host_state(self, fresh: list[bool], pos: Position, unconsumed: bool) -> dict[str, Any]:
+        loader = self.loader
+        return {
+            "format": layout.HOST_FORMAT,
+            "rank": self._ranks.rank,
+            "world_size": self._ranks.world,
+            "position": dataclasses.asdict(pos),
+            "rng": self._cursor.rng_state(loader, pos, unconsumed),
+            "epoch_rng": self._cursor.epoch_rng if pos.batch > 0 else None,
+            "steps": [s.state_dict() for s in self._parts.steps],
+            "schedulers": [s.state_dict() for s in self._parts.schedulers],
+            "fresh": fresh,
+            "loader": loader.state_dict() if loader is not None and is_stateful(loader) else None,
+            "extras": extras_state(self._parts.extras),
+        }
+
+    def _exit_after_stop(self) -> None:
+        self.wait()
+        code = self.preemption.exit_status(self._ranks.rank)
+        log.warning(
+            "cudakit: stop signal: saved %s, exiting with status %d", self.writer.last, code
+        )
+        self._close()
+        raise SystemExit(code)
