@@ -145,9 +145,6 @@ class Checkpointer:
         self._parts = options.parts
         #: The directory checkpoints go to.
         self.directory: Path = options.root
-        #: The extras as passed; plain values are replaced by their saved ones on load.
-        self.extra: dict[str, Any] = self._parts.extras
-        self.loader: Any = options.loader
         self.keep = options.keep
         self._ranks = ranks = Ranks.join(background=options.background)
         layout.probe_writable(self.directory, ranks.rank)
@@ -178,6 +175,24 @@ class Checkpointer:
     @_position.setter
     def _position(self, pos: Position) -> None:
         self._cursor.position = pos
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The extras as passed; plain values are replaced by their saved ones on load."""
+        return self._saver.extras
+
+    @extra.setter
+    def extra(self, extras: dict[str, Any]) -> None:
+        self._saver.extras = extras
+
+    @property
+    def loader(self) -> Any:
+        """The loader whose position is saved (``loader=``; may be set later)."""
+        return self._saver.loader
+
+    @loader.setter
+    def loader(self, loader: Any) -> None:
+        self._saver.loader = loader
 
     @property
     def every(self) -> int | None:

@@ -45,7 +45,9 @@ class Saver:
         close: Callable[[], None],
     ) -> None:
         self.directory = options.root
-        self.loader = options.loader
+        #: The loader whose state is saved, and the extras (the Checkpointer's, set there).
+        self.loader: Any = options.loader
+        self.extras: dict[str, Any] = options.parts.extras
         self._parts = options.parts
         self._ranks = ranks
         self._cursor = cursor  # (shared with the loop, which moves it)
@@ -156,7 +158,7 @@ class Saver:
             "schedulers": [s.state_dict() for s in self._parts.schedulers],
             "fresh": fresh,
             "loader": loader.state_dict() if loader is not None and is_stateful(loader) else None,
-            "extras": extras_state(self._parts.extras),
+            "extras": extras_state(self.extras),
         }
 
     def _exit_after_stop(self) -> None:

@@ -146,6 +146,31 @@ def test_a_stateful_loader_keeps_its_own_position(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_loader_and_extras_set_after_creation_are_the_ones_saved(tmp_path: Path) -> None:
+    model = torch.nn.Linear(1, 1)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, every=1, preemption=False)
+    ckpt.loader = StatefulLoader(6)  # set on the attributes, not passed at creation
+    ckpt.extra = {"best": 0.5}
+
+    def crash_at_the_fourth() -> None:
+        for _ in ckpt.epochs(1):
+            for batch in ckpt.batches():
+                if int(batch) == 4:
+                    raise KeyError("crash")
+
+    with pytest.raises(KeyError):
+        crash_at_the_fourth()
+    ckpt.close()
+    again = cudakit.Checkpointer(
+        tmp_path, model=torch.nn.Linear(1, 1), loader=StatefulLoader(6),
+        extra={"best": 1.0}, every=1, preemption=False,
+    )  # fmt: skip
+    rest = [int(b) for _ in again.epochs(1) for b in again.batches()]
+    assert again.extra["best"] == 0.5
+    assert rest == [4, 5, 6]  # the loader set on the attribute was saved with its position
+    again.close()
+
+
 def _saved(tmp_path: Path) -> Path:
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.Adam(model.parameters())
