@@ -119,16 +119,28 @@ class Writer:
                 # DCP writes each tensor as soon as it is copied: the loop waits for the
                 # copy, the save finishes about when the last tensor is written, and is
                 # made visible there too (the manifest's and the renames' fsyncs).
+                # A small state is copied whole first: waiting per tensor costs more.
                 staged, copies = _staged(tensors, self._staging)
-                planner = _waiting_planner(copies, self._plans)
-                pending.future = _executor().submit(
-                    self._save_and_publish, staged, writer, planner, pending
-                )
-                try:
-                    _copy_all(copies)
+                if sum(buf.nbytes for _, buf in copies) <= COPY_FIRST:
+                    for src, buf in copies:
+                        buf.copy_(src)
                     pending.copied = True
-                finally:
-                    pending.staged.set()  # (not copied: the future publishes nothing)
+                    pending.staged.set()
+                    planner = plan.planner(self._plans)
+                    pending.future = _executor().submit(
+                        self._save_and_publish, staged, writer, planner, pending
+                    )
+                else:
+                    events = [threading.Event() for _ in copies]
+                    planner = _waiting_planner(copies, events, self._plans)
+                    pending.future = _executor().submit(
+                        self._save_and_publish, staged, writer, planner, pending
+                    )
+                    try:
+                        _copy_all(copies, events)
+                        pending.copied = True
+                    finally:
+                        pending.staged.set()  # (not copied: the future publishes nothing)
         except BaseException as exc:
             if isinstance(pending.future, Future):
                 concurrent.futures.wait([pending.future])  # before the partial goes
@@ -243,12 +255,16 @@ def _on_host(tree: Any) -> bool:
     return True
 
 
-_Copy = tuple[torch.Tensor, torch.Tensor, threading.Event]
+_Copy = tuple[torch.Tensor, torch.Tensor]  # (the source, its host buffer)
+
+#: A background save in one process copies a state of at most this many bytes whole
+#: before its thread writes; a larger one is written tensor by tensor as it is copied.
+COPY_FIRST = 16 << 20
 
 
 def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> tuple[Any, list[_Copy]]:
     """Host buffers for a nested state dict's tensors, and the copies to make into them
-    (source, buffer, the event set once copied: :func:`_copy_all`); the rest as it is.
+    (source, buffer); the rest as it is.
 
     The buffers are those of the previous save where shapes and dtypes match (at most
     one save is in flight, so they are free again): after the first save the loop waits
@@ -263,7 +279,7 @@ def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> tuple[
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
                 cache[path] = buf
-            copies.append((src, buf, threading.Event()))
+            copies.append((src, buf))
             return buf
         if isinstance(tree, dict):
             return {k: walk(v, f"{path}.{k}") for k, v in tree.items()}
@@ -274,28 +290,28 @@ def _staged(tree: Any, cache: dict[str, torch.Tensor], path: str = "") -> tuple[
     return walk(tree, path), copies
 
 
-def _copy_all(copies: list[_Copy]) -> None:
+def _copy_all(copies: list[_Copy], events: list[threading.Event]) -> None:
     """Make the copies, each announced when done; all are announced even on a failure,
     so that the writing thread never waits for ever (it then writes what is there, and
     the save is failed by the error raised here)."""
     try:
-        for src, buf, done in copies:
+        for (src, buf), done in zip(copies, events, strict=True):
             buf.copy_(src)
             done.set()
     finally:
-        for _, _, done in copies:
+        for done in events:
             done.set()
 
 
-def _waiting_planner(copies: list[_Copy], plans: plan.Plans) -> Any:
+def _waiting_planner(copies: list[_Copy], events: list[threading.Event], plans: plan.Plans) -> Any:
     """The save planner, whose ``resolve_data`` waits until a tensor's copy has been
     made (:func:`_copy_all`) before DCP writes it."""
-    events = {id(buf): done for _, buf, done in copies}
+    waits = {id(buf): done for (_, buf), done in zip(copies, events, strict=True)}
     planner = plan.planner(plans)
 
     def resolve_data(write_item: Any) -> Any:
         found = planner.lookup_object(write_item.index)
-        done = events.get(id(found))
+        done = waits.get(id(found))
         if done is not None:
             done.wait()
         return planner.transform_object(write_item, found)

@@ -162,7 +162,14 @@ def test_the_async_save_stages_a_copy_and_finishes_on_wait(tmp_path: Path) -> No
     other.close()
 
 
-def test_a_background_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("whole_first", [True, False], ids=["copied-whole", "tensor-by-tensor"])
+def test_a_background_run_resumes_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_first: bool
+) -> None:
+    from cudakit.checkpoint import writer
+
+    # A small state is copied whole before the thread writes; a large one tensor by tensor.
+    monkeypatch.setattr(writer, "COPY_FIRST", 1 << 40 if whole_first else -1)
     ref = run(None, accumulate=2)
     with pytest.raises(Crash):
         run(tmp_path, accumulate=2, every=1, async_save=True, crash_at=13)
@@ -194,11 +201,17 @@ def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwr
     assert same_state(resumed, ref)
 
 
+def _raise_interrupt(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("whole_first", [True, False], ids=["copied-whole", "tensor-by-tensor"])
 def test_a_background_save_whose_copy_fails_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_first: bool
 ) -> None:
     """The copy into host buffers fails (here: interrupted): the writing thread has
-    finished before the partial checkpoint is removed, and nothing is visible."""
+    finished (or never started) before the partial checkpoint is removed, and nothing
+    is visible."""
     from cudakit.checkpoint import writer
 
     model = torch.nn.Linear(4, 3)
@@ -207,12 +220,30 @@ def test_a_background_save_whose_copy_fails_leaves_nothing(
         tmp_path, model=model, optimizer=opt, async_save=True, preemption=False
     )
 
-    def interrupted(copies: Any) -> None:
-        for _, _, done in copies:
+    class Interrupting(torch.Tensor):
+        pass
+
+    def interrupted(copies: Any, events: Any) -> None:
+        for done in events:
             done.set()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "_copy_all", interrupted)
+    real_staged = writer._staged
+
+    def staged_to_interrupt(tree: Any, cache: Any) -> Any:
+        staged, copies = real_staged(tree, cache)
+        bad = torch.empty(0).as_subclass(Interrupting)  # copy_ from it: interrupted
+        return staged, [*copies, (bad, torch.empty(0))]
+
+    if whole_first:
+        monkeypatch.setattr(writer, "COPY_FIRST", 1 << 40)
+        monkeypatch.setattr(writer, "_staged", staged_to_interrupt)
+        monkeypatch.setattr(
+            Interrupting, "__torch_function__", classmethod(_raise_interrupt), raising=False
+        )
+    else:
+        monkeypatch.setattr(writer, "COPY_FIRST", -1)
+        monkeypatch.setattr(writer, "_copy_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save()
     monkeypatch.undo()
