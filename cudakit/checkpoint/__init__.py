@@ -18,8 +18,9 @@ batch, and the totals so far.
 # (synchronous and background writes), reader (a load, checked first) with rollback
 # (nothing changes when it fails), safe_load and safe_dcp (the rank files and DCP's,
 # read without running what they hold), preemption (signals, agreed across ranks),
-# saver (the save side: when, what, and the exit after a stop), arguments (the door)
-# and checkpointer (the object that composes them).
+# saver (the save side: when, what, and the exit after a stop), resume (the resume
+# side: which checkpoint, and loading it), arguments (the door) and checkpointer (the
+# object that composes them).
 
 from .checkpointer import Checkpointer
 from .data import Position

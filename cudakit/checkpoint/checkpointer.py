@@ -6,7 +6,6 @@ import atexit
 import logging
 import os
 import signal
-import warnings
 import weakref
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -16,13 +15,13 @@ from typing import Any, Self
 from .._check import check_int
 from .._dist import group_rank
 from .._output import STDERR, check_file, check_log
-from . import arguments, layout, lock, reader
+from . import arguments, layout, lock
 from .announce import Announcer
 from .budget import budgeted
 from .cursor import Cursor
 from .data import Position
 from .ranks import Ranks
-from .resume import ResumeChoice
+from .resume import Resumer
 from .saver import Saver
 from .state import warn_open_window
 from .writer import Writer, drain_background
@@ -141,23 +140,35 @@ class Checkpointer:
             trust_pickles=trust_pickles,
         )
         announcer = Announcer(check_file(_FUNC, file), check_log(_FUNC, log), group_rank())
-        self._options = options
         self._parts = options.parts
         #: The directory checkpoints go to.
         self.directory: Path = options.root
         self.keep = options.keep
-        self._ranks = ranks = Ranks.join(background=options.background)
+        ranks = Ranks.join(background=options.background)
         layout.probe_writable(self.directory, ranks.rank)
         # One run per directory: rank 0 holds the lock, every rank learns if it may.
         self._held = lock.hold_on_rank0(self.directory, ranks.rank, ranks.control)
         if self._held is not None:
             weakref.finalize(self, self._held.release)  # (a Checkpointer dropped unclosed)
-        self._cursor = Cursor()
-        self._saver = Saver(options, ranks, self._cursor, protect=self._protected, close=self.close)
-        self._choice = ResumeChoice(self.directory, ranks.rank, ranks.control, announcer)
+        self._cursor = cursor = Cursor()
+        self._saver = saver = Saver(
+            options,
+            ranks,
+            cursor,
+            protect=lambda: self._resumer.protected(),  # (keep= spares what it resumed from)
+            close=self.close,
+        )
+        self._resumer = Resumer(
+            options,
+            ranks,
+            cursor,
+            announcer,
+            policy=saver.policy,
+            loader=lambda: saver.loader,
+            extras=lambda: saver.extras,
+            written=lambda: saver.writer.last,
+        )
         self._closed = False
-        #: The checkpoint this run resumed from (None: a fresh start).
-        self.resumed_from: Path | None = None
         _OPEN.add(self)
 
     # ------------------------------------------------------------------ state
@@ -166,6 +177,15 @@ class Checkpointer:
     def position(self) -> Position:
         """Where the run stands: epoch, batches of it consumed, totals (see :class:`Position`)."""
         return self._cursor.position
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this run resumed from (None: a fresh start)."""
+        return self._resumer.resumed_from
+
+    @resumed_from.setter
+    def resumed_from(self, path: Path | None) -> None:
+        self._resumer.resumed_from = path
 
     @property
     def _position(self) -> Position:
@@ -221,12 +241,6 @@ class Checkpointer:
         # (the saver's: tests read its plans)
         return self._saver.writer
 
-    def _protected(self) -> list[Path]:
-        # The checkpoint this run resumed from stays until one of its own is complete.
-        if self.resumed_from is not None and self._saver.writer.last is None:
-            return [self.resumed_from]
-        return []
-
     # ------------------------------------------------------------------ resume
 
     def resume(self) -> Position:
@@ -242,20 +256,7 @@ class Checkpointer:
             CheckpointError: the newest complete checkpoint does not fit this run.
         """
         self._check_open("resume")
-        if self._choice.done:
-            return self.position
-        drain_background()  # an abandoned save of this process must not write on
-        choice = self._choice
-        for path in choice.candidates():
-            try:
-                position = self.load(path)
-            except reader.RefusedCheckpointError as exc:  # maybe tampered: the one before
-                warnings.warn(f"cudakit: skipping checkpoint {path}: {exc}", UserWarning, 2)
-            else:
-                choice.announce.resumed(path, position, choice.cleared)
-                return position
-        choice.announce.resumed(None, self.position, choice.cleared)
-        return self.position
+        return self._resumer.resume()
 
     def load(self, path: str | os.PathLike[str]) -> Position:
         """Load one checkpoint into the models, optimizers, step, schedulers, RNG and data.
@@ -274,27 +275,7 @@ class Checkpointer:
                 holds what the safe loader refuses, naming it and the refused global.
         """
         self._check_open("load")
-        root = arguments.resolve_directory("Checkpointer.load", path)
-        host, manifest = reader.read(
-            root,
-            self._parts,
-            self._ranks.rank,
-            self._ranks.world,
-            self._ranks.distributed,
-            extras=self.extra,
-            loader=self.loader,
-            group=self._ranks.control,
-            trust=self._options.trust_pickles,
-            safe_globals=self._options.safe_globals,
-        )
-        epoch_rng = reader.apply_host(host, manifest, loader=self.loader, rank=self._ranks.rank)
-        pos = Position(**host["position"])
-        self._cursor.restored(pos, epoch_rng, self.loader)
-        self._saver.policy.restored(pos)
-        self.resumed_from = root
-        self._choice.done = True
-        log.info("cudakit: resumed from %s at %s", root, pos)
-        return pos
+        return self._resumer.load(path)
 
     # ------------------------------------------------------------------ the loop
 
@@ -367,8 +348,7 @@ class Checkpointer:
         """
         self._check_open("maybe_save")
         if self._cursor.yielded is None:  # (inside batches(), which counted its batch: a check)
-            if not self._choice.done:
-                self._choice.check_fresh()
+            self._resumer.check_fresh()
             self._cursor.count_batch()
         return self._saver.boundary()
 

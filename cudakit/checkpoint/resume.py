@@ -1,24 +1,38 @@
-"""Which checkpoint a run continues from, chosen by rank 0 and agreed by every rank.
+"""The resume side of a run: which checkpoint it continues from, and loading it.
 
 :func:`find_latest` names the newest complete checkpoint of a directory.
 :class:`ResumeChoice` owns the choice for one run: whether it was made, the
 candidates in order (the newest, then the one written before it when the safe loader
 refuses one), each broadcast from rank 0 on the control group, and the refusal of a
-loop that saves into a directory it never resumed from.
+loop that saves into a directory it never resumed from. :class:`Resumer` owns the
+choice and the checkpoint the run resumed from: it loads a checkpoint into the run's
+parts, puts back the :class:`~cudakit.checkpoint.cursor.Cursor` it shares with the
+loop and tells the save policy, and keeps the checkpoint it loaded from ``keep=``
+until the run completes one of its own. The :class:`~cudakit.checkpoint.Checkpointer`
+composes it with the loop and the save side.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from . import arguments, layout, reader
 from .announce import Announcer
+from .arguments import Options
+from .cursor import Cursor
+from .data import Position
+from .policy import SavePolicy
+from .ranks import Ranks
+from .writer import drain_background
 
-__all__ = ["ResumeChoice", "find_latest"]
+__all__ = ["ResumeChoice", "Resumer", "find_latest"]
+
+log = logging.getLogger("cudakit.checkpoint")
 
 
 def find_latest(directory: str | os.PathLike[str]) -> Path | None:
@@ -96,3 +110,89 @@ class ResumeChoice:
         box: list[Any] = [str(path) if path is not None else None]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return Path(box[0]) if box[0] is not None else None
+
+
+class Resumer:
+    """Resumes a run: chooses the checkpoint, loads it, and remembers which it was."""
+
+    def __init__(
+        self,
+        options: Options,
+        ranks: Ranks,
+        cursor: Cursor,
+        announce: Announcer,
+        *,
+        policy: SavePolicy,
+        loader: Callable[[], Any],
+        extras: Callable[[], dict[str, Any]],
+        written: Callable[[], Path | None],
+    ) -> None:
+        self._options = options
+        self._ranks = ranks
+        self._cursor = cursor  # (shared with the loop, which moves it)
+        self._policy = policy  # (the saver's: a loaded position counts as saved)
+        # The loader and extras as they are now (the Checkpointer's, which may be set
+        # later), and the last checkpoint this run completed (the saver's writer's).
+        self._loader = loader
+        self._extras = extras
+        self._written = written
+        #: Which checkpoint to resume, agreed by every rank.
+        self.choice = ResumeChoice(options.root, ranks.rank, ranks.control, announce)
+        #: The checkpoint this run resumed from (None: a fresh start).
+        self.resumed_from: Path | None = None
+
+    def resume(self) -> Position:
+        """Load the newest complete checkpoint the safe loader admits, if any, once."""
+        if self.choice.done:
+            return self._cursor.position
+        drain_background()  # an abandoned save of this process must not write on
+        choice = self.choice
+        for path in choice.candidates():
+            try:
+                position = self.load(path)
+            except reader.RefusedCheckpointError as exc:  # maybe tampered: the one before
+                # (stacklevel 3: the caller of Checkpointer.resume)
+                warnings.warn(f"cudakit: skipping checkpoint {path}: {exc}", UserWarning, 3)
+            else:
+                choice.announce.resumed(path, position, choice.cleared)
+                return position
+        choice.announce.resumed(None, self._cursor.position, choice.cleared)
+        return self._cursor.position
+
+    def load(self, path: str | os.PathLike[str]) -> Position:
+        """Load one checkpoint into the run's parts, the cursor and the save policy."""
+        root = arguments.resolve_directory("Checkpointer.load", path)
+        options, ranks, loader = self._options, self._ranks, self._loader()
+        host, manifest = reader.read(
+            root,
+            options.parts,
+            ranks.rank,
+            ranks.world,
+            ranks.distributed,
+            extras=self._extras(),
+            loader=loader,
+            group=ranks.control,
+            trust=options.trust_pickles,
+            safe_globals=options.safe_globals,
+        )
+        epoch_rng = reader.apply_host(host, manifest, loader=loader, rank=ranks.rank)
+        pos = Position(**host["position"])
+        self._cursor.restored(pos, epoch_rng, loader)
+        self._policy.restored(pos)
+        self.resumed_from = root
+        self.choice.done = True
+        log.info("cudakit: resumed from %s at %s", root, pos)
+        return pos
+
+    def check_fresh(self) -> None:
+        """Before a loop with its own data saves: refuse a directory that holds a
+        checkpoint this run never resumed from (see :meth:`ResumeChoice.check_fresh`)."""
+        if not self.choice.done:
+            self.choice.check_fresh()
+
+    def protected(self) -> list[Path]:
+        """What ``keep=`` must not remove: the checkpoint resumed from, until this run
+        completes one of its own."""
+        if self.resumed_from is not None and self._written() is None:
+            return [self.resumed_from]
+        return []
