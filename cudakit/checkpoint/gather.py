@@ -133,6 +133,8 @@ def _renamed(
         name = names.keys[key]
         if name != key:
             model_sd[name] = model_sd.pop(key)
+    if not optimizers:
+        return model_sd, {}  # (get_state_dict's, for a model alone)
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for opt, params in zip(optimizers, names.optimizers, strict=True):

@@ -106,6 +106,12 @@ def test_two_optimizers_of_one_model() -> None:
     assert gather.short == 2
 
 
+def test_a_model_without_optimizers() -> None:
+    model = _Net([(True, True)], tied=True)
+    gather = _check(model, [])
+    assert (gather.short, gather.full) == (2, 1)
+
+
 def test_wrapped_submodules_get_dcps_names() -> None:
     model = _Net([(True, False), (False, False)], tied=False)
     model.blocks[0] = torch.compile(model.blocks[0], backend="eager")  # '_orig_mod.' keys
