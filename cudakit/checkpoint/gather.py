@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Gather"]
+__all__ = ["Gather", "names_of"]
 
 _STATE = "state"
 _GROUPS = "param_groups"
@@ -117,6 +117,14 @@ def _work_out(
     except (KeyError, ValueError, AttributeError, TypeError, RuntimeError):
         return None  # (get_state_dict raises its own error for these)
     return _Names(keys, per_opt)
+
+
+def names_of(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> _Names | None:
+    """The names ``get_state_dict`` gives the model's keys and each optimizer's
+    parameters (None: where it makes them otherwise; see :class:`Gather`)."""
+    with torch.no_grad():
+        model_sd = model.state_dict()
+    return _work_out(model, optimizers, model_sd)
 
 
 def _one(fqns: Any) -> str:

@@ -32,9 +32,11 @@ from .rollback import Fresh, Rollback
 from .safe_load import RefusedCheckpointError
 from .state import (
     Parts,
+    drop_unsaved,
     failure_cause,
     fresh_optimizers,
     mismatch,
+    prefill_fresh,
     reset_fresh,
     tensor_state,
 )
@@ -253,7 +255,9 @@ def _check_tensors(
     root: Path, parts: Parts, metadata: Any, group: Any, distributed: bool
 ) -> tuple[dict[str, Any], list[bool]]:
     fresh_now = fresh_optimizers(parts)
+    prefill_fresh(parts, metadata, fresh_now)
     tensors = tensor_state(parts)
+    drop_unsaved(parts, tensors, metadata, fresh_now)
     problems = mismatch(tensors, metadata)
     problem = None
     if problems:
@@ -283,7 +287,16 @@ def _load_tensors(
 ) -> None:
     """DCP's load, then the optimizers' state (and the models' that :class:`Fresh`
     does not copy at the end) put into the objects."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # A parameter the optimizer steps but whose state was never made (it had no
+    # gradient yet) has none in the checkpoint: as the hand-written loop's
+    # optimizer.load_state_dict, the load leaves it without state.
+    lenient = StateDictOptions(strict=False)
 
     safe_dcp.dcp_load(
         tensors,
@@ -297,14 +310,11 @@ def _load_tensors(
     for name, model in parts.models.items():
         optimizers = parts.optimizers_of(name)
         if name not in fresh.models and name not in fresh.copies:
-            set_state_dict(
-                unwrap(model),
-                optimizers,
-                model_state_dict=tensors["model"][name],
-                optim_state_dict=tensors["optim"].get(name, {}),
+            set_model_state_dict(unwrap(model), tensors["model"][name])
+        if optimizers:
+            set_optimizer_state_dict(
+                unwrap(model), optimizers, tensors["optim"][name], options=lenient
             )
-        elif optimizers:
-            set_optimizer_state_dict(unwrap(model), optimizers, tensors["optim"][name])
 
 
 def written_before(root: Path, path: Path) -> Path | None:

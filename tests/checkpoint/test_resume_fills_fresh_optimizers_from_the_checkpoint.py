@@ -1,0 +1,166 @@
+"""A resume gives optimizers without state the checkpoint's state, without stepping them.
+
+DCP's ``get_state_dict`` makes a fresh optimizer's state by stepping it once with zero
+gradients (on a large model, more than the load costs); the resume instead lays out
+the state the checkpoint holds, in empty tensors the load fills. Where it cannot tell
+that state safely (nested values, state under other names) DCP's way is kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cudakit
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.spare = nn.Linear(2, 2)  # in the optimizer, never given a gradient: no state
+    return model
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for i in range(steps):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        model[2](model[1](model[0](x))).square().mean().backward()
+        opt.step()
+
+
+def _same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for pid, st in sa["state"].items():
+        assert st.keys() == sb["state"][pid].keys()
+        for key, value in st.items():
+            other = sb["state"][pid][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other)
+                assert value.dtype == other.dtype
+            else:
+                assert value == other
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.Adagrad(p, lr=0.1),
+    ],
+    ids=["adamw", "adam-amsgrad", "sgd-momentum", "adagrad"],
+)
+def test_a_fresh_optimizer_takes_the_saved_state_without_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Any
+) -> None:
+    model = _model()
+    opt = make(model.parameters())
+    _train(model, opt, 3)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+
+    fresh_model = _model()
+    fresh = make(fresh_model.parameters())
+    steps: list[int] = []
+    real_step = fresh.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(fresh, "step", counted)
+    again = cudakit.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
+    )
+    again.resume()
+    again.close()
+    assert steps == []  # not stepped to make its state
+    _same_optimizer(fresh, opt)
+    for p, q in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # and it trains on as the original does, bit for bit
+    monkeypatch.undo()
+    _train(model, opt, 2)
+    _train(fresh_model, fresh, 2)
+    for p, q in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+class _Nested(torch.optim.Optimizer):
+    """An optimizer whose per-parameter state holds a list (flattened deeper by DCP)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["pair"] = [torch.zeros_like(p), torch.zeros_like(p)]
+                state["pair"][0].add_(p.grad)
+                state["pair"][1].add_(p.grad.square())
+                p.sub_(group["lr"] * state["pair"][0])
+
+
+def test_state_it_cannot_lay_out_is_made_as_dcp_makes_it(tmp_path: Path) -> None:
+    model = _model()
+    opt = _Nested(model.parameters())
+    _train(model, opt, 2)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    fresh_model = _model()
+    fresh = _Nested(fresh_model.parameters())
+    again = cudakit.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
+    )
+    again.resume()
+    again.close()
+    for p, q in zip(fresh.param_groups[0]["params"], opt.param_groups[0]["params"], strict=True):
+        if opt.state.get(q):
+            for a, b in zip(fresh.state[p]["pair"], opt.state[q]["pair"], strict=True):
+                assert torch.equal(a, b)
+
+
+def test_a_failed_load_leaves_the_fresh_optimizer_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudakit.checkpoint import reader
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 2)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+
+    def refused(*args: Any) -> None:
+        raise RuntimeError("an extra refused its state")  # after the tensors are in
+
+    monkeypatch.setattr(reader, "_load_extras", refused)
+    fresh_model = _model()
+    before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    fresh = torch.optim.AdamW(fresh_model.parameters())
+    again = cudakit.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
+    )
+    with pytest.raises(cudakit.CheckpointError, match="an extra refused its state"):
+        again.load(path)
+    again.close()
+    assert not fresh.state
+    for key, value in fresh_model.state_dict().items():
+        assert torch.equal(value, before[key])
