@@ -184,6 +184,60 @@ def variants(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> 
     return found
 
 
+def restarts(width: int, layers: int, device: str, root: Path, rounds: int) -> dict[str, float]:
+    """A restarted run's resume: a new model and optimizer (no state yet), loaded from a
+    checkpoint each variant wrote before; median seconds of each, in turns."""
+    model, opt = make(width, layers, device)
+    root.mkdir()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, root / "state.pt")
+    ckpt = cudakit.Checkpointer(root / "ckpt", model=model, optimizer=opt, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    variants: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], None]] = {}
+
+    def torch_load(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+        state = torch.load(root / "state.pt", weights_only=True)
+        m.load_state_dict(state["model"])
+        o.load_state_dict(state["optim"])
+
+    def checkpointer(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+        again = cudakit.Checkpointer(
+            root / "ckpt", model=m, optimizer=o, preemption=False, file=None
+        )
+        again.resume()
+        again.close()
+
+    variants = {"torch.load": torch_load, "Checkpointer": checkpointer}
+    try:
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=True)
+        acc.prepare(model, opt)
+        acc.save_state(str(root / "acc"))
+
+        def accelerate_load(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+            fresh = Accelerator(cpu=True)
+            fresh.prepare(m, o)
+            fresh.load_state(str(root / "acc"))
+
+        variants["accelerate load_state"] = accelerate_load
+    except ImportError:
+        pass
+    del model, opt
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            torch.manual_seed(1)
+            m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+            o = torch.optim.AdamW(m.to(device).parameters(), lr=1e-4)  # no state yet
+            t0 = time.perf_counter()
+            variants[name](m, o)
+            times[name].append(time.perf_counter() - t0)
+            del m, o
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> dict[str, Any]:
     """What the safe reader adds to a resume, each part timed alone (median of repeats,
     so the noise of a whole load does not drown it): DCP's metadata (read twice: by the
@@ -842,6 +896,16 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"params": params, "rounds": rounds, "table": table}
     result["async_blocked_ratio"] = blocked_ratio
     result["safe_reader"] = {"parts": cost, "added_s": added, "of_load": added / full}
+    restart_root = Path(tempfile.mkdtemp(prefix="bench_restart", dir=args.dir)) / "run"
+    try:
+        restart = restarts(width, layers, args.device, restart_root, rounds)
+    finally:
+        shutil.rmtree(restart_root.parent, ignore_errors=True)
+    result["restart"] = restart
+    print(
+        "a restarted run's resume (a new model and optimizer): "
+        + ", ".join(f"{name} {value:.3f} s" for name, value in restart.items())
+    )
     result["small"] = small_part(args.quick, args.dir)
     if args.fsdp:
         ranks = fsdp_memory(width, layers, rounds)

@@ -247,6 +247,15 @@ def checkpoint_table(record: Record) -> list[str]:
             "",
             f"- `Checkpointer` / accelerate: save {ratio['save']:.2f}, load {ratio['load']:.2f}",
         ]
+    restart = record.get("restart")
+    if restart:
+        line = "- a restarted run's resume (a new model and optimizer), s: " + ", ".join(
+            f"{name} {value:.2f}" for name, value in restart.items()
+        )
+        if "accelerate load_state" in restart:
+            mine = restart["Checkpointer"] / restart["accelerate load_state"]
+            line += f"; `Checkpointer` / accelerate {mine:.2f}"
+        lines += [line]
     small = record.get("small")
     if small:
         saves, loops = small["save"], small["loop"]
