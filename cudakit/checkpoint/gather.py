@@ -177,7 +177,7 @@ def _same(a: Any, b: Any) -> bool:
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     local_a, local_b = getattr(a, "_local_tensor", None), getattr(b, "_local_tensor", None)
     if local_a is not None or local_b is not None:  # a DTensor: its mesh, placements, shard
-        return (
+        return bool(
             local_a is not None
             and local_b is not None
             and getattr(a, "device_mesh", None) == getattr(b, "device_mesh", None)
@@ -185,7 +185,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape == b.shape
             and _same_tensor(local_a, local_b)
         )
-    return (
+    return bool(
         a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
