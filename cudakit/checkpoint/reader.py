@@ -35,6 +35,7 @@ from .state import (
     drop_unsaved,
     failure_cause,
     fresh_optimizers,
+    made_state,
     mismatch,
     prefill_fresh,
     reset_fresh,
@@ -97,7 +98,9 @@ def read(
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
             obj.load_state_dict(state)
-        _load_tensors(root, tensors, parts, distributed, trust, safe_globals, fresh, storage)
+        _load_tensors(
+            root, tensors, parts, distributed, trust, safe_globals, fresh, storage, fresh_now
+        )
         _load_extras(host, extras, loader)
         fresh.install(tensors)  # last: nothing can fail after it
     except BaseException as exc:
@@ -284,6 +287,7 @@ def _load_tensors(
     safe_globals: Sequence[Any],
     fresh: Fresh,
     storage: Any,
+    fresh_now: Sequence[bool],
 ) -> None:
     """DCP's load, then the optimizers' state (and the models' that :class:`Fresh`
     does not copy at the end) put into the objects."""
@@ -293,10 +297,12 @@ def _load_tensors(
         set_optimizer_state_dict,
     )
 
-    # A parameter the optimizer steps but whose state was never made (it had no
-    # gradient yet) has none in the checkpoint: as the hand-written loop's
-    # optimizer.load_state_dict, the load leaves it without state.
+    # An optimizer that had no state takes only what the checkpoint holds: a parameter
+    # that had no gradient when saved has no state there, and is left without, as the
+    # hand-written loop's optimizer.load_state_dict leaves it. An optimizer with state
+    # must find all of it in the checkpoint (DCP's strict load).
     lenient = StateDictOptions(strict=False)
+    made = made_state(parts, fresh_now)
 
     safe_dcp.dcp_load(
         tensors,
@@ -313,7 +319,10 @@ def _load_tensors(
             set_model_state_dict(unwrap(model), tensors["model"][name])
         if optimizers:
             set_optimizer_state_dict(
-                unwrap(model), optimizers, tensors["optim"][name], options=lenient
+                unwrap(model),
+                optimizers,
+                tensors["optim"][name],
+                options=lenient if name in made else None,
             )
 
 

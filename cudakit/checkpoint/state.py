@@ -36,6 +36,7 @@ __all__ = [
     "failure_cause",
     "fresh_optimizers",
     "has_state",
+    "made_state",
     "mismatch",
     "prefill_fresh",
     "step_marks",
@@ -184,9 +185,15 @@ def _saved_states(
             entries = saved.get(fqn)
             if entries is None:
                 continue  # no state saved for it (it never had a gradient)
+            # (``step`` in host memory, as a load of the saved state leaves it;
+            # optimizer.load_state_dict moves it where a capturable or fused one wants it)
             state[p] = {
                 entry: (
-                    torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
+                    torch.empty(
+                        tuple(meta.size),
+                        dtype=meta.properties.dtype,
+                        device="cpu" if entry == "step" else p.device,
+                    )
                     if isinstance(meta, TensorStorageMetadata)
                     else None
                 )
@@ -202,15 +209,25 @@ def _saved_states(
 _PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
 
 
+def made_state(parts: Parts, fresh: Sequence[bool]) -> set[str]:
+    """The models whose optimizers all had no state (a load makes theirs)."""
+    return {
+        name
+        for name in parts.models
+        if (opts := parts.optimizers_of(name))
+        and all(fresh[parts.optimizers.index(o)] for o in opts)
+    }
+
+
 def drop_unsaved(
     parts: Parts, tensors: dict[str, Any], metadata: Any, fresh: Sequence[bool]
 ) -> None:
     """Leave out of a load the state DCP made for an optimizer without state where the
     checkpoint has none for that parameter (it had no gradient when saved)."""
     keys = sorted(metadata.state_dict_metadata)
+    made = made_state(parts, fresh)
     for name, osd in tensors["optim"].items():
-        opts = parts.optimizers_of(name)
-        if not all(fresh[parts.optimizers.index(o)] for o in opts):
+        if name not in made:
             continue
         state = osd.get("state", {})
         for fqn in list(state):

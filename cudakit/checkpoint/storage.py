@@ -22,6 +22,7 @@ runs, then the host file is fsynced all the same.
 from __future__ import annotations
 
 import functools
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = ["DIRECT", "fsync_file", "storage_writer"]
 DIRECT = 1 << 20
 _PIECE = 8 << 20  # bytes gathered before they are written
 _IOV = 512  # pieces written by one writev (the system allows at least 1024)
+_raw_file = io.FileIO  # the data file, unbuffered (the tests give one that writes less)
 
 
 def fsync_file(path: Path) -> None:
@@ -150,7 +152,7 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
 
     where = []
     archives = Archives()
-    with open(path, "wb", buffering=0) as file:
+    with _raw_file(path, "wb") as file:
         pieces = _Pieces(file)
         offset = 0
         for item in items:
@@ -161,7 +163,12 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
                 tensor = _on_host(data)
                 if tensor.nbytes >= DIRECT:
                     pieces.flush()
-                    torch.save(tensor, file)
+                    # Buffered: torch.save writes a tensor's bytes in one call, and one
+                    # system call writes at most 2 GiB; the buffer finishes what it cut.
+                    buffered = io.BufferedWriter(file)
+                    torch.save(tensor, buffered)
+                    buffered.flush()
+                    buffered.detach()
                     size = file.tell() - offset
                 else:
                     size = pieces.add(archives.pieces(tensor), tensor)
@@ -203,6 +210,8 @@ class _Pieces:
         first = 0
         while first < len(pieces):
             written = os.writev(fd, pieces[first : first + _IOV])
+            if written <= 0:
+                raise OSError(f"writing {self.file.name} wrote nothing")
             while first < len(pieces) and written >= pieces[first].nbytes:
                 written -= pieces[first].nbytes
                 first += 1

@@ -149,6 +149,40 @@ def test_a_data_file_written_in_short_writes_is_the_same(
     assert (path / name).read_bytes() == (expected / name).read_bytes()
 
 
+def test_a_large_tensor_cut_short_by_a_write_is_written_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save writes a tensor's bytes in one call, and one system call writes at most
+    2 GiB: a large tensor's archive goes through a buffer that finishes what a write
+    cut (here every write is cut to 1000 bytes, and every tensor is a large one)."""
+    import io
+
+    from cudakit.checkpoint import storage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 100)  # a weight of 40,000 bytes: cut into 1000-byte writes
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    monkeypatch.setattr(storage, "DIRECT", 1)
+    whole = cudakit.Checkpointer(tmp_path / "whole", model=model, optimizer=opt, preemption=False)
+    expected = whole.save()
+    whole.close()
+
+    class Short(io.FileIO):
+        def write(self, data: Any) -> int:
+            return super().write(memoryview(data).cast("B")[:1000])
+
+    monkeypatch.setattr(storage, "_raw_file", Short)
+    cut = cudakit.Checkpointer(tmp_path / "cut", model=model, optimizer=opt, preemption=False)
+    path = cut.save()
+    cut.close()
+    assert path is not None
+    assert expected is not None
+    name = "__0_0.distcp"
+    assert (path / name).read_bytes() == (expected / name).read_bytes()
+
+
 def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -164,3 +164,65 @@ def test_a_failed_load_leaves_the_fresh_optimizer_empty(
     assert not fresh.state
     for key, value in fresh_model.state_dict().items():
         assert torch.equal(value, before[key])
+
+
+def test_an_optimizer_with_state_must_find_all_of_it(tmp_path: Path) -> None:
+    """An optimizer that has stepped (here without a gradient for the last layer) is
+    not fresh: a checkpoint with state for every parameter must fill all of it, and
+    cannot, so the load is refused and nothing changes."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, 2)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    other = _model()
+    stepped = torch.optim.AdamW(list(other[0].parameters()) + list(other[2].parameters()))
+    stepped.add_param_group({"params": list(other.spare.parameters())})
+    for p in other[0].parameters():
+        p.grad = torch.ones_like(p)
+    stepped.step()  # state for the first layer only
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in stepped.state.items()}
+    again = cudakit.Checkpointer(
+        tmp_path, model=other, optimizer=stepped, preemption=False, file=None
+    )
+    with pytest.raises(cudakit.CheckpointError):
+        again.load(path)
+    again.close()
+    assert {id(p) for p in stepped.state} == set(before)
+    for p, st in stepped.state.items():
+        for key, value in st.items():
+            assert torch.equal(value, before[id(p)][key])
+
+
+def test_step_is_laid_out_in_host_memory() -> None:
+    """``step`` stays in host memory, as a load of the saved state leaves it (a
+    capturable or fused optimizer's load_state_dict moves it); the rest goes where the
+    parameter is (``meta`` stands in for a GPU here)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from cudakit.checkpoint.state import _saved_states
+
+    model = nn.Linear(2, 2, device="meta")
+    opt = torch.optim.AdamW(model.parameters())
+
+    def meta(shape: tuple[int, ...]) -> TensorStorageMetadata:
+        size = torch.Size(shape)
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=size)
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [chunk])
+
+    entries = {}
+    for name, p in model.named_parameters():
+        entries[f"optim.model.state.{name}.step"] = meta(())
+        entries[f"optim.model.state.{name}.exp_avg"] = meta(tuple(p.shape))
+    metadata = Metadata(state_dict_metadata=entries)
+    states = _saved_states(model, [opt], metadata, "optim.model.state.")
+    assert states is not None
+    for state in states[0].values():
+        assert state["step"].device.type == "cpu"
+        assert state["exp_avg"].device.type == "meta"
