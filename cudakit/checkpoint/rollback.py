@@ -18,7 +18,7 @@ import torch
 
 from ..parallel import unwrap
 from .data import is_stateful
-from .state import Parts, flat_keys, has_state
+from .state import Parts, flat_keys, has_state, made_state
 
 __all__ = ["Fresh", "Rollback"]
 
@@ -195,11 +195,7 @@ class Rollback:
         # The state DCP made for optimizers that had none is emptied again on failure
         # (reset_fresh): not copied (for AdamW, two thirds of a resume's state). Nor are
         # the tensors the load reads into new storage (``untouched``, see Fresh).
-        made = {
-            name
-            for name in tensors["optim"]
-            if all(fresh[parts.optimizers.index(o)] for o in parts.optimizers_of(name))
-        }
+        made = made_state(parts, fresh)
         kept = {
             "model": tensors["model"],
             "optim": {k: v for k, v in tensors["optim"].items() if k not in made},

@@ -121,21 +121,20 @@ class Writer:
                 # made visible there too (the manifest's and the renames' fsyncs).
                 # A small state is copied whole first: waiting per tensor costs more.
                 staged, copies = _staged(tensors, self._staging)
+                events: list[threading.Event] | None = None
                 if sum(buf.nbytes for _, buf in copies) <= COPY_FIRST:
                     for src, buf in copies:
                         buf.copy_(src)
                     pending.copied = True
                     pending.staged.set()
                     planner = plan.planner(self._plans)
-                    pending.future = _executor().submit(
-                        self._save_and_publish, staged, writer, planner, pending
-                    )
                 else:
                     events = [threading.Event() for _ in copies]
                     planner = _waiting_planner(copies, events, self._plans)
-                    pending.future = _executor().submit(
-                        self._save_and_publish, staged, writer, planner, pending
-                    )
+                pending.future = _executor().submit(
+                    self._save_and_publish, staged, writer, planner, pending
+                )
+                if events is not None:
                     try:
                         _copy_all(copies, events)
                         pending.copied = True

@@ -24,6 +24,15 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def _data_file(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> bytes:
+    """The data file of one save of ``model`` and ``opt`` into ``root``."""
+    ckpt = cudakit.Checkpointer(root, model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+    return (path / "__0_0.distcp").read_bytes()
+
+
 def _inodes(root: Path) -> set[int]:
     return {p.stat().st_ino for p in [root, *root.rglob("*")]}
 
@@ -128,9 +137,7 @@ def test_a_data_file_written_in_short_writes_is_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, opt = _model()
-    whole = cudakit.Checkpointer(tmp_path / "whole", model=model, optimizer=opt, preemption=False)
-    expected = whole.save()
-    whole.close()
+    expected = _data_file(tmp_path / "whole", model, opt)
     real_writev = os.writev
     calls = []
 
@@ -139,14 +146,9 @@ def test_a_data_file_written_in_short_writes_is_the_same(
         return real_writev(fd, [bytes(memoryview(buffers[0]).cast("B")[:5])])
 
     monkeypatch.setattr(os, "writev", short)
-    cut = cudakit.Checkpointer(tmp_path / "cut", model=model, optimizer=opt, preemption=False)
-    path = cut.save()
-    cut.close()
-    assert path is not None
-    assert expected is not None
+    written = _data_file(tmp_path / "cut", model, opt)
     assert max(calls) > 1  # several pieces were offered to one call
-    name = "__0_0.distcp"
-    assert (path / name).read_bytes() == (expected / name).read_bytes()
+    assert written == expected
 
 
 def test_a_large_tensor_cut_short_by_a_write_is_written_whole(
@@ -165,22 +167,14 @@ def test_a_large_tensor_cut_short_by_a_write_is_written_whole(
     model(torch.randn(3, 100)).sum().backward()
     opt.step()
     monkeypatch.setattr(storage, "DIRECT", 1)
-    whole = cudakit.Checkpointer(tmp_path / "whole", model=model, optimizer=opt, preemption=False)
-    expected = whole.save()
-    whole.close()
+    expected = _data_file(tmp_path / "whole", model, opt)
 
     class Short(io.FileIO):
         def write(self, data: Any) -> int:
             return super().write(memoryview(data).cast("B")[:1000])
 
     monkeypatch.setattr(storage, "_raw_file", Short)
-    cut = cudakit.Checkpointer(tmp_path / "cut", model=model, optimizer=opt, preemption=False)
-    path = cut.save()
-    cut.close()
-    assert path is not None
-    assert expected is not None
-    name = "__0_0.distcp"
-    assert (path / name).read_bytes() == (expected / name).read_bytes()
+    assert _data_file(tmp_path / "cut", model, opt) == expected
 
 
 def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(

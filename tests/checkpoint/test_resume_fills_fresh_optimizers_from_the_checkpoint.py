@@ -33,6 +33,14 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
         opt.step()
 
 
+def _saved(tmp_path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> Path:
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+    return path
+
+
 def _same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
@@ -64,9 +72,7 @@ def test_a_fresh_optimizer_takes_the_saved_state_without_a_step(
     model = _model()
     opt = make(model.parameters())
     _train(model, opt, 3)
-    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
-    ckpt.save()
-    ckpt.close()
+    _saved(tmp_path, model, opt)
 
     fresh_model = _model()
     fresh = make(fresh_model.parameters())
@@ -119,9 +125,7 @@ def test_state_it_cannot_lay_out_is_made_as_dcp_makes_it(tmp_path: Path) -> None
     model = _model()
     opt = _Nested(model.parameters())
     _train(model, opt, 2)
-    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
-    ckpt.save()
-    ckpt.close()
+    _saved(tmp_path, model, opt)
     fresh_model = _model()
     fresh = _Nested(fresh_model.parameters())
     again = cudakit.Checkpointer(
@@ -143,10 +147,7 @@ def test_a_failed_load_leaves_the_fresh_optimizer_empty(
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     _train(model, opt, 2)
-    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
-    path = ckpt.save()
-    ckpt.close()
-    assert path is not None
+    path = _saved(tmp_path, model, opt)
 
     def refused(*args: Any) -> None:
         raise RuntimeError("an extra refused its state")  # after the tensors are in
