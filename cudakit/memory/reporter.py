@@ -17,10 +17,10 @@ from typing import IO, Any, Literal, Protocol, Self, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from .. import _deprecated
 from .._accel import follows_current_device
 from .._check import check_int, describe, fail_type
 from .._contextlib import ContextDecorator
+from .._deprecated import renamed
 from .._oom import is_oom_error
 from .._output import (
     STDERR,
@@ -490,4 +490,4 @@ def memory_report(
     return MemoryMeter(label, device, file, log, every, record_history, stacks)
 
 
-__getattr__ = _deprecated.renamed(__name__, {"MemoryReporter": MemoryMeter})
+__getattr__ = renamed(__name__, {"MemoryReporter": MemoryMeter})

@@ -19,9 +19,9 @@ from typing import Any, Literal, NoReturn, cast, get_args
 import torch
 import torch.distributed as dist
 
-from .. import _deprecated
 from .._accel import current_cuda_index
 from .._check import check_bool, check_int, describe, fail_type, fail_value
+from .._deprecated import renamed
 from .._dist import (
     LAUNCHER_VARS,
     DistributedEnv,
@@ -588,4 +588,4 @@ def choose_plan_for(
     )
 
 
-__getattr__ = _deprecated.renamed(__name__, {"plan_parallel": choose_plan})
+__getattr__ = renamed(__name__, {"plan_parallel": choose_plan})

@@ -19,9 +19,9 @@ from typing import IO, Any, Protocol, Self, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from .. import _deprecated
 from .._check import check_callable, check_int, fail_type, fail_value, is_real
 from .._contextlib import ContextDecorator, reject_deferred_body
+from .._deprecated import renamed
 from .._output import STDERR, LogTarget, Stderr
 from ..device import DeviceLike
 from ._args import Settings, settle, step_of
@@ -599,4 +599,4 @@ def speed_report(
     return meter
 
 
-__getattr__ = _deprecated.renamed(__name__, {"SpeedReport": SpeedMeter})
+__getattr__ = renamed(__name__, {"SpeedReport": SpeedMeter})
