@@ -175,18 +175,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
+def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> Found:
     """Finish a checkpoint: list its files, write the manifest last, rename it visible.
 
     Runs on rank 0 only, after every rank has written its part. Its serial number is
-    one more than the newest complete checkpoint's in the directory.
+    one more than the newest complete checkpoint's in the directory. Returns the
+    directory's checkpoints with this one in (the one listing a save makes).
     """
     files = {
         str(p.relative_to(partial)): p.stat().st_size
         for p in sorted(partial.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
-    serial = 1 + _newest_serial(final.parent)
+    found = list_checkpoints(final.parent)
+    serial = 1 + max((m.serial for _, m in found.complete), default=0)
     manifest = Manifest(files=files, **fields, serial=serial)
     # Written in place: the directory is still .partial, and a manifest cut short is
     # no JSON, so no complete checkpoint (remove_stale_partials removes it).
@@ -196,6 +198,8 @@ def write_manifest(partial: Path, final: Path, fields: dict[str, Any]) -> None:
         os.fsync(f.fileno())
     fsync_dir(partial)
     publish(partial, final)
+    others = tuple(item for item in found.complete if item[0] != final)
+    return Found((*others, (final, manifest)), found.broken)
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -231,21 +235,6 @@ def _remove(path: Path) -> None:
         path.unlink()
     else:
         shutil.rmtree(path)
-
-
-def _newest_serial(root: Path) -> int:
-    """The highest serial number among the manifests in ``root`` (read, not checked)."""
-    newest = 0
-    for entry in root.iterdir():
-        if _NAME.match(entry.name) is None:
-            continue
-        try:
-            serial = json.loads((entry / MANIFEST).read_text(encoding="utf-8")).get("serial", 0)
-        except (OSError, ValueError, AttributeError):
-            continue  # no manifest (yet), or not one: not a complete checkpoint
-        if is_int(serial):
-            newest = max(newest, serial)
-    return newest
 
 
 def read_manifest(path: Path) -> Manifest:

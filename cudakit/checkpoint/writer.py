@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -49,8 +49,9 @@ class Pending:
     final: Path
     fields: dict[str, Any]
     future: Future[Any] | None = None
-    #: Whether the manifest is written and the directory renamed (by the future).
-    published: bool = False
+    #: The directory's checkpoints once the future wrote the manifest and renamed the
+    #: directory visible (None: not yet).
+    published: layout.Found | None = None
     #: Set by the loop once it has copied the state into the host buffers (``copied``:
     #: it all was); the future publishes only a whole copy.
     staged: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -99,7 +100,6 @@ class Writer:
                 admit.check_saved(file, host, tensors, self.safe_globals)
             except (TypeError, AttributeError, pickle.PicklingError, safe_load.Unloadable) as exc:
                 self._failed(pending, exc, _unpicklable(host, exc, self.safe_globals))
-                raise  # (not reached: _failed raises)
             writer = storage_writer(
                 pending.partial, file, on_host=_on_host(tensors), plans=self._plans
             )
@@ -173,8 +173,9 @@ class Writer:
         self._save(tensors, writer, planner)
         pending.staged.wait()
         if pending.copied:
-            layout.write_manifest(pending.partial, pending.final, pending.fields)
-            pending.published = True
+            pending.published = layout.write_manifest(
+                pending.partial, pending.final, pending.fields
+            )
 
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
@@ -187,12 +188,13 @@ class Writer:
             except BaseException as exc:
                 self._failed(pending, exc)
         if self.rank == 0:
-            if not pending.published:
+            found = pending.published
+            if found is None:
                 try:
-                    layout.write_manifest(pending.partial, pending.final, pending.fields)
+                    found = layout.write_manifest(pending.partial, pending.final, pending.fields)
                 except OSError as exc:
                     self._failed(pending, exc)
-            self.prune()
+            self.prune(found)
         self.last = pending.final
         log.info("cudakit: checkpoint %s complete", pending.final)
         return pending.final
@@ -208,15 +210,15 @@ class Writer:
             self.pending.future is not None and self.pending.future.done()
         )
 
-    def prune(self) -> None:
-        """Remove the old complete checkpoints ``keep=`` lets go (rank 0).
+    def prune(self, found: layout.Found) -> None:
+        """Remove the old complete checkpoints ``keep=`` lets go (rank 0); ``found``: the
+        directory as the save just published left it.
 
         Each is renamed out of the checkpoints' names, then its files are removed, before
         the call returns: a listing of the directory after a save shows ``keep`` of them.
         """
         if self.keep is None or self.rank != 0:
             return
-        found = layout.list_checkpoints(self.root)
         for path in layout.to_remove([p for p, _ in found.complete], self.keep, self._protect()):
             doomed = layout.set_aside(path)
             if isinstance(doomed, str):
@@ -224,7 +226,7 @@ class Writer:
             else:
                 _remove(path, doomed, self.keep)
 
-    def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> None:
+    def _failed(self, pending: Pending, exc: BaseException, fix: str | None = None) -> NoReturn:
         if self.rank == 0:
             shutil.rmtree(pending.partial, ignore_errors=True)
         if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit | CheckpointSaveError):
