@@ -10,7 +10,7 @@ Less common names live in their modules: ``cudakit.device``, ``cudakit.amp``,
 ``cudakit.checkpoint``, ``cudakit.speed``.
 """
 
-from ._deprecated import renamed
+from ._deprecated import renamed as _renamed
 from ._version import __version__
 from .amp import AutocastStep, StepResult, autocast_step
 from .checkpoint import Checkpointer, Position, find_latest
@@ -101,4 +101,4 @@ __all__ = [
     "world_size",
 ]
 
-__getattr__ = renamed(__name__, {"SpeedReport": SpeedMeter})
+__getattr__ = _renamed(__name__, {"SpeedReport": SpeedMeter})

@@ -26,7 +26,7 @@ Design notes:
 # objects with fakes), _frames (open reports), _targets (device=), _throttle
 # (aggregate output), _notes (out-of-memory notes).
 
-from .._deprecated import renamed
+from .._deprecated import renamed as _renamed
 from .estimate import MemoryEstimate, estimate_memory, largest_batch
 from .reporter import MemoryMeter, MemoryReported, memory_report
 from .results import DeviceMemory, MemoryReport, MemorySnapshot
@@ -45,4 +45,4 @@ __all__ = [
     "memory_snapshot",
 ]
 
-__getattr__ = renamed(__name__, {"MemoryReporter": MemoryMeter})
+__getattr__ = _renamed(__name__, {"MemoryReporter": MemoryMeter})

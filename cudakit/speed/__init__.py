@@ -21,7 +21,7 @@ every rank when a process group runs, with no read of the device per step.
 # line), meter (speed_report); private: _args (argument checks), _probes (the device
 # reads tests replace).
 
-from .._deprecated import renamed
+from .._deprecated import renamed as _renamed
 from .counts import Count, CountSpec, FlopSpec
 from .figures import SpeedFigures, SpeedSummary
 from .flops import FlopCount, count_flops
@@ -45,4 +45,4 @@ __all__ = [
     "speed_report",
 ]
 
-__getattr__ = renamed(__name__, {"SpeedReport": SpeedMeter})
+__getattr__ = _renamed(__name__, {"SpeedReport": SpeedMeter})
