@@ -18,14 +18,15 @@ every rank when a process group runs, with no read of the device per step.
 # Modules: flops (count_flops), peaks (the table), counts (what a call counts, and the
 # FLOP scaling rule), clock (CUDA events or the wall clock), tally (calls into steps,
 # totals, the rolling window), combine (all ranks), figures (SpeedFigures and the
-# line), meter (speed_report); private: _args (argument checks), _probes (the device
-# reads tests replace).
+# line), meter (SpeedMeter), factory (speed_report); private: _args (argument
+# checks), _probes (the device reads tests replace).
 
 from .._deprecated import renamed as _renamed
 from .counts import Count, CountSpec, FlopSpec
+from .factory import speed_report
 from .figures import SpeedFigures, SpeedSummary
 from .flops import FlopCount, count_flops
-from .meter import SpeedMeter, SpeedReported, speed_report
+from .meter import SpeedMeter, SpeedReported
 from .peaks import PEAKS, DevicePeak, Peak, lookup_peak
 
 __all__ = [
