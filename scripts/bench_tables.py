@@ -51,11 +51,23 @@ def describe(machine: dict[str, Any] | str) -> str:
     return f"{text} ({peers})" if peers else text
 
 
+#: How ``benchmarks/_report.py`` marks a run whose ``cudakit/`` differed from its commit.
+_UNCOMMITTED = ", with uncommitted changes in cudakit/"
+
+
+def commit(revision: str) -> str:
+    """The commit a run measured, in one clause: ``commit abc1234``, and where ``cudakit/``
+    had changes not yet committed, that fact in a few words (no later commit is guessed)."""
+    if revision.endswith(_UNCOMMITTED):
+        return f"commit {revision.removesuffix(_UNCOMMITTED)} plus uncommitted cudakit/ changes"
+    return f"commit {revision}"
+
+
 def measured_line(record: Record) -> str:
     """The line above a table: when, on what, with which command and settings."""
     line = f"Measured {record['measured']} on {describe(record['machine'])}"
     if record.get("revision"):
-        line += f", code at {record['revision']}"
+        line += f", {commit(record['revision'])}"
     if record.get("load_average"):
         before, after = record["load_average"]
         line += f", load average {before} to {after}"
