@@ -429,9 +429,12 @@ def _check_shown(name: str, value: object) -> None:
     fix = "For example: meter.show(loss=loss), the loss tensor as it is."
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(
-                f"SpeedMeter.show({name}=...) expects {expected}, got a tensor of "
-                f"{value.numel()} elements. Show one number, e.g. {name}=t.mean()."
+            fail_value(
+                "SpeedMeter.show",
+                name,
+                expected,
+                value,
+                f"It has {value.numel()} elements: show one number, e.g. {name}=t.mean().",
             )
     elif not (callable(value) or is_real(value)):
         fail_type("SpeedMeter.show", name, expected, value, fix)
