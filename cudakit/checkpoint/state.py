@@ -355,7 +355,7 @@ def step_marks(steps: Sequence[Any]) -> tuple[Any, ...]:
     :class:`~cudakit.checkpoint.Checkpointer` compares them with ``is`` to tell whether
     a step ran since a batch was yielded.
     """
-    return tuple(s._window.backwarded for s in steps)
+    return tuple(s.window.backwarded for s in steps)
 
 
 def epoch_end(steps: Sequence[Any], last: bool) -> contextlib.AbstractContextManager[Any]:
