@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ._check import check_type
+
 __all__ = ["is_oom_error"]
 
 
@@ -54,11 +56,14 @@ def is_oom_error(exc: BaseException) -> bool:
 
     .. versionadded:: 0.1
     """
-    if not isinstance(exc, BaseException):
-        raise TypeError(
-            f"is_oom_error(exc=...) expects an exception, got {type(exc).__name__} {exc!r:.60}. "
-            "Pass the exception you caught: `except Exception as exc: if is_oom_error(exc): ...`."
-        )
+    check_type(
+        "is_oom_error",
+        "exc",
+        exc,
+        BaseException,
+        expected="an exception",
+        fix="Pass the exception you caught: `except Exception as exc: if is_oom_error(exc): ...`.",
+    )
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):

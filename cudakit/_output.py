@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Final
 
-from ._check import describe, fail_type
+from ._check import fail_type
 
 __all__ = [
     "STDERR",
@@ -54,15 +54,19 @@ def check_file(func: str, file: object) -> IO[str] | Stderr | None:
         getattr(file, "mode", "")
     )
     if binary or not callable(getattr(file, "write", None)):
-        what = f"a binary stream ({type(file).__name__})" if binary else describe(file)
         fix = (
-            "open the file with 'w' (text), or wrap the stream: io.TextIOWrapper(stream)"
+            "It is a binary stream: open the file with 'w' (text), or wrap the stream: "
+            "io.TextIOWrapper(stream)."
             if binary
-            else "To send lines to a logger or a function, use log="
+            else "To send lines to a logger or a function, use log=."
         )
-        raise TypeError(
-            f"{func}(file=...) takes a text stream with .write() (sys.stdout, a file opened "
-            f"with 'w') or None to stay silent, got {what}. {fix}."
+        fail_type(
+            func,
+            "file",
+            "a text stream with .write() (sys.stdout, a file opened with 'w') or None to "
+            "stay silent",
+            file,
+            fix,
         )
     if getattr(file, "closed", False) is True:
         raise ValueError(

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from .._check import check_int, check_number, describe, fail_type, fail_value
+from .._check import check_int, check_number, fail_type, fail_value, is_int
 from .._dist import group_world_size
 from .buffers import BufferSnapshot
 from .counters import StepCounters
@@ -160,10 +160,12 @@ def validate(
 ) -> Restored:
     """Check a whole state against the step it is loaded into; raise before any change."""
     if not isinstance(state, Mapping):
-        raise TypeError(
-            "AutocastStep.load_state_dict(state=...) expects the dict from "
-            f"AutocastStep.state_dict(), got {describe(state)}. Pass the dict that "
-            "state_dict() returned (e.g. checkpoint['step'])."
+        fail_type(
+            "AutocastStep.load_state_dict",
+            "state",
+            "the dict from AutocastStep.state_dict()",
+            state,
+            "Pass the dict that state_dict() returned (e.g. checkpoint['step']).",
         )
     missing = [k for k in KEYS if k not in state]
     if missing:
@@ -437,8 +439,8 @@ class StepCheckpoint:
         leaked = self._sync.kind == "fsdp" and window.stage is Stage.UNSYNCED
         saved = state.get("accumulate") if isinstance(state, Mapping) else None
         previous = window.accumulate
-        if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
-            window.accumulate = saved
+        if is_int(saved) and saved >= 1:
+            window.accumulate = int(saved)
         try:
             self.load(state)
         except BaseException:

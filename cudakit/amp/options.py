@@ -24,7 +24,7 @@ from .._check import (
     check_int,
     check_number,
     check_optional,
-    describe,
+    check_type,
     fail_type,
     fail_value,
 )
@@ -82,10 +82,12 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
             )
         elif isinstance(opt, torch.nn.Module):
             hint = " Pass the optimizer first, and the model as model=... (for DDP no_sync)."
-        raise TypeError(
-            "autocast_step(optimizer=...) expects a torch.optim.Optimizer (or a list of them) "
-            f"as its first argument, got {type(opt).__name__}."
-            + (hint or " Pass e.g. autocast_step(torch.optim.AdamW(model.parameters())).")
+        fail_type(
+            "autocast_step",
+            "optimizer",
+            "a torch.optim.Optimizer (or a list of them) as its first argument",
+            opt,
+            (hint or " Pass e.g. autocast_step(torch.optim.AdamW(model.parameters())).").strip(),
         )
     for opt in optimizers:
         if _needs_closure(opt):
@@ -97,10 +99,13 @@ def check_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
                 "takes no closure."
             )
     if len({id(o) for o in optimizers}) != len(optimizers):
-        raise ValueError(
-            "autocast_step(optimizer=...) expects each optimizer once, got the same optimizer "
-            "twice in its list; each optimizer steps once per step, so list each one once, "
-            "e.g. autocast_step([opt_a, opt_b])."
+        fail_value(
+            "autocast_step",
+            "optimizer",
+            "each optimizer once",
+            optimizer,
+            "It lists the same optimizer twice; each optimizer steps once per step, so list "
+            "each one once, e.g. autocast_step([opt_a, opt_b]).",
         )
     _check_shared(optimizers)
     return optimizers
@@ -195,10 +200,12 @@ def check_schedulers(
                 "scheduler.step(val_loss) after each validation."
             )
         if not callable(getattr(s, "step", None)):
-            raise TypeError(
-                "autocast_step(scheduler=...) expects a learning-rate scheduler with a "
-                f"step() method (or a list of them), got {describe(s)}. Pass e.g. "
-                "scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)."
+            fail_type(
+                "autocast_step",
+                "scheduler",
+                "a learning-rate scheduler with a step() method (or a list of them)",
+                s,
+                "Pass e.g. scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000).",
             )
         owner = getattr(s, "optimizer", None)
         if isinstance(owner, torch.optim.Optimizer) and all(owner is not o for o in optimizers):
@@ -322,10 +329,12 @@ def check_compile(value: object) -> dict[str, Any] | None:
             )
         _check_compile_values(value)
         return dict(value)
-    raise TypeError(
-        f"autocast_step(compile=...) expects True, False or a dict of torch.compile options, "
-        f"got {type(value).__name__} {value!r}. For example: compile=True or "
-        "compile={'mode': 'reduce-overhead'}."
+    fail_type(
+        "autocast_step",
+        "compile",
+        "True, False or a dict of torch.compile options",
+        value,
+        "For example: compile=True or compile={'mode': 'reduce-overhead'}.",
     )
 
 
@@ -474,13 +483,15 @@ def resolve_options(
         fix="For example max_grad_norm=1.0; None turns clipping off.",
     )
     max_skipped = check_max_skipped(where, max_skipped)
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"autocast_step(model=...) expects the torch.nn.Module being trained (usually "
-            f"the DDP or FSDP2 wrapper), got {describe(model)}. Pass model=model, or leave "
-            "it out."
-        )
     if model is not None:
+        model = check_type(
+            "autocast_step",
+            "model",
+            model,
+            torch.nn.Module,
+            expected="the torch.nn.Module being trained (usually the DDP or FSDP2 wrapper)",
+            fix="Pass model=model, or leave it out.",
+        )
         check_model_owns(model, optimizers)
     schedulers = check_schedulers(scheduler, optimizers)
     compile_options = check_compile(compile)
@@ -491,10 +502,13 @@ def resolve_options(
             "one is made for float16."
         )
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
-        raise TypeError(
-            f"autocast_step(scaler=...) expects a torch.amp.GradScaler, got {describe(scaler)}. "
+        fail_type(
+            "autocast_step",
+            "scaler",
+            "a torch.amp.GradScaler",
+            scaler,
             "Pass scaler=torch.amp.GradScaler('cuda'), or leave scaler= out and one is made "
-            "for float16."
+            "for float16.",
         )
     requested = parse_dtype(dtype)
     device_type = device_type_of(

@@ -110,11 +110,14 @@ def parse_dtype(dtype: object) -> torch.dtype | None:
                 '"16-mixed", "32-true").'
             )
         return alias
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(
-            f"autocast_step(dtype=...) expects a torch.dtype or 'auto', got "
-            f"{type(dtype).__name__} {dtype!r}. For example: dtype=torch.bfloat16."
-        )
+    dtype = check_type(
+        "autocast_step",
+        "dtype",
+        dtype,
+        torch.dtype,
+        expected="a torch.dtype or 'auto'",
+        fix="For example: dtype=torch.bfloat16.",
+    )
     if dtype not in _DTYPES:
         raise ValueError(
             f"autocast_step(dtype={dtype}) is not a mixed-precision dtype; expected "

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from typing_extensions import ParamSpec
 
-from .._check import check_number, describe, fail_type
+from .._check import check_number, fail_type
 
 __all__ = [
     "SpikeVerdict",
@@ -123,11 +123,13 @@ def extract_loss(output: object, *, explicit: bool = False) -> tuple[torch.Tenso
             )
         loss = output[0]
     elif explicit:
-        raise TypeError(
-            "AutocastStep.backward(loss=...) expects the loss: a scalar tensor, a tuple or "
-            "list whose first item is the loss, or a mapping with a 'loss' key; got "
-            f"{describe(output)}. Pass the loss tensor the block computed, e.g. "
-            "step.backward(loss)."
+        fail_type(
+            "AutocastStep.backward",
+            "loss",
+            "the loss: a scalar tensor, a tuple or list whose first item is the loss, or a "
+            "mapping with a 'loss' key",
+            output,
+            "Pass the loss tensor the block computed, e.g. step.backward(loss).",
         )
     else:
         raise TypeError(

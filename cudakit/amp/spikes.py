@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._check import check_choice, check_int, check_number, check_optional, describe
+from .._check import check_choice, check_int, check_number, check_optional, describe, fail_type
 
 __all__ = [
     "STATISTICS",
@@ -153,13 +153,15 @@ class SpikeRule:
             fix="It is the number of accepted windows the statistics learn from first, "
             "e.g. warmup=20.",
         )
-        decay = check_number(where, "decay", self.decay, fix="For example decay=0.99.")
-        if not 0 < decay < 1:
-            raise ValueError(
-                f"SpikeRule(decay=...) expects a number between 0 and 1 (exclusive), got "
-                f"{describe(self.decay)}. It is the running statistics' memory, e.g. "
-                "0.99 (about the last 100 windows)."
-            )
+        decay = check_number(
+            where,
+            "decay",
+            self.decay,
+            positive=True,
+            below=1,
+            fix="It is the running statistics' memory, e.g. decay=0.99 (about the last 100 "
+            "windows).",
+        )
         object.__setattr__(self, "z", z)
         object.__setattr__(self, "ratio", ratio)
         object.__setattr__(self, "warmup", warmup)
@@ -181,9 +183,12 @@ def check_skip_spikes(value: object) -> SpikeRule | None:
                 "'grad_norm'. Or pass True, or a SpikeRule(...)."
             )
         return SpikeRule(on=value)  # type: ignore[arg-type]
-    raise TypeError(
-        f"autocast_step(skip_spikes=...) expects True, False, 'loss', 'grad_norm' or a "
-        f"cudakit.amp.SpikeRule, got {describe(value)}. {_RULE_FIX}"
+    fail_type(
+        "autocast_step",
+        "skip_spikes",
+        "True, False, 'loss', 'grad_norm' or a cudakit.amp.SpikeRule",
+        value,
+        _RULE_FIX,
     )
 
 

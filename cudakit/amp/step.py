@@ -183,6 +183,16 @@ class AutocastStep(misuse.AttributeGuard):
         return self._window.position
 
     @property
+    def window(self) -> Window:
+        """The accumulation window the step fills, for cudakit's own parts to read.
+
+        ``speed_report`` and ``Checkpointer`` bind it once and read its ``position``
+        and backward mark at each call, without a property call per step. Read it,
+        never change it: user code reads :attr:`position` and :attr:`accumulate`.
+        """
+        return self._window
+
+    @property
     def steps(self) -> int:
         """Optimizer steps that really updated the weights so far (reads pending verdicts)."""
         self._judge.settle()

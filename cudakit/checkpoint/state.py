@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._check import describe
+from .._check import check_type
 from ..parallel import unwrap
 from .gather import Gather
 
@@ -301,18 +301,23 @@ def check_extras(func: str, extras: object) -> dict[str, Any]:
     """``extra=``: a mapping of names to objects with ``state_dict`` or plain values."""
     if extras is None:
         return {}
-    if not isinstance(extras, Mapping):
-        raise TypeError(
-            f"{func}(extra=...) expects a dict of names to objects with state_dict()/"
-            f"load_state_dict() or plain values, got {describe(extras)}. Pass e.g. "
-            "extra={'ema': ema, 'best_loss': float('inf')}."
-        )
+    extras = check_type(
+        func,
+        "extra",
+        extras,
+        Mapping,
+        expected="a dict of names to objects with state_dict()/load_state_dict() or plain values",
+        fix="Pass e.g. extra={'ema': ema, 'best_loss': float('inf')}.",
+    )
     for key in extras:
-        if not isinstance(key, str):
-            raise TypeError(
-                f"{func}(extra=...) keys must be str names, got {key!r} "
-                f"({type(key).__name__}). Name each extra, e.g. extra={{'ema': ema}}."
-            )
+        check_type(
+            func,
+            "extra",
+            key,
+            str,
+            expected="str names as keys",
+            fix="Name each extra, e.g. extra={'ema': ema}.",
+        )
     return dict(extras)
 
 
@@ -350,7 +355,7 @@ def step_marks(steps: Sequence[Any]) -> tuple[Any, ...]:
     :class:`~cudakit.checkpoint.Checkpointer` compares them with ``is`` to tell whether
     a step ran since a batch was yielded.
     """
-    return tuple(s._window.backwarded for s in steps)
+    return tuple(s.window.backwarded for s in steps)
 
 
 def epoch_end(steps: Sequence[Any], last: bool) -> contextlib.AbstractContextManager[Any]:

@@ -104,6 +104,7 @@ def loader_kwargs(
         fn,
         "num_workers",
         num_workers,
+        minimum=0,
         fix="Leave it out to let cudakit choose, or pass 0 to load in the main process.",
     )
     for name, value in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
@@ -115,11 +116,6 @@ def loader_kwargs(
             types=bool,
             expected="True, False or None (let cudakit choose)",
             fix=f"Pass {name}=True or {name}=False, or leave it out to let cudakit choose.",
-        )
-    if num_workers is not None and num_workers < 0:
-        raise ValueError(
-            f"loader_kwargs(num_workers={num_workers}) must be >= 0; pass 0 to load "
-            "batches in the main process."
         )
     dev = check_device("loader_kwargs", "device", device, resolve_device)
     chosen = _choose_loader_kwargs(dev.type, _available_cpus(), launched_local_world_size())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._check import check_int
+from .._check import check_int, fail_value
 
 __all__ = ["NUM_CLASSES", "make_dataset"]
 
@@ -46,10 +46,9 @@ def make_dataset(
         "make_dataset", "n", n, minimum=1, fix="It counts the images: pass e.g. n=64."
     )  # a NumPy int too
     seed = check_int("make_dataset", "seed", seed, minimum=-(2**62), maximum=2**62)
-    if split not in ("train", "val"):
-        raise ValueError(
-            f"make_dataset() split must be 'train' or 'val', got {split!r}. Pass "
-            "split='train' or split='val'."
+    if split not in ("train", "val"):  # a ValueError for any kind, as documented
+        fail_value(
+            "make_dataset", "split", "'train' or 'val'", split, "Pass split='train' or split='val'."
         )
     patterns_gen = torch.Generator().manual_seed(seed)
     coarse = torch.randn(NUM_CLASSES, 3, 4, 4, generator=patterns_gen)

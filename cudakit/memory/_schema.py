@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any, Final
 
-from .._check import describe
+from .._check import check_type, describe
 
 __all__ = ["DEVICE_FIELDS", "REPORT_FIELDS", "load_json", "read_report"]
 
@@ -55,11 +55,14 @@ _EXPECTED: Final = {
 
 def load_json(text: object) -> object:
     """``json.loads(text)``, with errors that say what ``from_json`` expects."""
-    if not isinstance(text, (str, bytes, bytearray)):
-        raise TypeError(
-            "MemoryReport.from_json(text) takes the string MemoryReport.to_json() wrote, "
-            f"got {describe(text)}. To rebuild from a dict use MemoryReport.from_dict(data)."
-        )
+    text = check_type(
+        "MemoryReport.from_json",
+        "text",
+        text,
+        (str, bytes, bytearray),
+        expected="the string MemoryReport.to_json() wrote",
+        fix="To rebuild from a dict use MemoryReport.from_dict(data).",
+    )
     try:
         return json.loads(text)
     except UnicodeDecodeError as exc:
@@ -78,11 +81,14 @@ def load_json(text: object) -> object:
 
 def read_report(data: object) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The report's fields (``devices`` left out) and one dict per device, all checked."""
-    if not isinstance(data, dict):
-        raise TypeError(
-            f"{_WHERE} takes a dict as MemoryReport.to_dict() returns, got {describe(data)}. "
-            "Pass that dict, or use MemoryReport.from_json(text) for its JSON."
-        )
+    data = check_type(
+        "MemoryReport.from_dict",
+        "data",
+        data,
+        dict,
+        expected="a dict as MemoryReport.to_dict() returns",
+        fix="Pass that dict, or use MemoryReport.from_json(text) for its JSON.",
+    )
     fields = _fields(data, REPORT_FIELDS, "")
     devices = fields.pop("devices")
     if not devices:

@@ -18,7 +18,7 @@ from typing import IO, Any, Literal, Protocol, Self, TypeVar, overload
 from typing_extensions import ParamSpec
 
 from .._accel import follows_current_device
-from .._check import check_int, describe, fail_type
+from .._check import check_choice, check_int, check_optional, check_type, fail_type
 from .._contextlib import ContextDecorator
 from .._deprecated import renamed
 from .._oom import is_oom_error
@@ -196,11 +196,14 @@ class MemoryMeter(ContextDecorator, ReportFigures):
         Args:
             label: The clone's label; ``...`` (the default) keeps this reporter's.
         """
-        if label is not None and not isinstance(label, str | EllipsisType):
-            raise TypeError(
-                "MemoryMeter.clone(label=...) takes a string naming the block, or None, got "
-                f"{describe(label)}. For example: rep.clone('eval_step')."
-            )
+        check_type(
+            "MemoryMeter.clone",
+            "label",
+            label,
+            (str, EllipsisType, type(None)),
+            expected="a string naming the block, or None",
+            fix="For example: rep.clone('eval_step').",
+        )
         twin = copy.copy(self)  # the settings, the resolved targets, the throttle
         twin.label = self.label if isinstance(label, EllipsisType) else label
         twin._agg_ = self._agg  # shared: made now if it was not yet
@@ -464,22 +467,23 @@ def memory_report(
             fix="It counts calls: every=1 writes a line for every call, e.g. every=100 for "
             "one in a hundred. Use file=None to silence the output instead.",
         )  # a NumPy int too
-    if record_history is not None and not isinstance(record_history, (str, os.PathLike)):
-        raise TypeError(
-            "memory_report(record_history=...) takes a file path for the allocator snapshot, "
-            f"got {type(record_history).__name__} {record_history!r}. "
-            "For example: record_history='step.pickle'."
-        )
-    if not isinstance(stacks, str):
-        raise TypeError(
-            f"memory_report(stacks=...) takes 'python' or 'all', got {describe(stacks)}. "
-            "For example: stacks='python'."
-        )
-    if stacks not in ("python", "all"):
-        raise ValueError(
-            f"memory_report(stacks={stacks!r}): expected 'python' (the default: fast to dump) "
-            "or 'all' (C++ frames too: slow to dump)."
-        )
+    check_optional(
+        check_type,
+        "memory_report",
+        "record_history",
+        record_history,
+        types=(str, os.PathLike),
+        expected="a file path for the allocator snapshot, or None",
+        fix="For example: record_history='step.pickle'.",
+    )
+    check_choice(
+        "memory_report",
+        "stacks",
+        stacks,
+        ("python", "all"),
+        fix="Pass stacks='python' (the default: fast to dump) or stacks='all' (C++ frames "
+        "too: slow to dump).",
+    )
     if stacks != "python" and record_history is None:
         raise ValueError(
             f"memory_report(stacks={stacks!r}) chooses the stacks of record_history=, which "

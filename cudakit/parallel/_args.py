@@ -24,7 +24,6 @@ from .._check import (
     check_int,
     check_number,
     check_type,
-    describe,
     fail_type,
     fail_value,
 )
@@ -293,11 +292,14 @@ def check_options(
             options,
             "Pass e.g. options={'find_unused_parameters': True}.",
         )
-    bad = [k for k in options if not isinstance(k, str)]
-    if bad:
-        raise TypeError(
-            f"{func}(): wrapper option names must be strings, got {describe(bad[0])}. Pass "
-            "them as keyword arguments, e.g. find_unused_parameters=True."
+    for key in options:
+        check_type(
+            func,
+            "options",
+            key,
+            str,
+            expected="strings as wrapper option names",
+            fix="Pass them as keyword arguments, e.g. find_unused_parameters=True.",
         )
     opts = dict(options)
     check_option_names(func, kind, opts, auto=auto)

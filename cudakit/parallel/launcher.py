@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch.distributed as dist
 
-from .._check import check_callable, check_int, check_number, describe
+from .._check import check_callable, check_choice, check_int, check_number
 from ._failures import RankEnd, explain, shutdown_notes
 from .group import teardown_owned_group
 from .unused import unused_parameters_hint
@@ -244,12 +244,13 @@ def launch(
             fix="It counts seconds: e.g. timeout=600, or None to wait for as long as the "
             "ranks run.",
         )
-    if start_method not in ("spawn", "forkserver", "fork"):
-        exc_type = ValueError if isinstance(start_method, str) else TypeError
-        raise exc_type(
-            f"launch(): start_method must be 'spawn', 'forkserver' or 'fork', got "
-            f"{describe(start_method)}. Keep the default 'spawn', which is safe with CUDA."
-        )
+    check_choice(
+        "launch",
+        "start_method",
+        start_method,
+        ("spawn", "forkserver", "fork"),
+        fix="Keep the default 'spawn', which is safe with CUDA.",
+    )
     if start_method != "fork":
         try:
             pickle.dumps(fn)

@@ -15,7 +15,7 @@ from .._check import (
     check_callable,
     check_int,
     check_optional,
-    describe,
+    check_type,
     fail_type,
 )
 from .ranks import rank, world_size
@@ -231,11 +231,15 @@ def distributed_loader(
         if flag in loader_kwargs:
             check_bool("distributed_loader", flag, loader_kwargs[flag])
     generator = loader_kwargs.get("generator")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"distributed_loader(generator=...) expects a torch.Generator or None, got "
-            f"{describe(generator)}. The shuffle is seeded by seed=...; leave generator= out."
-        )
+    check_optional(
+        check_type,
+        "distributed_loader",
+        "generator",
+        generator,
+        types=torch.Generator,
+        expected="a torch.Generator or None",
+        fix="The shuffle is seeded by seed=...; leave generator= out.",
+    )
     sampler: DistributedSampler[T_co] = DistributedSampler(
         dataset,
         num_replicas=world_size(),

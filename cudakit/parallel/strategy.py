@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._accel import current_cuda_index
-from .._check import check_bool, check_int, describe, fail_type, fail_value
+from .._check import check_bool, check_int, check_type, fail_type, fail_value
 from .._deprecated import renamed
 from .._dist import (
     LAUNCHER_VARS,
@@ -75,21 +75,22 @@ _ALIASES = {
 
 def check_strategy(strategy: object, *, func: str = "parallelize") -> str:
     """``strategy`` if it is one of :data:`REQUESTS`; else an error with a suggestion."""
-    if not isinstance(strategy, str):
-        raise TypeError(
-            f"{func}(): strategy must be one of {', '.join(map(repr, REQUESTS))}, got "
-            f"{type(strategy).__name__} {strategy!r}. Pass strategy='auto' to let cudakit choose."
-        )
+    expected = f"one of {', '.join(map(repr, REQUESTS))}"
+    strategy = check_type(
+        func,
+        "strategy",
+        strategy,
+        str,
+        expected=expected,
+        fix="Pass strategy='auto' to let cudakit choose.",
+    )
     if strategy not in REQUESTS:
         low = strategy.strip().lower().replace("_", "").replace("-", "")
         guess = low if low in REQUESTS else _ALIASES.get(low)
         if guess is None:
             close = difflib.get_close_matches(low, REQUESTS, n=1)
             guess = close[0] if close else "auto"
-        raise ValueError(
-            f"{func}(): unknown strategy {strategy!r}; did you mean {guess!r}? Valid strategies: "
-            f"{', '.join(map(repr, REQUESTS))}."
-        )
+        fail_value(func, "strategy", expected, strategy, f"Did you mean strategy={guess!r}?")
     return strategy
 
 
@@ -202,15 +203,21 @@ def choose_strategy(
         minimum=0,
         fix="Pass torch.cuda.device_count().",
     )  # a NumPy int too
-    if not isinstance(device_type, str):
-        raise TypeError(
-            f"choose_strategy(): device_type must be a string such as 'cuda' or 'cpu', got "
-            f"{describe(device_type)}; pass torch.device(...).type."
-        )
+    device_type = check_type(
+        "choose_strategy",
+        "device_type",
+        device_type,
+        str,
+        expected="a string such as 'cuda' or 'cpu'",
+        fix="Pass torch.device(...).type.",
+    )
     if device_type not in _DEVICE_TYPES:
-        raise ValueError(
-            f"choose_strategy(): device_type must be a torch device type such as 'cuda' or "
-            f"'cpu', got {device_type!r}; pass torch.device(...).type (lower case)."
+        fail_value(
+            "choose_strategy",
+            "device_type",
+            "a torch device type such as 'cuda' or 'cpu'",
+            device_type,
+            "Pass torch.device(...).type (lower case).",
         )
     if group_world_size is not None:
         group_world_size = check_int(
@@ -474,7 +481,7 @@ def choose_plan(
     >>> choose_plan("DDP", facts)
     Traceback (most recent call last):
     ...
-    ValueError: choose_plan(): unknown strategy 'DDP'; did you mean 'ddp'? ...
+    ValueError: choose_plan(strategy=...) expects ..., got str 'DDP'. ...
 
     Every argument gets the door :func:`~cudakit.parallel.parallelize` has: the
     request, the kind of ``facts``, the backend (``"nccl"`` for a CPU plan is refused)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from .._check import check_bool
+from .._check import check_bool, check_type
 
 __all__ = ["LoadResult", "is_fsdp2", "load_state_dict", "state_dict", "unwrap"]
 
@@ -30,11 +30,14 @@ def _compiled_type() -> type[nn.Module] | None:
 
 
 def _check_module(func: str, model: object) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{func}() expects an nn.Module, got {type(model).__name__}. Pass the model "
-            "(the object parallelize() or torch.compile() returned)."
-        )
+    check_type(
+        func,
+        "model",
+        model,
+        nn.Module,
+        expected="an nn.Module",
+        fix="Pass the model (the object parallelize() or torch.compile() returned).",
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -254,12 +257,15 @@ def load_state_dict(
     .. versionadded:: 0.1
     """
     _check_module("load_state_dict", model)
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"load_state_dict() expects a mapping of parameter names to tensors, got "
-            f"{type(state).__name__}. If you saved a whole checkpoint, pass "
-            "checkpoint['model'] (or whichever key holds the model's state)."
-        )
+    check_type(
+        "load_state_dict",
+        "state",
+        state,
+        Mapping,
+        expected="a mapping of parameter names to tensors",
+        fix="If you saved a whole checkpoint, pass checkpoint['model'] (or whichever key holds "
+        "the model's state).",
+    )
     check_bool("load_state_dict", "strict", strict)
     inner = unwrap(model)
     if is_fsdp2(inner):

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._accel import current_cuda_index
 from .._blocks import repeated_blocks
+from .._check import fail_type
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
@@ -345,10 +346,13 @@ def parallelize(
     obj: object = model
     if not isinstance(obj, nn.Module):
         opt = isinstance(obj, torch.optim.Optimizer)
-        hint = " Pass the model, not the optimizer." if opt else ""
-        raise TypeError(
-            f"parallelize() expects an nn.Module, got {type(model).__name__}.{hint} "
-            "For example: model = parallelize(MyNet())."
+        hint = "Pass the model, not the optimizer. " if opt else ""
+        fail_type(
+            "parallelize",
+            "model",
+            "an nn.Module",
+            obj,
+            f"{hint}For example: model = parallelize(MyNet()).",
         )
     request = check_strategy(strategy)
     td = check_timeout("parallelize", timeout)

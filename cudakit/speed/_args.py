@@ -8,7 +8,16 @@ from typing import IO, Any
 import torch
 
 from .._accel import follows_current_device
-from .._check import check_bool, check_device, check_int, check_number, check_optional, describe
+from .._check import (
+    check_bool,
+    check_device,
+    check_int,
+    check_number,
+    check_optional,
+    check_type,
+    fail_type,
+    fail_value,
+)
 from .._output import LogTarget, Stderr, check_file, check_log
 from ..amp import AutocastStep
 from ..device import DeviceLike, resolve_device
@@ -57,8 +66,8 @@ def _check_dtype(dtype: object) -> object:
     expected = f"a floating torch.dtype or one of {names}"
     fix = "It picks the peak the MFU is measured against, e.g. dtype=torch.bfloat16."
     if isinstance(dtype, (torch.dtype, str)):
-        raise ValueError(f"{_FUNC}(dtype=...) expects {expected}, got {describe(dtype)}. {fix}")
-    raise TypeError(f"{_FUNC}(dtype=...) expects {expected}, got {describe(dtype)}. {fix}")
+        fail_value(_FUNC, "dtype", expected, dtype, fix)
+    fail_type(_FUNC, "dtype", expected, dtype, fix)
 
 
 def _device(device: DeviceLike, step: AutocastStep | None) -> torch.device:
@@ -93,11 +102,15 @@ def settle(
     loss: object = False,
 ) -> Settings:
     """Check every argument, then decide; raises before anything is made."""
-    if label is not None and not isinstance(label, str):
-        raise TypeError(
-            f"{_FUNC}(label) takes a string naming what is measured, got {describe(label)}. "
-            "For example: speed_report('train')."
-        )
+    check_optional(
+        check_type,
+        _FUNC,
+        "label",
+        label,
+        types=str,
+        expected="a string naming what is measured, or None",
+        fix="For example: speed_report('train').",
+    )
     checked_file = check_file(_FUNC, file)
     checked_log = check_log(_FUNC, log)
     for name, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
@@ -105,10 +118,13 @@ def settle(
     acc = check_optional(check_int, _FUNC, "accumulate", accumulate, minimum=1)
     the_step = step_of(step)
     if step is not None and the_step is None:
-        raise TypeError(
-            f"{_FUNC}(step=...) expects an autocast_step(...) object or a function it "
-            f"decorated, got {describe(step)}. Its accumulation windows are then the "
-            "meter's optimizer steps; for another loop pass accumulate=N instead."
+        fail_type(
+            _FUNC,
+            "step",
+            "an autocast_step(...) object or a function it decorated",
+            step,
+            "Its accumulation windows are then the meter's optimizer steps; for another loop "
+            "pass accumulate=N instead.",
         )
     if the_step is not None and acc is not None:
         raise ValueError(

@@ -39,6 +39,9 @@ class Recorder:
         self.label = settings.label
         #: The autocast_step whose windows are the steps (given, or the decorated one's).
         self.step = settings.step
+        #: Its accumulation window (``step.window``), bound once: each call reads its
+        #: position without a property call.
+        self.window: Any = settings.step.window if settings.step is not None else None
         #: The last line written, and the all-rank figures of the last log point.
         self.last_line: str | None = None
         self.combined: SpeedSummary | None = None
@@ -60,7 +63,7 @@ class Recorder:
         if step is not None:
             if before == 0 and (tally.open_calls or self.due):
                 self.end_flushed()  # the window was stepped between calls (flush())
-            ends = step._window.position == 0  # (the property, without its call)
+            ends = self.window.position == 0  # (step.position, without the property call)
         elif isinstance(out, StepResult):
             # A window's last call carries a verdict (a bool, or a lazy Verdict: never read).
             ends = out.stepped is not False or out.skipped is not False

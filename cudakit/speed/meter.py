@@ -150,7 +150,7 @@ class SpeedMeter(ContextDecorator):
             counter.explain(exc, self._batch, "the block's batch", self._counts)
             raise
         step = recorder.step
-        self._before = step._window.position if step is not None else 0  # (no property)
+        self._before = recorder.window.position if step is not None else 0  # (no property)
         self._open = recorder.tally.clock.start()
         return self
 
@@ -206,6 +206,7 @@ class SpeedMeter(ContextDecorator):
                 recorder.label = str(name).rsplit("<locals>.", 1)[-1]
         if recorder.step is None:
             recorder.step = step  # its dtype picks the peak
+            recorder.window = step.window if step is not None else None
         tally = recorder.tally
         start, stop = tally.clock.start, tally.clock.stop
         counter = settings.counter
@@ -239,7 +240,7 @@ class SpeedMeter(ContextDecorator):
         else:  # the common case, kept lean: the step's windows are the optimizer steps
             add, log, every = tally.add, recorder.log, settings.every
             end_flushed = recorder.end_flushed
-            window = step._window  # its position, read without the property (each call)
+            window = step.window  # bound once: its position is read without a property call
             # The wall clock's stop is a subtraction: made here, not through a call.
             wall = time.perf_counter if type(tally.clock) is WallClock else None
 
@@ -431,9 +432,12 @@ def _check_shown(name: str, value: object) -> None:
     fix = "For example: meter.show(loss=loss), the loss tensor as it is."
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(
-                f"SpeedMeter.show({name}=...) expects {expected}, got a tensor of "
-                f"{value.numel()} elements. Show one number, e.g. {name}=t.mean()."
+            fail_value(
+                "SpeedMeter.show",
+                name,
+                expected,
+                value,
+                f"It has {value.numel()} elements: show one number, e.g. {name}=t.mean().",
             )
     elif not (callable(value) or is_real(value)):
         fail_type("SpeedMeter.show", name, expected, value, fix)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._check import fail_type, fail_value
+from .._check import fail_type, fail_value, is_int
 from .preserve import RngState
 
 __all__ = ["example_batch"]
@@ -179,6 +179,6 @@ def _epoch_counters(loader: object) -> list[tuple[Any, int]]:
         getattr(getattr(loader, "batch_sampler", None), "sampler", None),
     ):
         epoch = getattr(owner, "epoch", None)
-        if isinstance(epoch, int) and not isinstance(epoch, bool):
+        if is_int(epoch):
             found.append((owner, epoch))
     return found

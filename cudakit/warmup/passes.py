@@ -83,11 +83,13 @@ def _resolve_amp(amp: object, device: torch.device) -> tuple[Callable[[], Any], 
                 f"first pass. {fix}",
             )
         return functools.partial(torch.autocast, device_type=device.type, dtype=amp), ()
-    raise TypeError(
-        f"warmup(amp=...) expects an autocast_step(...) object (anything with .autocast()), a "
-        f"torch.dtype such as torch.bfloat16, or None; got {type(amp).__name__} {amp!r}. "
-        "Pass amp=step (your autocast_step) or the dtype you train in, e.g. "
-        "amp=torch.bfloat16."
+    fail_type(
+        "warmup",
+        "amp",
+        "an autocast_step(...) object (anything with .autocast()), a torch.dtype such as "
+        "torch.bfloat16, or None",
+        amp,
+        "Pass amp=step (your autocast_step) or the dtype you train in, e.g. amp=torch.bfloat16.",
     )
 
 

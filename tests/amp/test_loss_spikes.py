@@ -437,8 +437,8 @@ def test_a_mixed_streak_names_both_causes() -> None:
         ({"z": None}, ValueError, "z=None and ratio=None, so no window could ever be"),
         ({"warmup": 1}, ValueError, r"SpikeRule\(warmup=...\) expects an int >= 2"),
         ({"warmup": 2.0}, TypeError, r"SpikeRule\(warmup=...\) expects an int >= 2"),
-        ({"decay": 1.0}, ValueError, r"SpikeRule\(decay=...\) expects a number between 0 and 1"),
-        ({"decay": 0}, ValueError, r"SpikeRule\(decay=...\) expects a number between 0 and 1"),
+        ({"decay": 1.0}, ValueError, r"SpikeRule\(decay=...\) expects a finite number in \(0, 1\)"),
+        ({"decay": 0}, ValueError, r"SpikeRule\(decay=...\) expects a finite number in \(0, 1\)"),
         ({"decay": "0.9"}, TypeError, r"SpikeRule\(decay=...\) expects a finite number"),
     ],
 )

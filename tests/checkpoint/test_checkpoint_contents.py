@@ -240,7 +240,7 @@ def test_another_number_of_optimizers_or_schedulers_is_refused(tmp_path: Path) -
         ({"loader": iter([1, 2])}, TypeError, r"re-iterable loader"),
         ({"loader": 5}, TypeError, r"re-iterable of batches"),
         ({"extra": [1]}, TypeError, r"extra=\.\.\.\) expects a dict"),
-        ({"extra": {1: 2}}, TypeError, r"keys must be str names"),
+        ({"extra": {1: 2}}, TypeError, r"extra=\.\.\.\) expects str names as keys, got int 1"),
         ({"keep": 0}, ValueError, r"Checkpointer\(keep=...\) expects an int >= 1"),
         ({"keep": 1.5}, TypeError, r"Checkpointer\(keep=...\) expects an int"),
         ({"every": -1}, ValueError, r"Checkpointer\(every=...\) expects an int >= 1"),

@@ -81,7 +81,7 @@ def test_file_none_silences_and_log_or_a_stream_takes_the_line(
 def test_file_and_log_of_the_wrong_kind_are_refused_before_anything(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 1)
     root = tmp_path / "new"
-    with pytest.raises(TypeError, match=r"Checkpointer\(file=\.\.\.\) takes a text stream"):
+    with pytest.raises(TypeError, match=r"Checkpointer\(file=\.\.\.\) expects a text stream"):
         cudakit.Checkpointer(root, model=model, file=io.BytesIO())
     with pytest.raises(TypeError, match=r"Checkpointer\(log=\.\.\.\) expects a logging.Logger"):
         cudakit.Checkpointer(root, model=model, log=3)

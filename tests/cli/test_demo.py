@@ -426,7 +426,11 @@ def test_dataset_is_deterministic_and_the_splits_differ() -> None:
     [
         ({"n": 0}, ValueError, r"make_dataset\(n=\.\.\.\) expects an int >= 1, got int 0\. .*n=64"),
         ({"n": True}, TypeError, r"make_dataset\(n=\.\.\.\) expects an int >= 1, got bool True"),
-        ({"n": 4, "split": "test"}, ValueError, r"split must be 'train' or 'val', got 'test'"),
+        (
+            {"n": 4, "split": "test"},
+            ValueError,
+            r"make_dataset\(split=\.\.\.\) expects 'train' or 'val', got str 'test'\. Pass",
+        ),
     ],
 )
 def test_dataset_errors(kwargs: dict[str, Any], exc: type[Exception], message: str) -> None:

@@ -714,9 +714,13 @@ def test_loader_kwargs_overrides() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"num_workers": 1.5}, TypeError, r"num_workers=...\) expects an int, got float 1.5"),
-        ({"num_workers": True}, TypeError, r"expects an int, got bool True"),
-        ({"num_workers": -1}, ValueError, r"num_workers=-1\) must be >= 0; pass 0"),
+        ({"num_workers": 1.5}, TypeError, r"num_workers=...\) expects an int >= 0, got float 1.5"),
+        ({"num_workers": True}, TypeError, r"expects an int >= 0, got bool True"),
+        (
+            {"num_workers": -1},
+            ValueError,
+            r"num_workers=...\) expects an int >= 0, got int -1.* pass 0",
+        ),
         ({"pin_memory": 1}, TypeError, r"pin_memory=...\) expects True, False or None"),
         ({"persistent_workers": "yes"}, TypeError, r"persistent_workers=...\) expects True"),
         ({"pin_memory": True}, ValueError, r"only speeds up copies to a CUDA device.*'cpu'"),

@@ -114,7 +114,7 @@ def test_bare_decorator_form_checks_the_other_arguments_too() -> None:
         ValueError, match=r"memory_report\(every=\.\.\.\) expects an int >= 1, got int 0"
     ):
         memory_report(step, every=0)  # type: ignore[call-overload]
-    with pytest.raises(TypeError, match=r"memory_report\(file=\.\.\.\) takes a text stream"):
+    with pytest.raises(TypeError, match=r"memory_report\(file=\.\.\.\) expects a text stream"):
         memory_report(step, file="log.txt")  # type: ignore[call-overload]
 
 

@@ -92,8 +92,8 @@ def test_text_that_is_not_json_is_a_value_error(text: str) -> None:
 def test_from_json_of_something_not_text_is_a_type_error(text: Any) -> None:
     with pytest.raises(
         TypeError,
-        match=r"^MemoryReport\.from_json\(text\) takes the string MemoryReport\.to_json\(\) "
-        r"wrote, got " + re.escape(type(text).__name__),
+        match=r"^MemoryReport\.from_json\(text=\.\.\.\) expects the string "
+        r"MemoryReport\.to_json\(\) wrote, got " + re.escape(type(text).__name__),
     ):
         MemoryReport.from_json(text)
 
@@ -102,11 +102,11 @@ def test_from_json_of_something_not_text_is_a_type_error(text: Any) -> None:
 def test_data_that_is_not_an_object_is_a_type_error(data: Any) -> None:
     with pytest.raises(
         TypeError,
-        match=r"^MemoryReport\.from_dict\(data\) takes a dict as MemoryReport\.to_dict\(\) "
-        r"returns, got " + re.escape(type(data).__name__),
+        match=r"^MemoryReport\.from_dict\(data=\.\.\.\) expects a dict as "
+        r"MemoryReport\.to_dict\(\) returns, got " + re.escape(type(data).__name__),
     ):
         MemoryReport.from_dict(data)
-    with pytest.raises(TypeError, match=r"^MemoryReport\.from_dict\(data\) takes a dict"):
+    with pytest.raises(TypeError, match=r"^MemoryReport\.from_dict\(data=\.\.\.\) expects a dict"):
         MemoryReport.from_json(json.dumps(data))
 
 

@@ -176,3 +176,34 @@ def test_relative_imports_resolve() -> None:
     init = modules["cudakit.parallel"]
     node = ast.ImportFrom(module="wrap", names=[ast.alias("x")], level=1)
     assert _resolve("cudakit.parallel", init, node) == "cudakit.parallel.wrap"
+
+
+def _own_private_attributes(path: Path) -> set[str]:
+    """The ``self._name`` attributes a module's classes set: their private state."""
+    return {
+        node.attr
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and _private(node.attr)
+    }
+
+
+def test_no_other_package_reads_an_autocast_steps_private_state() -> None:
+    """``speed_report`` and ``Checkpointer`` read the window through ``step.window``."""
+    private = _own_private_attributes(ROOT / "amp" / "step.py")
+    assert "_window" in private
+    offenders = []
+    for name, path in _modules().items():
+        if name.startswith("cudakit.amp"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+            ):
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)

@@ -1,9 +1,10 @@
 """One set of argument validators (``cudakit/_check.py``), used everywhere, one wording.
 
 Every refused argument reads ``<func>(<arg>=...) expects <what>, got <type> <repr>.
-<fix>``: ``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. The scan
-below keeps hand-written checks of ints, numbers, bools and callables out of the
-package, and the properties pin the validators themselves.
+<fix>``: ``TypeError`` for a wrong kind, ``ValueError`` for a wrong value. The scans
+below keep hand-written checks of ints, numbers, bools and callables out of the
+package, and every argument's refusal in words of its own (the one wording written
+out by hand, or ``takes``/``must be``); the properties pin the validators themselves.
 """
 
 from __future__ import annotations
@@ -177,6 +178,106 @@ def test_the_scan_finds_each_hand_written_form(tmp_path: Path) -> None:
         "        fail_type('f', 'fn', \"'auto', True or False\", fn)  # a choice or a bool\n"
     )
     assert [line for _, line, _ in hand_written_checks(tmp_path)] == [2, 4, 6, 8, 12, 14, 16]
+
+
+#: An argument's refusal in words of its own: the one wording by hand (``f(arg=...)
+#: expects ..., got``, or ``f() expects`` naming no argument), or the older ``f(arg=...)
+#: takes``, ``f(arg) takes``, ``f(): arg must be``, ``f() arg must be``, ``f(arg=...)
+#: must be``.
+_DRIFT = (
+    re.compile(r"^[\w.@{}]+\((?:[^)]*=\.\.\.)?\) expects .+?, got "),
+    re.compile(r"[\w}]\(\w+(?:=\.\.\.)?\) takes "),
+    re.compile(r"[\w}]\((?:\w+=[^)]*)?\):? (?:[a-z_]+ ){0,3}must be "),
+)
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """The module's own ``NAME = "text"`` constants (``_WHERE``), to read messages whole."""
+    found = {}
+    for stmt in tree.body:
+        target = (
+            stmt.targets[0]
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            else stmt.target
+            if isinstance(stmt, ast.AnnAssign)
+            else None
+        )
+        value = stmt.value if isinstance(stmt, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            found[target.id] = str(value.value)
+    return found
+
+
+def _text(node: ast.AST, constants: dict[str, str]) -> str:
+    """A message's words, ``{}`` for each value put in (a known constant's text for one)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_text(v, constants) for v in node.values)
+    if isinstance(node, ast.FormattedValue) and isinstance(node.value, ast.Name):
+        return constants.get(node.value.id, "{}")
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _text(node.left, constants) + _text(node.right, constants)
+    return "{}"
+
+
+def own_wording(root: Path) -> list[tuple[str, int, str]]:
+    """``(module, line, words)`` for each ``raise TypeError/ValueError`` outside ``_check.py``
+    that refuses an argument in its own words.
+
+    That is the one wording written out by hand (``f(arg=...) expects ..., got``, a job
+    for ``fail_type``/``fail_value`` or a ``check_*``), or the older ``takes``/``must
+    be`` wordings. A check of data deep in a walk (``the field 'x' must be``, ``the
+    loss must be``) names no argument this way and is left alone.
+    """
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_check.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = _constants(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            exc = node.exc.func
+            if not (
+                isinstance(exc, ast.Name)
+                and exc.id in ("TypeError", "ValueError")
+                and node.exc.args
+            ):
+                continue
+            words = _text(node.exc.args[0], constants)
+            if any(rule.search(words) for rule in _DRIFT):
+                found.append((path.relative_to(root).as_posix(), node.lineno, words[:80]))
+    return found
+
+
+def test_no_argument_is_refused_in_its_own_words() -> None:
+    found = [f"{m}:{line}: {words}" for m, line, words in own_wording(PACKAGE)]
+    assert not found, "refuse through cudakit/_check.py's validators:\n" + "\n".join(found)
+
+
+def test_the_wording_scan_finds_each_drift(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "WHERE = 'g(data)'\n"
+        "def f(label, split, n, data, loss, fields):\n"
+        "    raise TypeError(f'f(label=...) takes a string, got {label!r}.')\n"
+        "    raise TypeError(f'f(label) takes a string, got {label!r}.')\n"
+        "    raise TypeError(f'{WHERE} takes a dict, got {data!r}.')\n"
+        "    raise ValueError(f'f() split must be a name, got {split!r}.')\n"
+        "    raise TypeError(f'{func}(): split must be one of a, b, got {split!r}.')\n"
+        "    raise ValueError(f'f(n={n}) must be >= 0.')\n"
+        "    raise TypeError(f'f(extra=...) keys must be str names, got {n!r}.')\n"
+        "    raise TypeError(f'{func}(): wrapper option names must be strings.')\n"
+        "    raise TypeError('f(n=...) expects an int, ' f'got {describe(n)}.')\n"
+        "    raise ValueError(f'{func}() expects a model, got {n}.')\n"
+        "    raise ValueError(f'{WHERE}: the field {fields!r} must be finite.')  # data\n"
+        "    raise TypeError('f: the loss must be a tensor, got ' + repr(loss))  # data\n"
+        "    raise TypeError(f'f(strategy=\"none\") takes no options, got {n}.')  # a pairing\n"
+        "    raise TypeError(f'launch() must send fn to new processes: {n}')  # no argument\n"
+        "    raise ValueError(f'f(n={n}) is not a precision f knows; pass a dtype.')\n"
+    )
+    assert [line for _, line, _ in own_wording(tmp_path)] == list(range(3, 13))
 
 
 # --------------------------------------------------------------------- the wording

@@ -8,25 +8,25 @@ module that owns it; what a public signature names is documented from that modul
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 
+import cudakit
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "api"
 
-#: The public packages, each documented on the API pages.
+#: The public packages, each documented on the API pages: every package of cudakit
+#: whose name does not start with ``_``, so a new one is checked the day it is added.
 PACKAGES = (
     "cudakit",
-    "cudakit.amp",
-    "cudakit.checkpoint",
-    "cudakit.data",
-    "cudakit.demo",
-    "cudakit.device",
-    "cudakit.memory",
-    "cudakit.parallel",
-    "cudakit.speed",
-    "cudakit.warmup",
+    *sorted(
+        f"cudakit.{m.name}"
+        for m in pkgutil.iter_modules(cudakit.__path__)
+        if m.ispkg and not m.name.startswith("_")
+    ),
 )
 
 #: Internals that once sat in a package's ``__all__``, and where they live now.

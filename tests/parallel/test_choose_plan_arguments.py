@@ -35,8 +35,8 @@ TORCHRUN_GPUS = dataclasses.replace(
 def test_an_unknown_request_is_refused_with_a_suggestion(request_: str, guess: str) -> None:
     with pytest.raises(
         ValueError,
-        match=rf"choose_plan\(\): unknown strategy {request_!r}; did you mean {guess!r}\? "
-        r"Valid strategies: 'auto', 'none', 'dp', 'ddp', 'fsdp'\.",
+        match=r"choose_plan\(strategy=\.\.\.\) expects one of 'auto', 'none', 'dp', 'ddp', "
+        rf"'fsdp', got str {request_!r}\. Did you mean strategy={guess!r}\?",
     ):
         choose_plan(request_, TORCHRUN_CPU)
 
@@ -45,8 +45,8 @@ def test_an_unknown_request_is_refused_with_a_suggestion(request_: str, guess: s
 def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
     with pytest.raises(
         TypeError,
-        match=r"choose_plan\(\): strategy must be one of 'auto', 'none', 'dp', 'ddp', 'fsdp', "
-        r"got .*Pass strategy='auto'",
+        match=r"choose_plan\(strategy=\.\.\.\) expects one of 'auto', 'none', 'dp', 'ddp', "
+        r"'fsdp', got .*Pass strategy='auto'",
     ):
         choose_plan(request_, CPU)
 

@@ -88,8 +88,8 @@ def _unchanged(model: nn.Module, before: list[tuple[str, torch.device, torch.Ten
             ValueError,
             r"parallelize\(backend=\.\.\.\) expects one of 'gloo', 'nccl'.*got str 'glooo'",
         ),
-        ({"strategy": 2}, TypeError, r"parallelize\(\): strategy must be one of 'auto'"),
-        ({"strategy": "DP"}, ValueError, r"parallelize\(\): unknown strategy 'DP'"),
+        ({"strategy": 2}, TypeError, r"parallelize\(strategy=\.\.\.\) expects one of 'auto'"),
+        ({"strategy": "DP"}, ValueError, r"parallelize\(strategy=\.\.\.\) .* got str 'DP'"),
         (
             {"device": "gpu"},
             DeviceError,
@@ -213,7 +213,11 @@ def test_choose_strategy_env_must_be_a_mapping_of_strings() -> None:
             ValueError,
             r"choose_strategy\(device_count=\.\.\.\) expects an int >= 0",
         ),
-        ({"device_type": None}, TypeError, r"choose_strategy\(\): device_type must be a string"),
+        (
+            {"device_type": None},
+            TypeError,
+            r"choose_strategy\(device_type=\.\.\.\) expects a string",
+        ),
         (
             {"group_world_size": 1.0},
             TypeError,
@@ -254,9 +258,13 @@ def test_rank_helpers_check_their_arguments() -> None:
 def test_state_dict_helpers_check_their_arguments() -> None:
     net = nn.Linear(2, 2)
     before = _snapshot(net)
-    with pytest.raises(TypeError, match=r"state_dict\(\) expects an nn.Module, got dict"):
+    with pytest.raises(
+        TypeError, match=r"state_dict\(model=\.\.\.\) expects an nn.Module, got dict"
+    ):
         cp.state_dict({})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"load_state_dict\(\) expects an nn.Module, got str"):
+    with pytest.raises(
+        TypeError, match=r"load_state_dict\(model=\.\.\.\) expects an nn.Module, got str"
+    ):
         cp.load_state_dict("net", {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"load_state_dict\(strict=\.\.\.\) expects True or"):
         cp.load_state_dict(net, nn.Linear(2, 2).state_dict(), strict="yes")  # type: ignore[arg-type]
@@ -264,9 +272,9 @@ def test_state_dict_helpers_check_their_arguments() -> None:
 
 
 def test_launch_start_method_kind_and_value() -> None:
-    with pytest.raises(TypeError, match=r"launch\(\): start_method must be 'spawn'.*got int 3"):
+    with pytest.raises(TypeError, match=r"launch\(start_method=\.\.\.\) .*'spawn'.*got int 3"):
         cp.launch(print, nprocs=1, start_method=3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"launch\(\): start_method must be .* got str 'thread'"):
+    with pytest.raises(ValueError, match=r"launch\(start_method=\.\.\.\) .* got str 'thread'"):
         cp.launch(print, nprocs=1, start_method="thread")  # type: ignore[arg-type]
 
 
@@ -533,3 +541,36 @@ def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
         cp.parallelize(net, "fsdp", device="cpu", offload_policy=CPUOffloadPolicy())
     assert _unchanged(net, before)
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------ arguments at their limits
+
+
+@pytest.mark.parametrize("timeout", [1e300, 1e12, datetime.timedelta.max])
+def test_timeouts_past_a_year_are_refused(timeout: Any) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"parallelize\(timeout=\.\.\.\) expects at most 365 days"):
+        cp.parallelize(model, device="cpu", timeout=timeout)
+
+
+def test_an_already_wrapped_model_still_gets_its_arguments_checked() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(DeviceError, match="did you mean 'cuda'"):
+        cp.parallelize(wrapped, device="gpu")
+    assert cp.parallelize(wrapped, device="cpu") is wrapped
+
+
+@pytest.mark.parametrize("device_type", ["gpu", "CUDA", ""])
+def test_choose_strategy_refuses_unknown_device_types(device_type: str) -> None:
+    with pytest.raises(ValueError, match=r"device_type=\.\.\.\) expects a torch device type"):
+        cp.choose_strategy("auto", env={}, device_count=2, device_type=device_type)
+
+
+def test_distributed_loader_checks_option_values() -> None:
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    with pytest.raises(ValueError, match=r"distributed_loader\(\): drop_last=True needs"):
+        cp.distributed_loader(ds, None, drop_last=True)
+    with pytest.raises(ValueError, match=r"distributed_loader\(num_workers=\.\.\.\)"):
+        cp.distributed_loader(ds, 2, num_workers=-1)
+    with pytest.raises(TypeError, match=r"distributed_loader\(generator=\.\.\.\) expects"):
+        cp.distributed_loader(ds, 2, generator="x")

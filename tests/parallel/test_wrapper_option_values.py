@@ -154,7 +154,9 @@ def test_good_ddp_options_pass_through() -> None:
 def test_options_of_the_wrong_kind() -> None:
     with pytest.raises(TypeError, match=r"choose_plan\(options=\.\.\.\) expects a mapping"):
         choose_plan("auto", CPU, options=[("bucket_cap_mb", 25)])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"option names must be strings, got int 1"):
+    with pytest.raises(
+        TypeError, match=r"options=...\) expects strings as wrapper option names, got int 1"
+    ):
         choose_plan("auto", CPU, options={1: 2})
 
 

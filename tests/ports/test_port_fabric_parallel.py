@@ -60,8 +60,8 @@ def test_choose_strategy(
             "incomplete launcher environment",
         ),
         # Fabric's spawn strategies: cudakit.launch() spawns, parallelize() does not.
-        ("ddp_spawn", {}, 0, "cpu", ValueError, "unknown strategy 'ddp_spawn'"),
-        ("bogus", {}, 0, "cpu", ValueError, "unknown strategy 'bogus'"),
+        ("ddp_spawn", {}, 0, "cpu", ValueError, "got str 'ddp_spawn'"),
+        ("bogus", {}, 0, "cpu", ValueError, "got str 'bogus'"),
     ],
 )
 def test_choose_strategy_errors(

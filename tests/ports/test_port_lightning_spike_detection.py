@@ -752,7 +752,11 @@ def test_llm_foundry_patience_is_max_skipped(skip_on: str) -> None:
         ({"ratio": NAN}, ValueError, r"SpikeRule\(ratio=...\) expects a finite number >= 1"),
         ({"warmup": True}, TypeError, r"SpikeRule\(warmup=...\) expects an int >= 2"),
         ({"decay": NAN}, ValueError, r"SpikeRule\(decay=...\) expects a finite number"),
-        ({"decay": -0.5}, ValueError, r"SpikeRule\(decay=...\) expects a number between 0"),
+        (
+            {"decay": -0.5},
+            ValueError,
+            r"SpikeRule\(decay=...\) expects a finite number in \(0, 1\)",
+        ),
         ({"decay": True}, TypeError, r"SpikeRule\(decay=...\) expects a finite number"),
         ({"on": None}, TypeError, r"SpikeRule\(on=...\) expects one of 'loss', 'grad_norm'"),
         ({"on": ["loss"]}, TypeError, r"SpikeRule\(on=...\).*on=\('loss', 'grad_norm'\)"),

@@ -86,10 +86,10 @@ from cudakit.speed import FlopCount, speed_report
         (
             {"file": io.BytesIO()},
             TypeError,
-            r"speed_report\(file=...\) takes a text stream "
-            r"with .write\(\) .* got a binary stream",
+            r"speed_report\(file=...\) expects a text stream "
+            r"with .write\(\) .* got BytesIO .* It is a binary stream",
         ),
-        ({"file": 3}, TypeError, r"speed_report\(file=...\) takes a text stream .* got int 3"),
+        ({"file": 3}, TypeError, r"speed_report\(file=...\) expects a text stream .* got int 3"),
         (
             {"log": 3},
             TypeError,
@@ -106,8 +106,8 @@ def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], message
 def test_label_error() -> None:
     with pytest.raises(
         TypeError,
-        match=r"speed_report\(label\) takes a string naming what is "
-        r"measured, got int 3. For example: speed_report\('train'\)",
+        match=r"speed_report\(label=\.\.\.\) expects a string naming what is "
+        r"measured, or None, got int 3. For example: speed_report\('train'\)",
     ):
         speed_report(3)  # type: ignore[call-overload]
 

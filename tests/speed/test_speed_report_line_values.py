@@ -130,7 +130,8 @@ def test_show_in_a_decorated_step() -> None:
             torch.ones(3),
             ValueError,
             r"SpeedMeter.show\(loss=...\) expects a number, a one-element tensor or a "
-            r"function that returns one, got a tensor of 3 elements",
+            r"function that returns one, got Tensor tensor\(\[1\., 1\., 1\.\]\)\. It has 3 "
+            r"elements",
         ),
         (
             True,
