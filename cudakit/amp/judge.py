@@ -14,10 +14,11 @@ from typing import Any, cast
 
 import torch
 
+from .compiling import captures_cuda_graphs, compile_fn
 from .counters import StepCounters
 from .guard import NonFiniteGuard, VerdictMailbox, local
 from .ops import check_and_clip, check_clip_and_judge
-from .options import StepConfig, captures_cuda_graphs, compile_fn
+from .options import StepConfig
 from .params import StepParams
 from .spikes import SpikeWatch
 from .watch import Pending, Watch

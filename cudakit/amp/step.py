@@ -27,9 +27,10 @@ from . import misuse
 from .block import ACTIVE, Block
 from .buffers import BufferSnapshot
 from .checkpoint import StepCheckpoint
+from .compiling import compile_forward
 from .counters import StepCounters
 from .microstep import MicroSteps
-from .options import check_accumulate, check_max_skipped, compile_forward, resolve_options
+from .options import check_accumulate, check_max_skipped, resolve_options
 from .params import StepParams
 from .result import SteppedFunction, StepResult, extract_loss
 from .spikes import SpikeRule
