@@ -31,6 +31,7 @@ from .data import generators_of, is_stateful, restore_rng
 from .rollback import Fresh, Rollback
 from .safe_load import RefusedCheckpointError
 from .state import (
+    FreshStepError,
     Parts,
     drop_unsaved,
     failure_cause,
@@ -258,18 +259,32 @@ def _check_tensors(
     root: Path, parts: Parts, metadata: Any, group: Any, distributed: bool
 ) -> tuple[dict[str, Any], list[bool]]:
     fresh_now = fresh_optimizers(parts)
-    prefill_fresh(parts, metadata, fresh_now)
-    tensors = tensor_state(parts)
-    drop_unsaved(parts, tensors, metadata, fresh_now)
-    problems = mismatch(tensors, metadata)
+    tensors: dict[str, Any] = {}
     problem = None
-    if problems:
-        reset_fresh(parts, fresh_now)
+    try:
+        prefill_fresh(parts, metadata, fresh_now)
+        tensors = tensor_state(parts)
+    except FreshStepError as exc:
         problem = CheckpointError(
-            f"{_FUNC}: {root} does not fit this run's models and optimizers: "
-            + "; ".join(problems)
-            + ". Load a checkpoint of the same model (and optimizer type)."
+            f"{_FUNC}: optimizer {exc.index} ({exc.kind}) has no state yet, and the state "
+            f"{root} holds for it cannot be laid out here (sharded parameters, or state "
+            "under other names), so DCP's get_state_dict made it by stepping the optimizer "
+            f"once with zero gradients, which failed ({exc.cause}). Nothing was changed: "
+            "the optimizer (its learning rate, state and groups) and the model are as "
+            "they were. Step it once (optimizer.step(closure) for LBFGS) before loading; "
+            "the load then replaces its state and the model's weights."
         )
+    if problem is None:
+        drop_unsaved(parts, tensors, metadata, fresh_now)
+        problems = mismatch(tensors, metadata)
+        if problems:
+            problem = CheckpointError(
+                f"{_FUNC}: {root} does not fit this run's models and optimizers: "
+                + "; ".join(problems)
+                + ". Load a checkpoint of the same model (and optimizer type)."
+            )
+    if problem is not None:
+        reset_fresh(parts, fresh_now)
     try:
         _agree(problem, group, distributed)
     except CheckpointError:

@@ -99,6 +99,29 @@ def test_an_optimizer_saved_before_its_first_step_resumes_fresh(tmp_path: Path) 
     again.close()
 
 
+def test_an_lbfgs_saved_before_its_first_step_is_refused_as_it_was(tmp_path: Path) -> None:
+    """DCP's get_state_dict makes a state for an optimizer that has none by stepping it
+    with zero gradients and a zero learning rate; LBFGS's step needs a closure. The
+    save is refused, naming the optimizer and the fix, with its learning rate and
+    groups, the gradients and the directory as they were."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    groups = [dict(g) for g in opt.param_groups]
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointSaveError) as info:
+        ckpt.save()
+    ckpt.close()
+    text = str(info.value)
+    assert text.startswith("Checkpointer.save(): optimizer 0 (LBFGS) has no state yet")
+    assert "Save after its first step" in text
+    assert not opt.state
+    assert [dict(g) for g in opt.param_groups] == groups
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert model.weight.grad is None
+    assert model.bias.grad is None
+    assert cudakit.find_latest(tmp_path) is None
+
+
 class StatefulLoader:
     """Like torchdata's StatefulDataLoader: resumes by itself from its state_dict."""
 
