@@ -38,6 +38,7 @@ from .state import (
     fresh_optimizers,
     made_state,
     mismatch,
+    optimizer_mismatch,
     prefill_fresh,
     reset_fresh,
     tensor_state,
@@ -276,12 +277,22 @@ def _check_tensors(
         )
     if problem is None:
         drop_unsaved(parts, tensors, metadata, fresh_now)
-        problems = mismatch(tensors, metadata)
+        optimizers = optimizer_mismatch(parts, tensors, metadata)
+        explained = [f"optim.{name}." for name in optimizers]
+        problems = [p for found in optimizers.values() for p in found]
+        problems += mismatch(tensors, metadata, explained=explained)
         if problems:
+            fix = (
+                "Build each optimizer as the checkpoint's was saved (the same optimizer "
+                "type, options and parameter groups), or train this one from the start in "
+                "another directory."
+                if optimizers
+                else "Load a checkpoint of the same model (and optimizer type)."
+            )
             problem = CheckpointError(
                 f"{_FUNC}: {root} does not fit this run's models and optimizers: "
                 + "; ".join(problems)
-                + ". Load a checkpoint of the same model (and optimizer type)."
+                + f". {fix}"
             )
     if problem is not None:
         reset_fresh(parts, fresh_now)

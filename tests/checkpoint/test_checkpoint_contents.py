@@ -249,6 +249,108 @@ def test_another_number_of_optimizers_or_schedulers_is_refused(tmp_path: Path) -
     ckpt.close()
 
 
+def _options(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+@pytest.mark.parametrize(
+    ("make", "stepped", "expects", "holds"),
+    [
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            False,
+            "options dampening, momentum, nesterov",
+            "options amsgrad, betas, capturable, decoupled_weight_decay, eps",
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            True,
+            "options dampening, momentum, nesterov and the state momentum_buffer",
+            "options amsgrad, betas, capturable, decoupled_weight_decay, eps and the state "
+            "exp_avg, exp_avg_sq, step",
+        ),
+        (
+            lambda p: torch.optim.RMSprop(p, lr=0.1),
+            False,
+            "options alpha, centered, momentum",
+            "options amsgrad, betas, decoupled_weight_decay, fused and the state",
+        ),
+        (
+            lambda p: torch.optim.Adam(p, lr=0.1, amsgrad=True),
+            True,
+            "state max_exp_avg_sq",
+            "state exp_avg, exp_avg_sq, step",
+        ),
+    ],
+    ids=["sgd-fresh", "sgd-stepped", "rmsprop-fresh", "adam-amsgrad-stepped"],
+)
+def test_a_checkpoint_of_another_optimizer_type_is_refused_naming_both(
+    tmp_path: Path, make: Any, stepped: bool, expects: str, holds: str
+) -> None:
+    """A checkpoint saved with Adam, resumed into another optimizer (fresh, or one that
+    has stepped), is cudakit's "does not fit" refusal naming the optimizer, what it
+    expects and what the checkpoint holds, and the fix; nothing changes."""
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = make(model.parameters())
+    if stepped:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    options = _options(opt)
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert f"{path} does not fit this run's models and optimizers" in text
+    assert "Missing key" not in text
+    name = type(opt).__name__
+    assert f"optimizer 0 ({name}) of model 'model' expects the {expects}" in text
+    assert f"the checkpoint holds the {holds}" in text
+    assert "Build each optimizer as the checkpoint's was saved" in text  # the fix
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key])
+    assert _options(opt) == options
+    assert opt.state.keys() == state.keys()
+    for p, entries in state.items():
+        assert opt.state[p].keys() == entries.keys()
+        for key, value in entries.items():
+            assert torch.equal(opt.state[p][key], value)
+
+
+def test_another_number_of_parameter_groups_is_refused_naming_both(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model[0].parameters())
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.5})
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    assert "optimizer 0 (Adam) of model 'model' has 2 parameter group(s)" in str(info.value)
+    assert "the checkpoint's has 1" in str(info.value)
+    assert "Missing key" not in str(info.value)
+    assert [g["lr"] for g in opt.param_groups] == [0.001, 0.5]
+
+
+def test_groups_a_scheduler_changed_are_refused_with_the_hint(tmp_path: Path) -> None:
+    """An lr scheduler built on the optimizer but not on the saved run's (or not passed)
+    adds ``initial_lr`` to its groups: the refusal says where it comes from."""
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # not passed to the Checkpointer
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "optimizer 0 (Adam) of model 'model' expects the options initial_lr" in text
+    assert "an lr scheduler adds initial_lr: build the schedulers as the saved run did" in text
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
