@@ -387,7 +387,8 @@ def mismatch(
 
     Missing keys (this run has them, the checkpoint does not: DCP's strict load needs
     every one, pickled values too), unexpected keys (the checkpoint's model has them,
-    this run's does not) and tensors whose shapes differ, each named; empty when the
+    this run's does not), values that are a tensor on one side only, and tensors whose
+    shapes differ, each named; empty when the
     checkpoint fits. Missing keys under a prefix of ``explained`` (an optimizer that
     :func:`optimizer_mismatch` named) are left out.
     """
@@ -396,16 +397,26 @@ def mismatch(
     problems: list[str] = []
     mine = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     theirs = {k for k, v in saved.items() if hasattr(v, "size")}
+    loaded = _load_keys(state, mine)
     missing = sorted(
+        k for k in loaded if k not in saved and not any(k.startswith(p) for p in explained)
+    )
+    kinds = sorted(
         k
-        for k in _load_keys(state, mine)
-        if k not in saved and not any(k.startswith(p) for p in explained)
+        for k, v in loaded.items()
+        if k in saved and isinstance(v, torch.Tensor) != hasattr(saved[k], "size")
     )
     unexpected = sorted(k for k in theirs if k not in flat and k.startswith("model."))
     if missing:
         problems.append(f"missing from the checkpoint: {_names(missing)}")
     if unexpected:
         problems.append(f"in the checkpoint but not in this run: {_names(unexpected)}")
+    if kinds:
+        problems.append(
+            f"a tensor in one and a plain value in the other: {_names(kinds)} (state of "
+            "another length, such as LBFGS's history: load into a new optimizer, which "
+            "takes the checkpoint's)"
+        )
     for key, tensor in mine.items():
         meta = saved.get(key)
         size = getattr(meta, "size", None)
@@ -416,16 +427,16 @@ def mismatch(
     return problems
 
 
-def _load_keys(state: Mapping[str, Any], tensors: Mapping[str, Any]) -> Iterator[str]:
-    """The names DCP's load looks up for ``state``: its own flattening (a list holding
-    no tensor, a tuple, stays one value); the tensors' names where torch moved it."""
+def _load_keys(state: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The names DCP's load looks up for ``state`` and their values: its own flattening
+    (a list holding no tensor, a tuple, stays one value); the tensors where torch
+    moved it."""
     try:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     except ImportError:  # pragma: no cover - a torch that moved it
-        yield from tensors
-        return
+        return tensors
     flat, _ = flatten_state_dict(dict(state))
-    yield from flat
+    return flat
 
 
 def optimizer_mismatch(
@@ -489,6 +500,13 @@ def _optimizer_problem(
     entries = {str(k) for fqn in fqns for k in _entries(state.get(fqn))}
     their_entries = {str(path[0]) for fqn in fqns for path in saved_state.get(fqn, ())}
     lacks = _listed((("options", options - their_options), ("state", entries - their_entries)))
+    more = their_entries - entries if entries else set()
+    if not lacks and more:  # its state as loaded would miss entries its options use
+        return (
+            f"{who} keeps the state {', '.join(sorted(entries))}, and the checkpoint holds "
+            f"the state {', '.join(sorted(more))} as well, which this optimizer would not "
+            "load (it was saved with other options or another optimizer type)"
+        )
     if not lacks:
         return None
     holds = _listed((("options", their_options - options), ("state", their_entries)))

@@ -335,6 +335,66 @@ def test_another_number_of_parameter_groups_is_refused_naming_both(tmp_path: Pat
     assert [g["lr"] for g in opt.param_groups] == [0.001, 0.5]
 
 
+def test_a_stepped_optimizer_the_checkpoint_holds_more_state_for_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An Adam that has stepped without amsgrad, loading an amsgrad checkpoint, would
+    take amsgrad=True without max_exp_avg_sq (and fail at its next step): refused, and
+    nothing changes."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters(), amsgrad=True)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False) as ckpt:
+        path = ckpt.save()
+    other = torch.optim.Adam(model.parameters())
+    other.step()
+    options = _options(other)
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=other, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "optimizer 0 (Adam) of model 'model' keeps the state exp_avg, exp_avg_sq" in text
+    assert "the checkpoint holds the state max_exp_avg_sq as well" in text
+    assert _options(other) == options
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in other.state.values())
+
+
+def test_a_stepped_lbfgs_of_another_history_length_is_refused(tmp_path: Path) -> None:
+    def closure_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: float) -> None:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.full((4, 2), x)).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=1, history_size=3)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        closure_step(model, opt, x)
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False) as ckpt:
+        path = ckpt.save()
+    torch.manual_seed(0)
+    again = torch.nn.Linear(2, 1)
+    short = torch.optim.LBFGS(again.parameters(), max_iter=1, history_size=3)
+    closure_step(again, short, 1.0)
+    closure_step(again, short, 2.0)
+    history = len(next(iter(short.state.values()))["old_dirs"])
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=again, optimizer=short, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "does not fit" in text
+    assert "optim.model.state.weight.al.1" in text
+    assert "load into a new optimizer" in text
+    assert len(next(iter(short.state.values()))["old_dirs"]) == history
+
+
 def test_groups_a_scheduler_changed_are_refused_with_the_hint(tmp_path: Path) -> None:
     """An lr scheduler built on the optimizer but not on the saved run's (or not passed)
     adds ``initial_lr`` to its groups: the refusal says where it comes from."""
