@@ -31,12 +31,14 @@ from .data import generators_of, is_stateful, restore_rng
 from .rollback import Fresh, Rollback
 from .safe_load import RefusedCheckpointError
 from .state import (
+    FreshStepError,
     Parts,
     drop_unsaved,
     failure_cause,
     fresh_optimizers,
     made_state,
     mismatch,
+    optimizer_mismatch,
     prefill_fresh,
     reset_fresh,
     tensor_state,
@@ -258,18 +260,42 @@ def _check_tensors(
     root: Path, parts: Parts, metadata: Any, group: Any, distributed: bool
 ) -> tuple[dict[str, Any], list[bool]]:
     fresh_now = fresh_optimizers(parts)
-    prefill_fresh(parts, metadata, fresh_now)
-    tensors = tensor_state(parts)
-    drop_unsaved(parts, tensors, metadata, fresh_now)
-    problems = mismatch(tensors, metadata)
+    tensors: dict[str, Any] = {}
     problem = None
-    if problems:
-        reset_fresh(parts, fresh_now)
+    try:
+        prefill_fresh(parts, metadata, fresh_now)
+        tensors = tensor_state(parts)
+    except FreshStepError as exc:
         problem = CheckpointError(
-            f"{_FUNC}: {root} does not fit this run's models and optimizers: "
-            + "; ".join(problems)
-            + ". Load a checkpoint of the same model (and optimizer type)."
+            f"{_FUNC}: optimizer {exc.index} ({exc.kind}) has no state yet, and the state "
+            f"{root} holds for it cannot be laid out here (sharded parameters, or state "
+            "under other names), so DCP's get_state_dict made it by stepping the optimizer "
+            f"once with zero gradients, which failed ({exc.cause}). Nothing was changed: "
+            "the optimizer (its learning rate, state and groups) and the model are as "
+            "they were. Step it once (optimizer.step(closure) for LBFGS) before loading; "
+            "the load then replaces its state and the model's weights."
         )
+    if problem is None:
+        drop_unsaved(parts, tensors, metadata, fresh_now)
+        optimizers = optimizer_mismatch(parts, tensors, metadata)
+        explained = [f"optim.{name}." for name in optimizers]
+        problems = [p for found in optimizers.values() for p in found]
+        problems += mismatch(tensors, metadata, explained=explained)
+        if problems:
+            fix = (
+                "Build each optimizer as the checkpoint's was saved (the same optimizer "
+                "type, options and parameter groups), or train this one from the start in "
+                "another directory."
+                if optimizers
+                else "Load a checkpoint of the same model (and optimizer type)."
+            )
+            problem = CheckpointError(
+                f"{_FUNC}: {root} does not fit this run's models and optimizers: "
+                + "; ".join(problems)
+                + f". {fix}"
+            )
+    if problem is not None:
+        reset_fresh(parts, fresh_now)
     try:
         _agree(problem, group, distributed)
     except CheckpointError:

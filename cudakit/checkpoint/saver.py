@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..exceptions import CheckpointSaveError
 from . import layout, progress
 from .arguments import Options
 from .cursor import Cursor
@@ -24,7 +25,7 @@ from .data import Position, is_stateful
 from .policy import SavePolicy
 from .preemption import Preemption
 from .ranks import Ranks
-from .state import extras_state, fresh_optimizers, reset_fresh, tensor_state
+from .state import FreshStepError, extras_state, fresh_optimizers, reset_fresh, tensor_state
 from .writer import Pending, Writer, drain_background
 
 __all__ = ["Saver"]
@@ -118,7 +119,15 @@ class Saver:
             # The host state first: the steps' state settles a pending (sync-free) verdict,
             # which may put the schedulers and learning rates back, before they are read.
             host = self._host_state(fresh, pos, unconsumed)
-            tensors = tensor_state(parts)
+            try:
+                tensors = tensor_state(parts)
+            except FreshStepError as exc:
+                raise CheckpointSaveError(
+                    f"Checkpointer.save(): optimizer {exc.index} ({exc.kind}) has no state "
+                    "yet, and DCP's get_state_dict makes one for the checkpoint by stepping "
+                    f"it once with zero gradients, which failed ({exc.cause}). Nothing was "
+                    "saved or changed. Save after its first step."
+                ) from exc
             fields = {
                 "total": pos.total,
                 "epoch": pos.epoch,

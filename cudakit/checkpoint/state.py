@@ -19,6 +19,7 @@ import bisect
 import contextlib
 import dataclasses
 import logging
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..parallel import unwrap
 from .gather import Gather
 
 __all__ = [
+    "FreshStepError",
     "Parts",
     "drop_unsaved",
     "epoch_end",
@@ -38,6 +40,7 @@ __all__ = [
     "has_state",
     "made_state",
     "mismatch",
+    "optimizer_mismatch",
     "prefill_fresh",
     "step_marks",
     "tensor_state",
@@ -106,6 +109,55 @@ def _grads_hidden(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]
             p.grad = g
 
 
+class FreshStepError(Exception):
+    """DCP's ``get_state_dict`` failed to step an optimizer without state (LBFGS: its
+    step needs a closure) to make its state; the optimizer and its parameters' gradients
+    are as they were. The caller names it in its own refusal."""
+
+    def __init__(self, index: int, optimizer: torch.optim.Optimizer, cause: str) -> None:
+        super().__init__(f"optimizer {index} ({type(optimizer).__name__}): {cause}")
+        #: The optimizer's place among the Checkpointer's, its class name, and the failure.
+        self.index = index
+        self.kind = type(optimizer).__name__
+        self.cause = cause
+
+
+@contextlib.contextmanager
+def _step_undone(parts: Parts, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Undo what DCP's ``_init_optim_state`` leaves when an optimizer's step fails: its
+    state, the zero learning rate it set, the zero gradients it gave; a failure of that
+    step is raised as :class:`FreshStepError`. (Inside :func:`_grads_hidden`, which then
+    puts the user's gradients back.)"""
+    fresh = [opt for opt in optimizers if not opt.state]
+    if not fresh:
+        yield
+        return
+    groups = [[(g, dict(g)) for g in opt.param_groups] for opt in fresh]
+    try:
+        yield
+    except BaseException as exc:
+        failed = None
+        for opt, saved in zip(fresh, groups, strict=True):
+            if failed is None and any(g.get("lr") is not v.get("lr") for g, v in saved):
+                failed = opt  # DCP left its learning rate at zero: its step failed
+            opt.state.clear()
+            for group, items in saved:
+                for p in group["params"]:
+                    p.grad = None  # (DCP's zero gradients; _grads_hidden puts back the user's)
+                group.clear()
+                group.update(items)
+        stepped = any(
+            frame.f_code.co_name == "_init_optim_state"
+            for frame, _ in traceback.walk_tb(exc.__traceback__)
+        )
+        if not stepped or not isinstance(exc, Exception):
+            raise
+        opt = failed if failed is not None else fresh[0]
+        raise FreshStepError(
+            parts.optimizers.index(opt), opt, f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def fresh_optimizers(parts: Parts) -> list[bool]:
     """Which optimizers have not stepped yet (no state): DCP would initialise theirs."""
     return [not opt.state for opt in parts.optimizers]
@@ -117,14 +169,16 @@ def tensor_state(parts: Parts) -> dict[str, Any]:
     Each model's is DCP's ``get_state_dict`` (:class:`.gather.Gather`, which keeps
     the names it works out). ``get_state_dict`` fills an optimizer without state by
     stepping it once with zero gradients and a zero learning rate; the caller undoes
-    that with :func:`reset_fresh` once the state is saved or loaded.
+    that with :func:`reset_fresh` once the state is saved or loaded. Where that step
+    fails (LBFGS's needs a closure), everything is put back and :class:`FreshStepError`
+    raised.
     """
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for name, model in parts.models.items():
         opts = parts.optimizers_of(name)
         gather = parts.gathers.setdefault(name, Gather())
-        with _grads_hidden(opts):
+        with _grads_hidden(opts), _step_undone(parts, opts):
             # Names without DataParallel's, DDP's or torch.compile's prefixes, so that a
             # checkpoint loads into the model however it is wrapped.
             msd, osd = gather(unwrap(model), opts)
@@ -140,10 +194,12 @@ def prefill_fresh(parts: Parts, metadata: Any, fresh: Sequence[bool]) -> None:
 
     DCP's ``get_state_dict`` would otherwise make their state by stepping them once with
     zero gradients, which on a large model costs more than the load itself (on 100M
-    parameters with AdamW, 2 s against 1 s). Only a model's optimizers that all have
-    no state, whose parameters are plain tensors (no DTensor) and whose state in the
-    checkpoint is one tensor or value per name, are filled; the others are left to
-    ``get_state_dict``. :func:`reset_fresh` empties them again when the load fails.
+    parameters with AdamW, 2 s against 1 s), and cannot make it for an optimizer whose
+    step needs a closure (LBFGS). Only a model's optimizers that all have no state,
+    whose parameters are plain tensors (no DTensor) and whose state in the checkpoint
+    is under their parameters' names, are filled (nested lists and dicts too); the
+    others are left to ``get_state_dict``. :func:`reset_fresh` empties them again when
+    the load fails.
     """
     for name, model in parts.models.items():
         opts = parts.optimizers_of(name)
@@ -161,19 +217,14 @@ def _saved_states(
     prefix: str,
 ) -> list[dict[torch.Tensor, dict[str, Any]]] | None:
     """Each optimizer's state as the checkpoint's metadata describes it, in empty tensors
-    (a value DCP pickled: None until loaded); None where it cannot be told safely."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    (a value DCP pickled: None until loaded), nested lists and dicts too (LBFGS's
+    history); None where it cannot be told safely."""
     from .gather import names_of
 
     names = names_of(model, optimizers)
     if names is None:
         return None
-    saved: dict[str, dict[str, Any]] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith(prefix):
-            fqn, _, entry = key[len(prefix) :].rpartition(".")
-            saved.setdefault(fqn, {})[entry] = meta
+    saved = _saved_entries(metadata, prefix)
     states: list[dict[torch.Tensor, dict[str, Any]]] = []
     known: set[str] = set()
     for opt, fqns in zip(optimizers, names.optimizers, strict=True):
@@ -185,25 +236,92 @@ def _saved_states(
             entries = saved.get(fqn)
             if entries is None:
                 continue  # no state saved for it (it never had a gradient)
-            # (``step`` in host memory, as a load of the saved state leaves it;
-            # optimizer.load_state_dict moves it where a capturable or fused one wants it)
-            state[p] = {
-                entry: (
-                    torch.empty(
-                        tuple(meta.size),
-                        dtype=meta.properties.dtype,
-                        device="cpu" if entry == "step" else p.device,
-                    )
-                    if isinstance(meta, TensorStorageMetadata)
-                    else None
-                )
-                for entry, meta in entries.items()
-            }
+            laid = _laid_out(entries, p.device)
+            if laid is None:
+                return None
+            state[p] = laid
             known.add(fqn)
         states.append(state)
     if set(saved) - known:
-        return None  # state under other names (nested values, other parameters): DCP's way
+        return None  # state under other names (other parameters): DCP's way
     return states
+
+
+def _saved_entries(metadata: Any, prefix: str) -> dict[str, dict[tuple[Any, ...], Any]]:
+    """The checkpoint's state under ``prefix`` (``optim.<model>.state.``): for each
+    parameter's name, each value's path below it (``("exp_avg",)``,
+    ``("old_dirs", 0)``) and its metadata.
+
+    The paths are DCP's own (its save's ``planner_data``: a list index is an int, a
+    dict key a str). A checkpoint without them is read by its flat names, one level
+    below the parameter's name; a nested value then reads as another name.
+    """
+    mappings = getattr(metadata, "planner_data", None)
+    head = tuple(prefix[:-1].split("."))
+    saved: dict[str, dict[tuple[Any, ...], Any]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        path = mappings.get(key) if isinstance(mappings, dict) else None
+        if isinstance(path, tuple) and len(path) > 4 and path[:3] == head:
+            fqn, below = str(path[3]), tuple(path[4:])
+        else:
+            fqn, _, entry = key[len(prefix) :].rpartition(".")
+            below = (entry,)
+        saved.setdefault(fqn, {})[below] = meta
+    return saved
+
+
+class _NotLaidOut(Exception):
+    """Paths that make no one nested value (a list with gaps, a key twice)."""
+
+
+def _laid_out(entries: Mapping[tuple[Any, ...], Any], device: torch.device) -> Any:
+    """One parameter's state from its values' paths and metadata: empty tensors of the
+    saved shapes and dtypes (``step`` in host memory, as a load of the saved state
+    leaves it; optimizer.load_state_dict moves it where a capturable or fused one wants
+    it, and the rest where the parameter is), None for a pickled value; None where the
+    paths make no nested value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    tree: dict[Any, Any] = {}
+    try:
+        for path, meta in entries.items():
+            node = tree
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise _NotLaidOut
+            if path[-1] in node:
+                raise _NotLaidOut
+            node[path[-1]] = (
+                torch.empty(
+                    tuple(meta.size),
+                    dtype=meta.properties.dtype,
+                    device="cpu" if path == ("step",) else device,
+                )
+                if isinstance(meta, TensorStorageMetadata)
+                else None
+            )
+        state = _containers(tree)
+    except _NotLaidOut:
+        return None
+    return state if isinstance(state, dict) and all(isinstance(k, str) for k in state) else None
+
+
+def _containers(node: Any) -> Any:
+    """The nested dicts of :func:`_laid_out` as the lists (int keys) and dicts (str keys)
+    they were saved from."""
+    if not isinstance(node, dict):
+        return node
+    keys = list(node)
+    if keys and all(type(k) is int for k in keys):
+        if sorted(keys) != list(range(len(keys))):
+            raise _NotLaidOut
+        return [_containers(node[i]) for i in range(len(keys))]
+    if not all(type(k) is str for k in keys):
+        raise _NotLaidOut
+    return {k: _containers(v) for k, v in node.items()}
 
 
 _PLAIN_PARAMS = (nn.Parameter, torch.Tensor)
@@ -262,26 +380,43 @@ def flat_keys(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def mismatch(state: Mapping[str, Any], metadata: Any) -> list[str]:
+def mismatch(
+    state: Mapping[str, Any], metadata: Any, *, explained: Sequence[str] = ()
+) -> list[str]:
     """What stops ``state`` from loading the checkpoint whose DCP metadata is given.
 
-    Missing keys (the model has them, the checkpoint does not), unexpected keys (the
-    checkpoint has them, the model does not) and tensors whose shapes differ, each
-    named; empty when the checkpoint fits.
+    Missing keys (this run has them, the checkpoint does not: DCP's strict load needs
+    every one, pickled values too), unexpected keys (the checkpoint's model has them,
+    this run's does not), values that are a tensor on one side only, and tensors whose
+    shapes differ, each named; empty when the
+    checkpoint fits. Missing keys under a prefix of ``explained`` (an optimizer that
+    :func:`optimizer_mismatch` named) are left out.
     """
     saved = metadata.state_dict_metadata
     flat = flat_keys(state)
     problems: list[str] = []
-    # Compare the model's tensors; the optimizer's keys follow from the model's
-    # parameters (a missing optimizer entry means another optimizer or hyper-params).
     mine = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     theirs = {k for k, v in saved.items() if hasattr(v, "size")}
-    missing = sorted(k for k in mine if k not in saved)
+    loaded = _load_keys(state, mine)
+    missing = sorted(
+        k for k in loaded if k not in saved and not any(k.startswith(p) for p in explained)
+    )
+    kinds = sorted(
+        k
+        for k, v in loaded.items()
+        if k in saved and isinstance(v, torch.Tensor) != hasattr(saved[k], "size")
+    )
     unexpected = sorted(k for k in theirs if k not in flat and k.startswith("model."))
     if missing:
         problems.append(f"missing from the checkpoint: {_names(missing)}")
     if unexpected:
         problems.append(f"in the checkpoint but not in this run: {_names(unexpected)}")
+    if kinds:
+        problems.append(
+            f"a tensor in one and a plain value in the other: {_names(kinds)} (state of "
+            "another length, such as LBFGS's history: load into a new optimizer, which "
+            "takes the checkpoint's)"
+        )
     for key, tensor in mine.items():
         meta = saved.get(key)
         size = getattr(meta, "size", None)
@@ -290,6 +425,132 @@ def mismatch(state: Mapping[str, Any], metadata: Any) -> list[str]:
                 f"{key} has shape {tuple(size)} in the checkpoint, {tuple(tensor.shape)} here"
             )
     return problems
+
+
+def _load_keys(state: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The names DCP's load looks up for ``state`` and their values: its own flattening
+    (a list holding no tensor, a tuple, stays one value); the tensors where torch
+    moved it."""
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    except ImportError:  # pragma: no cover - a torch that moved it
+        return tensors
+    flat, _ = flatten_state_dict(dict(state))
+    return flat
+
+
+def optimizer_mismatch(
+    parts: Parts, state: Mapping[str, Any], metadata: Any
+) -> dict[str, list[str]]:
+    """For each model whose optimizers do not fit the checkpoint's, why: per optimizer,
+    the options (its parameter groups' keys) and state entries it has that the
+    checkpoint's lack, and what the checkpoint holds instead (another optimizer type);
+    or another number of parameter groups. DCP's strict load would refuse these with
+    its first missing key."""
+    found: dict[str, list[str]] = {}
+    for name, osd in state.get("optim", {}).items():
+        groups = osd.get("param_groups", [])
+        saved_options = _saved_options(metadata, name)
+        saved_state = _saved_entries(metadata, f"optim.{name}.state.")
+        opts = parts.optimizers_of(name)
+        problems: list[str] = []
+        if len(groups) != len(saved_options):
+            who = (
+                f"optimizer {parts.optimizers.index(opts[0])} ({type(opts[0]).__name__}) "
+                f"of model {name!r} has"
+                if len(opts) == 1
+                else f"the optimizers of model {name!r} have"
+            )
+            problems.append(
+                f"{who} {len(groups)} parameter group(s), the checkpoint's has {len(saved_options)}"
+            )
+            found[name] = problems
+            continue
+        start = 0
+        for opt in opts:
+            count = len(opt.param_groups)
+            problem = _optimizer_problem(
+                f"optimizer {parts.optimizers.index(opt)} ({type(opt).__name__}) of model {name!r}",
+                groups[start : start + count],
+                saved_options[start : start + count],
+                osd.get("state", {}),
+                saved_state,
+            )
+            start += count
+            if problem is not None:
+                problems.append(problem)
+        if problems:
+            found[name] = problems
+    return found
+
+
+def _optimizer_problem(
+    who: str,
+    groups: Sequence[Mapping[str, Any]],
+    saved_groups: Sequence[set[str]],
+    state: Mapping[str, Any],
+    saved_state: Mapping[str, Mapping[tuple[Any, ...], Any]],
+) -> str | None:
+    """Why one optimizer's groups and state do not fit the checkpoint's (None: they do):
+    the options and state entries it has that the checkpoint's lack, and what the
+    checkpoint holds instead."""
+    options = {k for g in groups for k in g if k != "params"}
+    their_options = set().union(*saved_groups)
+    fqns = [fqn for g in groups for fqn in g.get("params", ())]
+    entries = {str(k) for fqn in fqns for k in _entries(state.get(fqn))}
+    their_entries = {str(path[0]) for fqn in fqns for path in saved_state.get(fqn, ())}
+    lacks = _listed((("options", options - their_options), ("state", entries - their_entries)))
+    more = their_entries - entries if entries else set()
+    if not lacks and more:  # its state as loaded would miss entries its options use
+        return (
+            f"{who} keeps the state {', '.join(sorted(entries))}, and the checkpoint holds "
+            f"the state {', '.join(sorted(more))} as well, which this optimizer would not "
+            "load (it was saved with other options or another optimizer type)"
+        )
+    if not lacks:
+        return None
+    holds = _listed((("options", their_options - options), ("state", their_entries)))
+    hint = (
+        " (an lr scheduler adds initial_lr: build the schedulers as the saved run did)"
+        if "initial_lr" in options - their_options
+        else ""
+    )
+    return (
+        f"{who} expects the {lacks}, which the checkpoint does not hold; the checkpoint "
+        f"holds {'the ' + holds if holds else 'no state for its parameters'}{hint}"
+    )
+
+
+def _listed(kinds: Sequence[tuple[str, set[str]]]) -> str:
+    """``options a, b and the state c`` (the kinds with names only)."""
+    return " and the ".join(f"{what} {', '.join(sorted(keys))}" for what, keys in kinds if keys)
+
+
+def _entries(value: Any) -> Iterator[Any]:
+    return iter(value) if isinstance(value, Mapping) else iter(())
+
+
+def _saved_options(metadata: Any, name: str) -> list[set[str]]:
+    """The option names of each parameter group the checkpoint holds for model
+    ``name``'s optimizers (from DCP's paths, else the flat names)."""
+    prefix = f"optim.{name}.param_groups."
+    mappings = getattr(metadata, "planner_data", None)
+    head = ("optim", name, "param_groups")
+    groups: dict[int, set[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if not key.startswith(prefix):
+            continue
+        path = mappings.get(key) if isinstance(mappings, dict) else None
+        if isinstance(path, tuple) and len(path) > 4 and path[:3] == head:
+            index, option = path[3], str(path[4])
+        else:
+            first, _, rest = key[len(prefix) :].partition(".")
+            index, option = (int(first) if first.isdigit() else first), rest.split(".")[0]
+        if isinstance(index, int):
+            groups.setdefault(index, set())
+            if option != "params":
+                groups[index].add(option)
+    return [groups[i] for i in sorted(groups)]
 
 
 def _names(keys: list[str], limit: int = 8) -> str:

@@ -99,6 +99,29 @@ def test_an_optimizer_saved_before_its_first_step_resumes_fresh(tmp_path: Path) 
     again.close()
 
 
+def test_an_lbfgs_saved_before_its_first_step_is_refused_as_it_was(tmp_path: Path) -> None:
+    """DCP's get_state_dict makes a state for an optimizer that has none by stepping it
+    with zero gradients and a zero learning rate; LBFGS's step needs a closure. The
+    save is refused, naming the optimizer and the fix, with its learning rate and
+    groups, the gradients and the directory as they were."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    groups = [dict(g) for g in opt.param_groups]
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointSaveError) as info:
+        ckpt.save()
+    ckpt.close()
+    text = str(info.value)
+    assert text.startswith("Checkpointer.save(): optimizer 0 (LBFGS) has no state yet")
+    assert "Save after its first step" in text
+    assert not opt.state
+    assert [dict(g) for g in opt.param_groups] == groups
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert model.weight.grad is None
+    assert model.bias.grad is None
+    assert cudakit.find_latest(tmp_path) is None
+
+
 class StatefulLoader:
     """Like torchdata's StatefulDataLoader: resumes by itself from its state_dict."""
 
@@ -224,6 +247,168 @@ def test_another_number_of_optimizers_or_schedulers_is_refused(tmp_path: Path) -
     with pytest.raises(cudakit.CheckpointError, match=r"1 optimizer\(s\), 0 scheduler\(s\)"):
         ckpt.load(path)
     ckpt.close()
+
+
+def _options(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+@pytest.mark.parametrize(
+    ("make", "stepped", "expects", "holds"),
+    [
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            False,
+            "options dampening, momentum, nesterov",
+            "options amsgrad, betas, capturable, decoupled_weight_decay, eps",
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            True,
+            "options dampening, momentum, nesterov and the state momentum_buffer",
+            "options amsgrad, betas, capturable, decoupled_weight_decay, eps and the state "
+            "exp_avg, exp_avg_sq, step",
+        ),
+        (
+            lambda p: torch.optim.RMSprop(p, lr=0.1),
+            False,
+            "options alpha, centered, momentum",
+            "options amsgrad, betas, decoupled_weight_decay, fused and the state",
+        ),
+        (
+            lambda p: torch.optim.Adam(p, lr=0.1, amsgrad=True),
+            True,
+            "state max_exp_avg_sq",
+            "state exp_avg, exp_avg_sq, step",
+        ),
+    ],
+    ids=["sgd-fresh", "sgd-stepped", "rmsprop-fresh", "adam-amsgrad-stepped"],
+)
+def test_a_checkpoint_of_another_optimizer_type_is_refused_naming_both(
+    tmp_path: Path, make: Any, stepped: bool, expects: str, holds: str
+) -> None:
+    """A checkpoint saved with Adam, resumed into another optimizer (fresh, or one that
+    has stepped), is cudakit's "does not fit" refusal naming the optimizer, what it
+    expects and what the checkpoint holds, and the fix; nothing changes."""
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = make(model.parameters())
+    if stepped:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    options = _options(opt)
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert f"{path} does not fit this run's models and optimizers" in text
+    assert "Missing key" not in text
+    name = type(opt).__name__
+    assert f"optimizer 0 ({name}) of model 'model' expects the {expects}" in text
+    assert f"the checkpoint holds the {holds}" in text
+    assert "Build each optimizer as the checkpoint's was saved" in text  # the fix
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key])
+    assert _options(opt) == options
+    assert opt.state.keys() == state.keys()
+    for p, entries in state.items():
+        assert opt.state[p].keys() == entries.keys()
+        for key, value in entries.items():
+            assert torch.equal(opt.state[p][key], value)
+
+
+def test_another_number_of_parameter_groups_is_refused_naming_both(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model[0].parameters())
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.5})
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    assert "optimizer 0 (Adam) of model 'model' has 2 parameter group(s)" in str(info.value)
+    assert "the checkpoint's has 1" in str(info.value)
+    assert "Missing key" not in str(info.value)
+    assert [g["lr"] for g in opt.param_groups] == [0.001, 0.5]
+
+
+def test_a_stepped_optimizer_the_checkpoint_holds_more_state_for_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An Adam that has stepped without amsgrad, loading an amsgrad checkpoint, would
+    take amsgrad=True without max_exp_avg_sq (and fail at its next step): refused, and
+    nothing changes."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters(), amsgrad=True)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False) as ckpt:
+        path = ckpt.save()
+    other = torch.optim.Adam(model.parameters())
+    other.step()
+    options = _options(other)
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=other, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "optimizer 0 (Adam) of model 'model' keeps the state exp_avg, exp_avg_sq" in text
+    assert "the checkpoint holds the state max_exp_avg_sq as well" in text
+    assert _options(other) == options
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in other.state.values())
+
+
+def test_a_stepped_lbfgs_of_another_history_length_is_refused(tmp_path: Path) -> None:
+    def closure_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: float) -> None:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.full((4, 2), x)).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=1, history_size=3)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        closure_step(model, opt, x)
+    with cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False) as ckpt:
+        path = ckpt.save()
+    torch.manual_seed(0)
+    again = torch.nn.Linear(2, 1)
+    short = torch.optim.LBFGS(again.parameters(), max_iter=1, history_size=3)
+    closure_step(again, short, 1.0)
+    closure_step(again, short, 2.0)
+    history = len(next(iter(short.state.values()))["old_dirs"])
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=again, optimizer=short, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "does not fit" in text
+    assert "optim.model.state.weight.al.1" in text
+    assert "load into a new optimizer" in text
+    assert len(next(iter(short.state.values()))["old_dirs"]) == history
+
+
+def test_groups_a_scheduler_changed_are_refused_with_the_hint(tmp_path: Path) -> None:
+    """An lr scheduler built on the optimizer but not on the saved run's (or not passed)
+    adds ``initial_lr`` to its groups: the refusal says where it comes from."""
+    path = _saved(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # not passed to the Checkpointer
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    text = str(info.value)
+    assert "optimizer 0 (Adam) of model 'model' expects the options initial_lr" in text
+    assert "an lr scheduler adds initial_lr: build the schedulers as the saved run did" in text
 
 
 @pytest.mark.parametrize(

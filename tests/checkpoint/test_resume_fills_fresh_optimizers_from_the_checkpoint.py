@@ -2,8 +2,10 @@
 
 DCP's ``get_state_dict`` makes a fresh optimizer's state by stepping it once with zero
 gradients (on a large model, more than the load costs); the resume instead lays out
-the state the checkpoint holds, in empty tensors the load fills. Where it cannot tell
-that state safely (nested values, state under other names) DCP's way is kept.
+the state the checkpoint holds, in empty tensors the load fills, nested values (LBFGS's
+history lists) too. Where it cannot tell that state safely (state under other names,
+sharded parameters) DCP's way is kept, and an optimizer DCP cannot step that way is
+refused with everything left as it was.
 """
 
 from __future__ import annotations
@@ -121,22 +123,144 @@ class _Nested(torch.optim.Optimizer):
                 p.sub_(group["lr"] * state["pair"][0])
 
 
-def test_state_it_cannot_lay_out_is_made_as_dcp_makes_it(tmp_path: Path) -> None:
+def test_nested_state_is_laid_out_without_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _model()
     opt = _Nested(model.parameters())
     _train(model, opt, 2)
     _saved(tmp_path, model, opt)
     fresh_model = _model()
     fresh = _Nested(fresh_model.parameters())
+    steps: list[int] = []
+    monkeypatch.setattr(fresh, "step", lambda *a, **k: steps.append(1))
     again = cudakit.Checkpointer(
         tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
     )
     again.resume()
     again.close()
+    assert steps == []
     for p, q in zip(fresh.param_groups[0]["params"], opt.param_groups[0]["params"], strict=True):
+        assert fresh.state.get(p, {}).keys() == opt.state.get(q, {}).keys()
         if opt.state.get(q):
             for a, b in zip(fresh.state[p]["pair"], opt.state[q]["pair"], strict=True):
                 assert torch.equal(a, b)
+
+
+def _lbfgs(params: Any) -> torch.optim.LBFGS:
+    # one iteration a step here: after two steps the history holds one direction of
+    # three, and ``al`` a tensor and two Nones; after four it is full
+    return torch.optim.LBFGS(params, lr=0.5, max_iter=2, history_size=3)
+
+
+def _train_closure(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for i in range(steps):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model[2](model[1](model[0](x))).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+def _same_nested(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+        assert a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _same_nested(a[key], b[key])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same_nested(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize(
+    "trained", [1, 2, 4], ids=["history-empty", "history-partial", "history-full"]
+)
+def test_a_fresh_lbfgs_resumes_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: int
+) -> None:
+    """A restarted run's new LBFGS, whose step needs a closure, takes its history from
+    the checkpoint (not from a step with zero gradients), and steps on as the run that
+    never stopped."""
+    model = _model()
+    opt = _lbfgs(model.parameters())
+    _train_closure(model, opt, trained)
+    _saved(tmp_path, model, opt)
+
+    fresh_model = _model()
+    fresh = _lbfgs(fresh_model.parameters())
+    steps: list[int] = []
+    monkeypatch.setattr(fresh, "step", lambda *a, **k: steps.append(1))
+    again = cudakit.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
+    )
+    again.resume()
+    again.close()
+    monkeypatch.undo()
+    assert steps == []
+    _same_nested(fresh.state_dict(), opt.state_dict())
+    _train_closure(model, opt, 3)
+    _train_closure(fresh_model, fresh, 3)
+    for p, q in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    _same_nested(fresh.state_dict(), opt.state_dict())
+
+
+def test_a_fresh_optimizer_dcp_cannot_step_is_refused_and_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the state cannot be laid out (here: as for sharded parameters), DCP makes it
+    by stepping the optimizer with zero gradients and a zero learning rate; LBFGS's
+    step needs a closure. The load is refused, naming the optimizer and the fix, and
+    the optimizer (its learning rate, state, groups), the gradients and the model are
+    as they were."""
+    from cudakit.checkpoint import state as state_module
+
+    model = _model()
+    opt = _lbfgs(model.parameters())
+    _train_closure(model, opt, 2)
+    path = _saved(tmp_path, model, opt)
+
+    monkeypatch.setattr(state_module, "_saved_states", lambda *args: None)
+    fresh_model = _model()
+    lr = torch.tensor(0.25)  # a tensor lr: DCP swaps in another tensor for its step
+    fresh = torch.optim.LBFGS(fresh_model.parameters(), lr=lr, history_size=3)
+    fresh_model[0].weight.grad = torch.full_like(fresh_model[0].weight, 3.0)
+    groups = [dict(g) for g in fresh.param_groups]
+    weights = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    again = cudakit.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh, preemption=False, file=None
+    )
+    with pytest.raises(cudakit.CheckpointError) as info:
+        again.load(path)
+    again.close()
+    text = str(info.value)
+    assert text.startswith("Checkpointer.load(): optimizer 0 (LBFGS) has no state yet")
+    assert "TypeError" in text  # DCP's step without a closure
+    assert "Nothing was changed" in text
+    assert "Step it once" in text  # the fix
+    assert not fresh.state
+    assert len(fresh.param_groups) == len(groups)
+    for group, before in zip(fresh.param_groups, groups, strict=True):
+        assert group.keys() == before.keys()
+        for key, value in before.items():
+            assert group[key] is value  # the same objects: the lr tensor too
+    assert torch.equal(lr, torch.tensor(0.25))
+    assert torch.equal(fresh_model[0].weight.grad, torch.full_like(fresh_model[0].weight, 3.0))
+    for p in list(fresh_model.parameters())[1:]:
+        assert p.grad is None
+    for key, value in fresh_model.state_dict().items():
+        assert torch.equal(value, weights[key])
 
 
 def test_a_failed_load_leaves_the_fresh_optimizer_empty(
