@@ -36,7 +36,6 @@ from .state import (
     drop_unsaved,
     failure_cause,
     fresh_optimizers,
-    made_state,
     mismatch,
     optimizer_mismatch,
     prefill_fresh,
@@ -100,9 +99,7 @@ def read(
             obj.load_state_dict(state)
         for obj, state in zip(parts.schedulers, host["schedulers"], strict=True):
             obj.load_state_dict(state)
-        _load_tensors(
-            root, tensors, parts, distributed, trust, safe_globals, fresh, storage, fresh_now
-        )
+        _load_tensors(root, tensors, parts, distributed, trust, safe_globals, fresh, storage)
         _load_extras(host, extras, loader)
         fresh.install(tensors)  # last: nothing can fail after it
     except BaseException as exc:
@@ -313,7 +310,6 @@ def _load_tensors(
     safe_globals: Sequence[Any],
     fresh: Fresh,
     storage: Any,
-    fresh_now: Sequence[bool],
 ) -> None:
     """DCP's load, then the optimizers' state (and the models' that :class:`Fresh`
     does not copy at the end) put into the objects."""
@@ -323,12 +319,12 @@ def _load_tensors(
         set_optimizer_state_dict,
     )
 
-    # An optimizer that had no state takes only what the checkpoint holds: a parameter
-    # that had no gradient when saved has no state there, and is left without, as the
-    # hand-written loop's optimizer.load_state_dict leaves it. An optimizer with state
-    # must find all of it in the checkpoint (DCP's strict load).
+    # Each optimizer takes what the checkpoint holds: a parameter that had no gradient
+    # when saved has no state there, and is left without, as the hand-written loop's
+    # optimizer.load_state_dict leaves it (DCP's strict load would refuse it). That
+    # every state the optimizer has is in the checkpoint, and every state there is
+    # loaded, _check_tensors made sure (optimizer_mismatch).
     lenient = StateDictOptions(strict=False)
-    made = made_state(parts, fresh_now)
 
     safe_dcp.dcp_load(
         tensors,
@@ -348,7 +344,7 @@ def _load_tensors(
                 unwrap(model),
                 optimizers,
                 tensors["optim"][name],
-                options=lenient if name in made else None,
+                options=lenient,
             )
 
 

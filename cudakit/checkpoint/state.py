@@ -501,6 +501,13 @@ def _optimizer_problem(
     their_entries = {str(path[0]) for fqn in fqns for path in saved_state.get(fqn, ())}
     lacks = _listed((("options", options - their_options), ("state", entries - their_entries)))
     more = their_entries - entries if entries else set()
+    unloaded = sorted(f for f in fqns if f in saved_state and not state.get(f))
+    if not lacks and unloaded:  # a stepped optimizer: the load fills only what it has
+        return (
+            f"{who} has no state for {', '.join(unloaded)}, which the checkpoint holds "
+            "state for, and a load into it would leave them without (load into a new "
+            "optimizer, which takes all of the checkpoint's state)"
+        )
     if not lacks and more:  # its state as loaded would miss entries its options use
         return (
             f"{who} keeps the state {', '.join(sorted(entries))}, and the checkpoint holds "

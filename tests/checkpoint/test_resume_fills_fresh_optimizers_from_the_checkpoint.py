@@ -351,3 +351,62 @@ def test_step_is_laid_out_in_host_memory() -> None:
     for state in states[0].values():
         assert state["step"].device.type == "cpu"
         assert state["exp_avg"].device.type == "meta"
+
+
+def test_a_stepped_optimizer_loads_its_checkpoint_with_an_unused_layer(tmp_path: Path) -> None:
+    """A layer that never had a gradient has no optimizer state, in the optimizer nor in
+    the checkpoint: loading it back into the run (a rollback) leaves it without, as
+    ``optimizer.load_state_dict`` does, and the run goes on bit for bit."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    twin = _model()
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    _train(twin, twin_opt, 3)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False, file=None)
+    path = ckpt.save()
+    assert path is not None
+    _train(model, opt, 2)  # on past the checkpoint, then back
+    ckpt.load(path)
+    ckpt.close()
+    _same_optimizer(opt, twin_opt)
+    _train(model, opt, 2)
+    _train(twin, twin_opt, 2)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not opt.state[model.spare.weight]
+
+
+def test_state_a_stepped_optimizer_would_not_load_is_refused(tmp_path: Path) -> None:
+    """The checkpoint holds state for a layer this stepped optimizer has none for (that
+    layer trained before the save, not here): the load cannot give it that state, so it
+    is refused, naming the layer, and nothing changes."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.zero_grad()
+    model.spare(torch.ones(1, 2)).sum().backward()  # this run trains the spare layer
+    opt.step()
+    assert opt.state[model.spare.weight]
+    path = _saved(tmp_path, model, opt)
+
+    other = _model()
+    stepped = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    _train(other, stepped, 2)
+    assert not stepped.state[other.spare.weight]
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in stepped.state.items()}
+    again = cudakit.Checkpointer(
+        tmp_path, model=other, optimizer=stepped, preemption=False, file=None
+    )
+    with pytest.raises(cudakit.CheckpointError, match=r"spare\.weight") as info:
+        again.load(path)
+    again.close()
+    assert "new optimizer" in str(info.value)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert {id(p) for p, s in stepped.state.items() if s} == {
+        i for i, s in state_before.items() if s
+    }
+    for p, st in stepped.state.items():
+        for key, value in st.items():
+            assert torch.equal(value, state_before[id(p)][key])
