@@ -247,7 +247,8 @@ def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) 
 
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    from cudakit.checkpoint import safe_dcp, safe_load
+    from cudakit.checkpoint import _safe_dcp as safe_dcp
+    from cudakit.checkpoint import _safe_load as safe_load
 
     ckpt = cudakit.Checkpointer(root / "reader", model=model, optimizer=opt, preemption=False)
     path = ckpt.save()
@@ -635,7 +636,7 @@ def stop_worker(rank: int, port: int, sizes: tuple[int, int, int, int, int], out
     import torch.nn.functional as F
 
     import cudakit.parallel as cp
-    from cudakit.checkpoint import preemption
+    from cudakit.checkpoint import _preemption as preemption
 
     width, layers, accumulate, windows, rounds = sizes
     os.environ.update(

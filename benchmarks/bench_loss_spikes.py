@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 
 try:
-    import cudakit.amp.stepper as amp_stepper
+    import cudakit.amp._stepper as amp_stepper
     from cudakit.amp import autocast_step
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import cudakit.amp.stepper as amp_stepper
+    import cudakit.amp._stepper as amp_stepper
     from cudakit.amp import autocast_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 
 # The tests live in one folder per concern (tests/amp/, tests/device/, ...); the helpers
 # they share (launcher_env.py, strategies.py) stay here, imported by name from every folder

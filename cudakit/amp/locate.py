@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .._check import check_callable
 from .._dist import group_world_size
 from ..warmup.preserve import RngState
-from .values import copy_batch, first_nonfinite
+from ._values import copy_batch, first_nonfinite
 
 __all__ = ["NonFiniteSource", "NonFiniteWarning", "Phase", "find_nonfinite", "replay"]
 

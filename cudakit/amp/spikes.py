@@ -5,7 +5,7 @@ running mean and variance of the windows accepted before it is skipped like a
 non-finite window. What runs where:
 
 * the statistic is a device tensor built from the window (the loss across ranks rides
-  on the guard's one all-reduce, see :meth:`~cudakit.amp.guard.NonFiniteGuard.combine`);
+  on the guard's one all-reduce, see :meth:`~cudakit.amp._guard.NonFiniteGuard.combine`);
 * the verdict is one comparison against a threshold the host already knows (a 0-dim
   CPU tensor the host keeps equal to it, which the kernel takes as a scalar when it is
   launched: no copy, no read), joined to the non-finite verdict by a select;

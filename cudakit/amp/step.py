@@ -1,7 +1,7 @@
 """The :class:`AutocastStep` that composes the parts of a mixed-precision step.
 
 The parts each own their state, and are handed the one frozen
-:class:`~cudakit.amp.options.StepConfig` the option checks made: the accumulation
+:class:`~cudakit.amp._args.StepConfig` the option checks made: the accumulation
 ``window`` and its gradient sync, the ``buffers`` snapshot, the ``microstep`` part
 (a micro-step's backward into the window), the ``stepper`` that finishes a window on
 the ``judge``'s verdict, the explicit form's ``block``, the ``checkpoint`` (validated,
@@ -22,21 +22,21 @@ import torch
 from typing_extensions import ParamSpec, Unpack
 
 from .._check import for_attribute
-from ..parallel.unused import note_unused_parameters
-from . import misuse
-from .block import ACTIVE, Block
-from .buffers import BufferSnapshot
-from .checkpoint import StepCheckpoint
-from .compiling import compile_forward
-from .counters import StepCounters
-from .microstep import MicroSteps
-from .options import check_accumulate, check_max_skipped, resolve_options
-from .params import StepParams
+from ..parallel._unused import note_unused_parameters
+from . import _misuse as misuse
+from ._args import check_accumulate, check_max_skipped, resolve_options
+from ._block import ACTIVE, Block
+from ._buffers import BufferSnapshot
+from ._checkpoint import StepCheckpoint
+from ._compiling import compile_forward
+from ._counters import StepCounters
+from ._microstep import MicroSteps
+from ._params import StepParams
+from ._stepper import OptimizerStep
+from ._window import GradSync, Window
 from .result import SteppedFunction, StepResult, extract_loss
 from .spikes import SpikeRule
-from .stepper import OptimizerStep
 from .watch import WatchOptions
-from .window import GradSync, Window
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
 

@@ -19,8 +19,8 @@ from torch.amp.grad_scaler import OptState
 
 from .._check import check_int
 from .._dist import group_world_size
+from ._ops import step_on_device
 from .locate import Call, NonFiniteSource, NonFiniteWarning, replay
-from .ops import step_on_device
 from .spikes import (
     SpikeRule,
     SpikeWatch,
@@ -29,10 +29,10 @@ from .spikes import (
 )
 
 if TYPE_CHECKING:
-    from .counters import StepCounters
-    from .options import StepConfig
-    from .params import StepParams
-    from .window import GradSync, Window
+    from ._args import StepConfig
+    from ._counters import StepCounters
+    from ._params import StepParams
+    from ._window import GradSync, Window
 
 __all__ = [
     "Pending",

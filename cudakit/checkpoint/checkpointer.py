@@ -15,16 +15,18 @@ from typing import Any, Self
 from .._check import check_int
 from .._dist import group_rank
 from .._output import STDERR, check_file, check_log
-from . import arguments, layout, lock
-from .announce import Announcer
-from .budget import budgeted
-from .cursor import Cursor
+from . import _args as arguments
+from . import _layout as layout
+from . import _lock as lock
+from ._announce import Announcer
+from ._budget import budgeted
+from ._cursor import Cursor
+from ._ranks import Ranks
+from ._saver import Saver
+from ._state import warn_open_window
+from ._writer import Writer, drain_background
 from .data import Position
-from .ranks import Ranks
 from .resume import Resumer
-from .saver import Saver
-from .state import warn_open_window
-from .writer import Writer, drain_background
 
 __all__ = ["Checkpointer"]
 

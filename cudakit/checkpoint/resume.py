@@ -6,7 +6,7 @@ candidates in order (the newest, then the one written before it when the safe lo
 refuses one), each broadcast from rank 0 on the control group, and the refusal of a
 loop that saves into a directory it never resumed from. :class:`Resumer` owns the
 choice and the checkpoint the run resumed from: it loads a checkpoint into the run's
-parts, puts back the :class:`~cudakit.checkpoint.cursor.Cursor` it shares with the
+parts, puts back the :class:`~cudakit.checkpoint._cursor.Cursor` it shares with the
 loop and tells the save policy, and keeps the checkpoint it loaded from ``keep=``
 until the run completes one of its own. The :class:`~cudakit.checkpoint.Checkpointer`
 composes it with the loop and the save side.
@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import arguments, layout, reader
-from .announce import Announcer
-from .arguments import Options
-from .cursor import Cursor
+from . import _args as arguments
+from . import _layout as layout
+from . import _reader as reader
+from ._announce import Announcer
+from ._args import Options
+from ._cursor import Cursor
+from ._policy import SavePolicy
+from ._ranks import Ranks
+from ._writer import drain_background
 from .data import Position
-from .policy import SavePolicy
-from .ranks import Ranks
-from .writer import drain_background
 
 __all__ = ["ResumeChoice", "Resumer", "find_latest"]
 

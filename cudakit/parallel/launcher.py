@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .._check import check_callable, check_choice, check_int, check_number
 from ._failures import RankEnd, explain, shutdown_notes
+from ._unused import unused_parameters_hint
 from .group import teardown_owned_group
-from .unused import unused_parameters_hint
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue

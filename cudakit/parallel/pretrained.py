@@ -96,7 +96,7 @@ def _safetensors_source(func: str, root: Path, files: Mapping[str, Path] | None)
 def _dcp_source(func: str, root: Path) -> _Source:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..checkpoint.safe_dcp import dcp_reader
+    from ..checkpoint._safe_dcp import dcp_reader
 
     metadata = dcp_reader(root).read_metadata()
     keys = {
@@ -362,7 +362,7 @@ def load_pretrained(
 def _load_dcp(source: _Source, matches: list[_Match]) -> None:
     import torch.distributed as dist
 
-    from ..checkpoint.safe_dcp import dcp_load
+    from ..checkpoint._safe_dcp import dcp_load
 
     state: dict[str, Any] = {m.key: m.tensor.detach() for m in matches}
     distributed = dist.is_available() and dist.is_initialized()

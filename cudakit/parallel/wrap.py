@@ -23,6 +23,7 @@ from .._check import fail_type
 from .._dist import group_rank, group_world_size
 from ..device import DeviceLike
 from ._args import WRAPPER_NAMES, check_option_names, fully_shard
+from ._unused import remember
 from .group import (
     ProcessGroupInfo,
     check_timeout,
@@ -40,7 +41,6 @@ from .strategy import (
     choose_plan_for,
     gather_facts,
 )
-from .unused import remember
 from .unwrapped import is_fsdp2, unwrap
 
 __all__ = ["parallelize"]

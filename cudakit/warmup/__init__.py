@@ -25,12 +25,12 @@ Public names:
 # forms of loss_fn), _reserve.
 
 from ..exceptions import MemoryReserveError, ReserveIgnoredWarning
-from ._reserve import ReserveSpec
 from .batch_size import FindBatchSizeDecorator, find_batch_size
 from .example import example_batch
 from .passes import warmup
 from .preserve import preserve_state
 from .report import WarmupReport
+from .reserve import ReserveSpec
 from .warmed import WarmedDecorator, warmed
 
 __all__ = [

@@ -28,9 +28,9 @@ from ..exceptions import CompiledWarmupWarning, DeviceError, ReserveIgnoredWarni
 from ..memory import memory_report
 from ._args import check_model, check_optimizer
 from ._loss import call_model, describe_forms, loss_form, loss_of
-from ._reserve import ReserveSpec, parse_reserve, reserve_cuda
 from .preserve import preserve_state
 from .report import WarmupReport
+from .reserve import ReserveSpec, parse_reserve, reserve_cuda
 
 _log = logging.getLogger("cudakit.warmup")
 

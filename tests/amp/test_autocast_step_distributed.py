@@ -63,7 +63,7 @@ def _count_reduce_scatters() -> list[int]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    import cudakit.amp.stepper as amp_stepper
+    import cudakit.amp._stepper as amp_stepper
     import cudakit.parallel as cp
     from cudakit.amp import autocast_step
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import autocast_step
 
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import SpikeRule, autocast_step
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import AutocastStep, SpikeRule, autocast_step
 from cudakit.amp.spikes import f32
 from cudakit.exceptions import NonFiniteStepsError

@@ -23,7 +23,7 @@ SPIKE_AT = 7  # the window whose loss rank 0 multiplies by 40
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    import cudakit.amp.stepper as amp_stepper
+    import cudakit.amp._stepper as amp_stepper
     from cudakit.amp import SpikeRule, autocast_step
 
     join_gloo(rank, port, WORLD)

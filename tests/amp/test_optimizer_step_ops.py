@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cudakit.amp as amp
-from cudakit.amp.ops import optimizer_step, zero_grad
+from cudakit.amp._ops import optimizer_step, zero_grad
 
 
 def _model() -> torch.nn.Module:

@@ -157,7 +157,7 @@ def test_mailbox_reads_a_landed_gpu_verdict_without_waiting() -> None:
     """One window later a GPU verdict's copy has landed: query() says so, nothing waits."""
     import ctypes
 
-    from cudakit.amp.guard import VerdictMailbox
+    from cudakit.amp._guard import VerdictMailbox
 
     class Event:
         def __init__(self, done: bool) -> None:
@@ -222,7 +222,7 @@ def test_closure_optimizers_are_refused_at_construction() -> None:
 
 def test_complex_parameters_are_guarded() -> None:
     """The fused check takes real dtypes only: complex gradients are checked as real pairs."""
-    from cudakit.amp.guard import NonFiniteGuard
+    from cudakit.amp._guard import NonFiniteGuard
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))

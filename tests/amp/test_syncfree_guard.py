@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import autocast_step
 from cudakit.exceptions import NonFiniteStepsError
 
@@ -297,7 +297,7 @@ def test_cpu_skips_on_the_host_and_the_gpu_path_on_the_device(skip_on: str) -> N
 
 
 def test_read_memory_reads_cpu_verdicts_without_a_torch_op() -> None:
-    from cudakit.amp.guard import NonFiniteGuard
+    from cudakit.amp._guard import NonFiniteGuard
 
     flags = torch.tensor([0.0, 1.0, 0.0])
     with HostReads() as reads:
@@ -443,7 +443,7 @@ def test_a_copied_mailbox_reads_its_own_buffers(how: str) -> None:
     import copy
     import pickle
 
-    from cudakit.amp.guard import VerdictMailbox
+    from cudakit.amp._guard import VerdictMailbox
 
     box = VerdictMailbox()
     box.post(torch.tensor([0.0, 2.5]))

@@ -623,7 +623,7 @@ def test_cpu_without_native_bf16_gets_float32(
 ) -> None:
     import logging
 
-    import cudakit.amp.options as options_module
+    import cudakit.amp._args as options_module
     import cudakit.amp.policy as policy
 
     # An AVX2-only CPU: oneDNN reports no native bf16 or fp16.

@@ -113,7 +113,7 @@ def _say(line: str) -> None:
 
 
 def load(args: argparse.Namespace) -> None:
-    import cudakit.checkpoint.rollback as rollback
+    import cudakit.checkpoint._rollback as rollback
 
     model, opt, _, step = build(args.strategy, lr=0.5)  # another lr: the checkpoint's wins
     if args.stepped:

@@ -390,7 +390,7 @@ def equal(a: Any, b: Any) -> bool:
 def loaded(directory: Path, path: Path | None = None) -> tuple[str, int, dict[str, Any]]:
     """Resume (or load ``path``) in this process: the checkpoint's name, its serial number
     and the state it put into a fresh model and optimizer."""
-    from cudakit.checkpoint import layout
+    from cudakit.checkpoint import _layout as layout
 
     model, opt, step = _build(seed=1)
     with cudakit.Checkpointer(directory, step=step, preemption=False) as ckpt:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 PROTOCOLS = tuple(range(pickle.HIGHEST_PROTOCOL + 1))  # 0-5
 

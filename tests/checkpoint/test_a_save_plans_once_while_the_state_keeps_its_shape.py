@@ -297,7 +297,7 @@ def test_the_state_is_flattened_as_dcp_flattens_it(state: dict[str, Any]) -> Non
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
-    from cudakit.checkpoint import plan
+    from cudakit.checkpoint import _plan as plan
 
     try:
         dcp_flat, dcp_mappings = flatten_state_dict(state)
@@ -313,7 +313,7 @@ def test_the_state_is_flattened_as_dcp_flattens_it(state: dict[str, Any]) -> Non
 def test_a_flattening_unlike_dcps_is_left_to_dcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudakit.checkpoint import plan
+    from cudakit.checkpoint import _plan as plan
 
     real = plan._flattened
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -159,7 +159,7 @@ def test_a_large_tensor_cut_short_by_a_write_is_written_whole(
     cut (here every write is cut to 1000 bytes, and every tensor is a large one)."""
     import io
 
-    from cudakit.checkpoint import storage
+    from cudakit.checkpoint import _storage as storage
 
     torch.manual_seed(0)
     model = torch.nn.Linear(100, 100)  # a weight of 40,000 bytes: cut into 1000-byte writes
@@ -208,7 +208,7 @@ def test_dcp_writes_itself_only_where_it_overlaps_device_copies(
 ) -> None:
     """Host tensors are written in one pass also on a machine with a GPU; tensors on a
     device are left to DCP's own writer, which overlaps their copies with its writes."""
-    from cudakit.checkpoint import storage
+    from cudakit.checkpoint import _storage as storage
 
     monkeypatch.setattr(storage, "_gpu_like", lambda: True)
     calls: list[Path] = []
@@ -222,7 +222,7 @@ def test_dcp_writes_itself_only_where_it_overlaps_device_copies(
     model, opt = _model()
     ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, preemption=False)
     if on_a_gpu:  # (pretend: the state is on a device)
-        monkeypatch.setattr("cudakit.checkpoint.writer._on_host", lambda tree: False)
+        monkeypatch.setattr("cudakit.checkpoint._writer._on_host", lambda tree: False)
     path = ckpt.save()
     ckpt.close()
     assert len(calls) == (0 if on_a_gpu else 1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import run

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import Crash, run, same_state
@@ -99,7 +99,7 @@ def test_loading_a_truncated_checkpoint_is_a_clear_error_and_changes_nothing(
 def _fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.checkpoint import filesystem
 
-    from cudakit.checkpoint import storage
+    from cudakit.checkpoint import _storage as storage
 
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -166,7 +166,7 @@ def test_the_async_save_stages_a_copy_and_finishes_on_wait(tmp_path: Path) -> No
 def test_a_background_run_resumes_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_first: bool
 ) -> None:
-    from cudakit.checkpoint import writer
+    from cudakit.checkpoint import _writer as writer
 
     # A small state is copied whole before the thread writes; a large one tensor by tensor.
     monkeypatch.setattr(writer, "COPY_FIRST", 1 << 40 if whole_first else -1)
@@ -185,7 +185,7 @@ def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwr
     step again (a crashed process would have taken the thread along)."""
     import time
 
-    from cudakit.checkpoint import writer
+    from cudakit.checkpoint import _writer as writer
 
     slow = writer.Writer._save
 
@@ -212,7 +212,7 @@ def test_a_background_save_whose_copy_fails_leaves_nothing(
     """The copy into host buffers fails (here: interrupted): the writing thread has
     finished (or never started) before the partial checkpoint is removed, and nothing
     is visible."""
-    from cudakit.checkpoint import writer
+    from cudakit.checkpoint import _writer as writer
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.Adam(model.parameters())

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cudakit
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 
 def _dirs(root: Path) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import preemption
+from cudakit.checkpoint import _preemption as preemption
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import make_data
@@ -55,7 +55,7 @@ def test_sigusr1_exits_138_and_requeue_is_tried_only_under_slurm(
 ) -> None:
     asked: list[str] = []
     monkeypatch.setattr(
-        "cudakit.checkpoint.preemption.requeue_slurm_job", lambda: asked.append("x") or None
+        "cudakit.checkpoint._preemption.requeue_slurm_job", lambda: asked.append("x") or None
     )
     with pytest.raises(SystemExit) as info:
         _loop(tmp_path, signal.SIGUSR1, at=2, accumulate=1)

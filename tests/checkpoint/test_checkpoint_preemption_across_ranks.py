@@ -39,7 +39,7 @@ SCENARIOS: dict[str, tuple[dict[int, int], int]] = {
 def _run(strategy: str, root: Path, signal_at: dict[int, int]) -> dict[str, Any]:
     import cudakit
     import cudakit.parallel as cp
-    from cudakit.checkpoint.layout import read_manifest
+    from cudakit.checkpoint._layout import read_manifest
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))

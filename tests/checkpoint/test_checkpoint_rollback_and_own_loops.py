@@ -21,7 +21,7 @@ from torch import nn
 
 import cudakit
 from cudakit.amp import autocast_step
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 
 def _dirs(root: Path) -> list[str]:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import cudakit
-from cudakit.checkpoint import safe_dcp, safe_load
+from cudakit.checkpoint import _safe_dcp as safe_dcp
+from cudakit.checkpoint import _safe_load as safe_load
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import make_data, make_net, run

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cudakit
-from cudakit.checkpoint import data, layout
+from cudakit.checkpoint import _layout as layout
+from cudakit.checkpoint import data
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_training import run
@@ -330,7 +331,7 @@ def test_trust_pickles_loads_an_older_checkpoint_and_saves_the_new_format(
 @settings(max_examples=60, deadline=None)
 @given(value=_plain, where=st.integers(0, 3))
 def test_the_save_check_finds_a_users_object_anywhere_in_the_state(value: Any, where: int) -> None:
-    from cudakit.checkpoint import admit
+    from cudakit.checkpoint import _admit as admit
 
     assert list(admit._leaves({"model": {"w": torch.zeros(1), "v": value}}, "")) == []
     nests: list[Any] = [Config("x", 1)]
@@ -345,7 +346,7 @@ def test_the_save_check_finds_a_users_object_anywhere_in_the_state(value: Any, w
 @settings(max_examples=60, deadline=None)
 @given(value=_plain, protocol=st.integers(0, 5))
 def test_the_static_scan_finds_no_global_in_plain_values(value: Any, protocol: int) -> None:
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import _safe_load as safe_load
 
     names = safe_load.refused_globals(pickle.dumps(value, protocol=protocol))
     assert set(names) <= {"_codecs.encode", "copyreg._reconstructor", "builtins.bytes"}
@@ -354,7 +355,7 @@ def test_the_static_scan_finds_no_global_in_plain_values(value: Any, protocol: i
 @settings(max_examples=100, deadline=None)
 @given(data=st.binary(max_size=200))
 def test_the_static_scan_never_raises_on_garbage(data: bytes) -> None:
-    from cudakit.checkpoint import safe_load
+    from cudakit.checkpoint import _safe_load as safe_load
 
     assert isinstance(safe_load.refused_globals(data), list)
     found = safe_load._host_format(data)
@@ -389,7 +390,8 @@ def test_what_the_save_check_admits_unread_loads_with_the_safe_loader(value: Any
     """A save reads its rank file back only when the walk cannot vouch for its state."""
     import io
 
-    from cudakit.checkpoint import admit, safe_load
+    from cudakit.checkpoint import _admit as admit
+    from cudakit.checkpoint import _safe_load as safe_load
 
     assert admit.known_to_load({"v": value})
     buffer = io.BytesIO()
@@ -413,6 +415,6 @@ def test_what_the_save_check_admits_unread_loads_with_the_safe_loader(value: Any
     ],
 )
 def test_the_save_check_reads_back_what_it_cannot_vouch_for(value: Any) -> None:
-    from cudakit.checkpoint import admit
+    from cudakit.checkpoint import _admit as admit
 
     assert not admit.known_to_load({"k": [1, (2, value)]})

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 
 class _Run:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import lock
+from cudakit.checkpoint import _lock as lock
 
 pytestmark = pytest.mark.distributed
 

@@ -45,7 +45,7 @@ def _loop(tmp_path: Path, signum: int, **kwargs: Any) -> None:
 def _requeues(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     asked: list[str] = []
     monkeypatch.setattr(
-        "cudakit.checkpoint.preemption.requeue_slurm_job", lambda: asked.append("x") or None
+        "cudakit.checkpoint._preemption.requeue_slurm_job", lambda: asked.append("x") or None
     )
     return asked
 
@@ -149,7 +149,7 @@ def test_a_second_ctrl_c_interrupts_as_without_the_watch(tmp_path: Path) -> None
 
 def test_every_rank_exits_with_the_agreed_status(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks that got different signals, or none, exit alike: SIGTERM's among several."""
-    from cudakit.checkpoint import preemption
+    from cudakit.checkpoint import _preemption as preemption
 
     monkeypatch.setattr(preemption, "requeue_slurm_job", lambda: None)
     term, usr1, usr2 = int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2)

@@ -224,7 +224,7 @@ def test_a_fresh_optimizer_dcp_cannot_step_is_refused_and_left_as_it_was(
     step needs a closure. The load is refused, naming the optimizer and the fix, and
     the optimizer (its learning rate, state, groups), the gradients and the model are
     as they were."""
-    from cudakit.checkpoint import state as state_module
+    from cudakit.checkpoint import _state as state_module
 
     model = _model()
     opt = _lbfgs(model.parameters())
@@ -266,7 +266,7 @@ def test_a_fresh_optimizer_dcp_cannot_step_is_refused_and_left_as_it_was(
 def test_a_failed_load_leaves_the_fresh_optimizer_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudakit.checkpoint import reader
+    from cudakit.checkpoint import _reader as reader
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
@@ -331,7 +331,7 @@ def test_step_is_laid_out_in_host_memory() -> None:
         TensorStorageMetadata,
     )
 
-    from cudakit.checkpoint.state import _saved_states
+    from cudakit.checkpoint._state import _saved_states
 
     model = nn.Linear(2, 2, device="meta")
     opt = torch.optim.AdamW(model.parameters())

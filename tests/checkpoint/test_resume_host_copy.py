@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudakit
-import cudakit.checkpoint.reader as reader
-import cudakit.checkpoint.rollback as rollback
+import cudakit.checkpoint._reader as reader
+import cudakit.checkpoint._rollback as rollback
 from cudakit.amp import autocast_step
 
 

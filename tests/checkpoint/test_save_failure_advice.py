@@ -15,7 +15,7 @@ import cudakit
 def _fail_with(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
     from torch.distributed.checkpoint import filesystem
 
-    from cudakit.checkpoint import storage
+    from cudakit.checkpoint import _storage as storage
 
     def write_item(*args: object, **kwargs: object) -> None:
         raise exc

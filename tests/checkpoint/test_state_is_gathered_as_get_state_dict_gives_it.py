@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from cudakit.checkpoint import gather as gather_module
-from cudakit.checkpoint.gather import Gather
+from cudakit.checkpoint import _gather as gather_module
+from cudakit.checkpoint._gather import Gather
 
 
 def _stepped(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:

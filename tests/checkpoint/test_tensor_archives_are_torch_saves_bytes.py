@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudakit.checkpoint import archive
+from cudakit.checkpoint import _archive as archive
 
 _DTYPES = [
     torch.float32,

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import cudakit
 import cudakit.parallel as cp
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 
 class Crash(Exception):

@@ -43,7 +43,7 @@ from port_hf_helpers import (  # noqa: E402
 from port_real_loops import differences  # noqa: E402
 
 import cudakit  # noqa: E402
-import cudakit.amp.stepper as amp_stepper  # noqa: E402
+import cudakit.amp._stepper as amp_stepper  # noqa: E402
 
 MODELS = {
     "llama": (llama, lm_batches),

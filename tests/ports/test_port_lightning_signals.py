@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import cudakit
-from cudakit.checkpoint import preemption
+from cudakit.checkpoint import _preemption as preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import port_signal_helpers as helpers

@@ -36,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import AutocastStep, NonFiniteWarning, SpikeRule, autocast_step
 from cudakit.amp.spikes import f32
 from cudakit.exceptions import NonFiniteStepsError

@@ -37,7 +37,7 @@ from port_real_loops import (
 
 import cudakit
 from cudakit.amp import SpikeRule
-from cudakit.checkpoint import layout
+from cudakit.checkpoint import _layout as layout
 
 FP32, BF16 = torch.float32, torch.bfloat16
 GAN = ("G", "D")

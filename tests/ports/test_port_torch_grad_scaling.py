@@ -54,7 +54,7 @@ from port_torch_amp import (
 )
 from torch import nn
 
-import cudakit.amp.stepper as amp_stepper
+import cudakit.amp._stepper as amp_stepper
 from cudakit.amp import AutocastStep, StepResult, autocast_step
 
 FP16, BF16 = torch.float16, torch.bfloat16

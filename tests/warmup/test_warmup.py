@@ -36,7 +36,7 @@ from cudakit.warmup import (
 # Not `import cudakit.warmup as wu`: once cudakit/__init__.py exports the function `warmup`,
 # the attribute cudakit.warmup is the function; the module is in sys.modules.
 batch_size = importlib.import_module("cudakit.warmup.batch_size")
-_reserve = importlib.import_module("cudakit.warmup._reserve")
+_reserve = importlib.import_module("cudakit.warmup.reserve")
 
 # --------------------------------------------------------------------------- helpers
 

@@ -7,10 +7,10 @@ only then does it load the step and scheduler states, the tensors, the extras an
 loader's own state. What a load can still find wrong after the checks (a data file
 whose bytes changed but not its size, optimizer hyper-parameters that differ, an extra
 that refuses its state) puts everything back as it was and raises
-:class:`CheckpointError`: :mod:`~cudakit.checkpoint.rollback` reads the CPU tensors
-into new storage (:class:`~cudakit.checkpoint.rollback.Fresh`), so a failure finds
+:class:`CheckpointError`: :mod:`~cudakit.checkpoint._rollback` reads the CPU tensors
+into new storage (:class:`~cudakit.checkpoint._rollback.Fresh`), so a failure finds
 them untouched, and puts the others back from a copy in host memory
-(:class:`~cudakit.checkpoint.rollback.Rollback`).
+(:class:`~cudakit.checkpoint._rollback.Rollback`).
 :func:`apply_host` puts the RNG back.
 """
 
@@ -25,12 +25,13 @@ import torch
 
 from ..exceptions import CheckpointError
 from ..parallel import unwrap
-from . import layout, safe_dcp, safe_load
-from .arguments import describe_parts
-from .data import generators_of, is_stateful, restore_rng
-from .rollback import Fresh, Rollback
-from .safe_load import RefusedCheckpointError
-from .state import (
+from . import _layout as layout
+from . import _safe_dcp as safe_dcp
+from . import _safe_load as safe_load
+from ._args import describe_parts
+from ._rollback import Fresh, Rollback
+from ._safe_load import RefusedCheckpointError
+from ._state import (
     FreshStepError,
     Parts,
     drop_unsaved,
@@ -42,6 +43,7 @@ from .state import (
     reset_fresh,
     tensor_state,
 )
+from .data import generators_of, is_stateful, restore_rng
 
 __all__ = ["RefusedCheckpointError", "apply_host", "read", "written_before"]
 

@@ -3,7 +3,7 @@
 :class:`SavePolicy` owns what the decision needs: the batch checked last (a boundary
 is looked at once per batch), the position saved last, and a pending request (a
 ``save()`` called inside a window, taken at its end). The
-:class:`~cudakit.checkpoint.saver.Saver` asks it at each window boundary.
+:class:`~cudakit.checkpoint._saver.Saver` asks it at each window boundary.
 """
 
 from __future__ import annotations

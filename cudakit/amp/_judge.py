@@ -4,7 +4,7 @@
 clipping norm where those already checked the gradients), the spike rule's test
 (``skip_spikes=``) and, on the sync-free path, the verdicts posted to the device and
 read lazily (:meth:`WindowJudge.settle`): one window later, or when a counter is read.
-The optimizer step itself is :class:`~cudakit.amp.stepper.OptimizerStep`'s.
+The optimizer step itself is :class:`~cudakit.amp._stepper.OptimizerStep`'s.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any, cast
 
 import torch
 
-from .compiling import captures_cuda_graphs, compile_fn
-from .counters import StepCounters
-from .guard import NonFiniteGuard, VerdictMailbox, local
-from .ops import check_and_clip, check_clip_and_judge
-from .options import StepConfig
-from .params import StepParams
+from ._args import StepConfig
+from ._compiling import captures_cuda_graphs, compile_fn
+from ._counters import StepCounters
+from ._guard import NonFiniteGuard, VerdictMailbox, local
+from ._ops import check_and_clip, check_clip_and_judge
+from ._params import StepParams
+from ._window import Window
 from .spikes import SpikeWatch
 from .watch import Pending, Watch
-from .window import Window
 
 __all__ = ["WindowJudge"]
 
@@ -49,7 +49,7 @@ class WindowJudge:
         self.skip_nonfinite = config.skip_nonfinite
         self._dtype = config.dtype
         #: Verdicts go to the optimizers on the device and are read lazily (see
-        #: :class:`~cudakit.amp.stepper.OptimizerStep`).
+        #: :class:`~cudakit.amp._stepper.OptimizerStep`).
         self.lazy = lazy
         self._guard = NonFiniteGuard()
         # A sync-free step on the CPU reads its verdict from memory, without a torch op;

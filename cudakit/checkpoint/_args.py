@@ -18,8 +18,8 @@ from torch import nn
 
 from .._check import check_bool, check_int, check_optional, fail_type, fail_value
 from ..amp import AutocastStep
-from .preemption import stop_signals
-from .state import Parts, assign_owners, check_extras
+from ._preemption import stop_signals
+from ._state import Parts, assign_owners, check_extras
 
 __all__ = [
     "Options",

@@ -4,7 +4,7 @@
 resumed epoch must skip, the RNG states of the epoch's start (to replay a mid-epoch
 loader), and the batch :meth:`~cudakit.checkpoint.Checkpointer.batches` yielded last.
 It counts batches and windows, and says what a save taken now records of the data;
-when to save is :class:`~cudakit.checkpoint.policy.SavePolicy`'s decision.
+when to save is :class:`~cudakit.checkpoint._policy.SavePolicy`'s decision.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ._state import epoch_end, step_marks
 from .data import (
     Position,
     Yielded,
@@ -27,7 +28,6 @@ from .data import (
     set_epoch,
     skip_batches,
 )
-from .state import epoch_end, step_marks
 
 __all__ = ["Cursor"]
 

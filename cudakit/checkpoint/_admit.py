@@ -1,7 +1,7 @@
 """What a save may write: values the safe loaders take back, checked before a
 checkpoint becomes visible.
 
-A value :mod:`~cudakit.checkpoint.safe_load` would refuse at resume is refused at
+A value :mod:`~cudakit.checkpoint._safe_load` would refuse at resume is refused at
 ``save()`` instead, naming it: the rank file is read back with torch's safe loader
 unless :func:`known_to_load` can tell from its types alone that it loads, and each
 value DCP pickles is loaded back safely.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .safe_load import Unloadable, allowed_globals, pickle_of, pickle_of_bytes, refusal_reason
+from ._safe_load import Unloadable, allowed_globals, pickle_of, pickle_of_bytes, refusal_reason
 
 __all__ = ["check_saved", "known_to_load", "refused_in"]
 

@@ -16,12 +16,12 @@ import torch
 
 from .._check import check_int, check_number, fail_type, fail_value, is_int
 from .._dist import group_world_size
-from .buffers import BufferSnapshot
-from .counters import StepCounters
-from .judge import WindowJudge
-from .options import StepConfig
-from .params import StepParams
-from .window import GradSync, Stage, Window
+from ._args import StepConfig
+from ._buffers import BufferSnapshot
+from ._counters import StepCounters
+from ._judge import WindowJudge
+from ._params import StepParams
+from ._window import GradSync, Stage, Window
 
 __all__ = ["KEYS", "Restored", "StepCheckpoint", "apply", "capture", "validate"]
 

@@ -4,7 +4,7 @@
 where a hand-written loop calls ``opt.zero_grad()``), runs a micro-step's backward
 (divided by ``accumulate``, or summed for token-weighted losses; scaled for fp16; a
 failure leaves the window as it was), counts it, and hands a full window (or a
-partial one, for ``flush()``) to the :class:`~cudakit.amp.stepper.OptimizerStep`.
+partial one, for ``flush()``) to the :class:`~cudakit.amp._stepper.OptimizerStep`.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import cast
 
 import torch
 
-from . import misuse
-from .buffers import BufferSnapshot
-from .counters import StepCounters
-from .judge import WindowJudge
-from .ops import zero_grad
-from .options import StepConfig
-from .params import StepParams
+from . import _misuse as misuse
+from ._args import StepConfig
+from ._buffers import BufferSnapshot
+from ._counters import StepCounters
+from ._judge import WindowJudge
+from ._ops import zero_grad
+from ._params import StepParams
+from ._stepper import OptimizerStep
+from ._window import GradSync, Stage, Window, backward_in_window, reached_any
 from .result import StepResult, weight_tensor
-from .stepper import OptimizerStep
-from .window import GradSync, Stage, Window, backward_in_window, reached_any
 
 __all__ = ["MicroSteps"]
 

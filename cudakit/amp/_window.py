@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 
 from .._dist import group_world_size
-from . import misuse
+from . import _misuse as misuse
 
 __all__ = ["GradSync", "Stage", "Window", "backward_in_window", "ddp_comm_hook", "reached_any"]
 

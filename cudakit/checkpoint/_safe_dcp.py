@@ -6,8 +6,8 @@ state) with ``torch.load(weights_only=False)``; here the first goes through
 :class:`_MetadataUnpickler` (DCP's own metadata classes, ``torch.Size``, dtypes,
 layouts, devices, paths and builtin containers), the second through torch's safe
 loader (:func:`safe_planner`), with the host files' allowlist
-(:mod:`~cudakit.checkpoint.safe_load`). DCP reads tensors safely itself. What either
-refuses is a :class:`~cudakit.checkpoint.safe_load.RefusedCheckpointError` naming the
+(:mod:`~cudakit.checkpoint._safe_load`). DCP reads tensors safely itself. What either
+refuses is a :class:`~cudakit.checkpoint._safe_load.RefusedCheckpointError` naming the
 file and the refused global, raised before that global is looked up.
 
 :func:`dcp_reader` and :func:`dcp_load` are the one way cudakit reads DCP; the planner
@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from ..exceptions import CheckpointError
-from .safe_load import allowed_globals, pickle_of_bytes, refusal_error, refusal_reason
+from ._safe_load import allowed_globals, pickle_of_bytes, refusal_error, refusal_reason
 
 __all__ = ["DataFileError", "dcp_load", "dcp_reader", "safe_planner"]
 

@@ -2,7 +2,7 @@
 
 :class:`OptimizerStep` owns the optimizers, the schedulers and the loss scaler.
 :meth:`OptimizerStep.finish` unscales (fp16), weights (token-weighted windows, partial
-windows), asks the :class:`~cudakit.amp.judge.WindowJudge` for the verdict, clips, and
+windows), asks the :class:`~cudakit.amp._judge.WindowJudge` for the verdict, clips, and
 then steps every optimizer or none, and the schedulers after a real step. With
 optimizers that skip on the device (fused Adam, AdamW, SGD) the same path never reads
 the verdict back: it goes to the optimizers as ``found_inf`` and the judge reads it
@@ -17,17 +17,17 @@ from typing import Any, cast
 import torch
 
 from .._accel import host_read_waits
-from .buffers import BufferSnapshot
-from .counters import StepCounters
-from .guard import local
-from .judge import WindowJudge
-from .ops import optimizer_step, scaler_step, step_on_device
-from .options import StepConfig
-from .params import StepParams
+from ._args import StepConfig
+from ._buffers import BufferSnapshot
+from ._counters import StepCounters
+from ._guard import local
+from ._judge import WindowJudge
+from ._ops import optimizer_step, scaler_step, step_on_device
+from ._params import StepParams
+from ._window import Window
 from .result import SpikeVerdict, StepResult, Verdict
 from .spikes import SpikeWatch
 from .watch import Pending, PendingSource, scaler_step_on_device
-from .window import Window
 
 __all__ = ["OptimizerStep", "SchedulerUndo"]
 

@@ -1,10 +1,10 @@
 """The save side of a run: when a save is due, what it records, and a stop signal's exit.
 
-:class:`Saver` owns the :class:`~cudakit.checkpoint.writer.Writer` (a save's files and
-``keep=``), the :class:`~cudakit.checkpoint.policy.SavePolicy` (when a save is due)
-and the :class:`~cudakit.checkpoint.preemption.Preemption` watcher (a stop signal,
+:class:`Saver` owns the :class:`~cudakit.checkpoint._writer.Writer` (a save's files and
+``keep=``), the :class:`~cudakit.checkpoint._policy.SavePolicy` (when a save is due)
+and the :class:`~cudakit.checkpoint._preemption.Preemption` watcher (a stop signal,
 agreed by every rank). At each window boundary it counts the window on the
-:class:`~cudakit.checkpoint.cursor.Cursor` it shares with the loop, saves when due,
+:class:`~cudakit.checkpoint._cursor.Cursor` it shares with the loop, saves when due,
 and after a stop saves, closes the run and exits. The
 :class:`~cudakit.checkpoint.Checkpointer` composes it with the loop and the resume.
 """
@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import CheckpointSaveError
-from . import layout, progress
-from .arguments import Options
-from .cursor import Cursor
+from . import _layout as layout
+from . import _progress as progress
+from ._args import Options
+from ._cursor import Cursor
+from ._policy import SavePolicy
+from ._preemption import Preemption
+from ._ranks import Ranks
+from ._state import FreshStepError, extras_state, fresh_optimizers, reset_fresh, tensor_state
+from ._writer import Pending, Writer, drain_background
 from .data import Position, is_stateful
-from .policy import SavePolicy
-from .preemption import Preemption
-from .ranks import Ranks
-from .state import FreshStepError, extras_state, fresh_optimizers, reset_fresh, tensor_state
-from .writer import Pending, Writer, drain_background
 
 __all__ = ["Saver"]
 

@@ -1,7 +1,7 @@
 """Argument checks of :func:`~cudakit.amp.autocast_step`, and its resolved configuration.
 
 The checks particular to it: optimizers and schedulers (one or a list) and the device
-type of their parameters (``compile=``'s are in :mod:`~cudakit.amp.compiling`); plain
+type of their parameters (``compile=``'s are in :mod:`~cudakit.amp._compiling`); plain
 kinds and ranges go through
 :mod:`cudakit._check`. :func:`resolve_options` runs every check and decides the
 precision, before the step builds anything, and returns one frozen :class:`StepConfig`
@@ -27,7 +27,7 @@ from .._check import (
     fail_type,
     fail_value,
 )
-from .compiling import check_compile
+from ._compiling import check_compile
 from .policy import (
     Capabilities,
     Precision,

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..parallel.unused import note_unused_parameters
-from . import misuse
+from ..parallel._unused import note_unused_parameters
+from . import _misuse as misuse
 
 if TYPE_CHECKING:
-    from .buffers import BufferSnapshot
-    from .window import GradSync, Window
+    from ._buffers import BufferSnapshot
+    from ._window import GradSync, Window
 
 __all__ = ["ACTIVE", "Block", "Turn"]
 

@@ -6,7 +6,7 @@ from typing import cast
 
 import torch
 
-from .guard import local
+from ._guard import local
 
 __all__ = ["StepParams"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..parallel import unwrap
+from ._state import Parts, flat_keys, has_state, made_state
 from .data import is_stateful
-from .state import Parts, flat_keys, has_state, made_state
 
 __all__ = ["Fresh", "Rollback"]
 
@@ -46,7 +46,7 @@ class Fresh:
     load as ``load_state_dict`` does.
 
     DCP's read of such a tensor keeps the tensor it read (:meth:`Planner.take
-    <cudakit.checkpoint.safe_dcp.safe_planner>`) instead of copying it into the
+    <cudakit.checkpoint._safe_dcp.safe_planner>`) instead of copying it into the
     state dict's own: the optimizers then take the new tensors (their
     ``load_state_dict`` keeps what it is given), and the models take them at the very
     end (:meth:`install`), after everything that can fail: a plain model's parameters

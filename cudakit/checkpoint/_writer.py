@@ -3,9 +3,9 @@
 Every rank writes its host file into the ``.partial`` directory, then calls DCP's
 ``save`` (or ``async_save``), whose first collective (planning) cannot finish before
 every rank has arrived, and each rank fsyncs its files before DCP gathers the ranks
-(:mod:`~cudakit.checkpoint.storage`): so once DCP has written its ``.metadata`` on rank
+(:mod:`~cudakit.checkpoint._storage`): so once DCP has written its ``.metadata`` on rank
 0, every rank's files are on disk. Rank 0 then writes the manifest and renames the
-directory (:func:`~cudakit.checkpoint.layout.write_manifest`), and removes old
+directory (:func:`~cudakit.checkpoint._layout.write_manifest`), and removes old
 checkpoints (their files on the background thread).
 
 Background saves run DCP's ``async_save`` on a gloo group of their own (made once,
@@ -32,9 +32,13 @@ from typing import Any, NoReturn
 import torch
 
 from ..exceptions import CheckpointSaveError
-from . import admit, failures, layout, plan, safe_load
-from .state import failure_cause
-from .storage import storage_writer
+from . import _admit as admit
+from . import _failures as failures
+from . import _layout as layout
+from . import _plan as plan
+from . import _safe_load as safe_load
+from ._state import failure_cause
+from ._storage import storage_writer
 
 __all__ = ["Pending", "Writer", "drain_background"]
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from .._check import check_type
 from ..parallel import unwrap
-from .gather import Gather
+from ._gather import Gather
 
 __all__ = [
     "FreshStepError",
@@ -219,7 +219,7 @@ def _saved_states(
     """Each optimizer's state as the checkpoint's metadata describes it, in empty tensors
     (a value DCP pickled: None until loaded), nested lists and dicts too (LBFGS's
     history); None where it cannot be told safely."""
-    from .gather import names_of
+    from ._gather import names_of
 
     names = names_of(model, optimizers)
     if names is None:

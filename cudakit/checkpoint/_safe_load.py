@@ -9,10 +9,10 @@ torch's safe loader, ``torch.load(weights_only=True)``: tensors and plain contai
 NumPy arrays of numbers, and the types the user allowed
 (``Checkpointer(safe_globals=[...])``); the allowlist itself (:func:`allowed_globals`),
 and the static read that names what a pickle refers to (:func:`refused_globals`,
-:func:`refusal_reason`). DCP's files are read by :mod:`~cudakit.checkpoint.safe_dcp`,
+:func:`refusal_reason`). DCP's files are read by :mod:`~cudakit.checkpoint._safe_dcp`,
 through the same allowlist and messages.
 
-What cudakit saves is checked first (:mod:`~cudakit.checkpoint.admit`), so a value the
+What cudakit saves is checked first (:mod:`~cudakit.checkpoint._admit`), so a value the
 safe loader would refuse is refused at ``save()``, not found at resume.
 ``trust=True`` reads with pickle's full loader instead: checkpoints written before
 host format 2 need it.
@@ -36,7 +36,7 @@ import torch
 
 from .._check import is_int
 from ..exceptions import CheckpointError
-from . import layout
+from . import _layout as layout
 
 __all__ = [
     "RefusedCheckpointError",

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .archive import Archives
-from .plan import Plans
+from ._archive import Archives
+from ._plan import Plans
 
 __all__ = ["DIRECT", "fsync_file", "storage_writer"]
 
