@@ -153,7 +153,7 @@ def test_loader_kwargs_and_prefetch_refuse_unusable_devices(spec: str) -> None:
         (
             {"num_workers": "2"},
             TypeError,
-            r"loader_kwargs\(num_workers=\.\.\.\) expects an int, got str '2'\. Leave it out "
+            r"loader_kwargs\(num_workers=\.\.\.\) expects an int >= 0, got str '2'\. Leave it out "
             r"to let cudakit choose, or pass 0",
         ),
         (
