@@ -1,8 +1,9 @@
-"""What a step returns (:class:`StepResult`), and what a step function may return."""
+"""What a step returns (:class:`StepResult`), what a step function may return, and what
+a step shows of its window (:class:`WindowState`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -15,6 +16,7 @@ __all__ = [
     "StepResult",
     "SteppedFunction",
     "Verdict",
+    "WindowState",
     "extract_loss",
     "weight_tensor",
 ]
@@ -189,6 +191,25 @@ def weight_tensor(weight: object, like: torch.Tensor) -> torch.Tensor:
         "tokens) its summed loss covers: return e.g. {'loss': loss_sum, 'weight': mask.sum()}.",
     )
     return torch.tensor(number, dtype=torch.float32, device=like.device)
+
+
+class WindowState(Protocol):
+    """What :attr:`AutocastStep.window` shows: the accumulation window being filled, as
+    cudakit's own parts (``speed_report``, ``Checkpointer``) read it, once bound.
+
+    .. versionadded:: 0.1
+    """
+
+    @property
+    def position(self) -> int:
+        """Micro-steps taken in the window (0 between windows)."""
+        ...
+
+    @property
+    def backwarded(self) -> Callable[[], torch.Tensor | None] | None:
+        """After the window's last micro-step: reads a gradient that a ``zero_grad()``
+        before the step would take away (None before)."""
+        ...
 
 
 class Verdict:

@@ -34,7 +34,7 @@ from ._microstep import MicroSteps
 from ._params import StepParams
 from ._stepper import OptimizerStep
 from ._window import GradSync, Window
-from .result import SteppedFunction, StepResult, extract_loss
+from .result import SteppedFunction, StepResult, WindowState, extract_loss
 from .spikes import SpikeRule
 from .watch import WatchOptions
 
@@ -184,7 +184,7 @@ class AutocastStep(misuse.AttributeGuard):
         return self._window.position
 
     @property
-    def window(self) -> Window:
+    def window(self) -> WindowState:
         """The accumulation window the step fills, for cudakit's own parts to read.
 
         ``speed_report`` and ``Checkpointer`` bind it once and read its ``position``
