@@ -29,6 +29,7 @@ from . import _layout as layout
 from . import _safe_dcp as safe_dcp
 from . import _safe_load as safe_load
 from ._args import describe_parts
+from ._fit import mismatch, optimizer_mismatch
 from ._rollback import Fresh, Rollback
 from ._safe_load import RefusedCheckpointError
 from ._state import (
@@ -37,8 +38,6 @@ from ._state import (
     drop_unsaved,
     failure_cause,
     fresh_optimizers,
-    mismatch,
-    optimizer_mismatch,
     prefill_fresh,
     reset_fresh,
     tensor_state,

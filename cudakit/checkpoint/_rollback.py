@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ..parallel import unwrap
-from ._state import Parts, flat_keys, has_state, made_state
+from ._fit import flat_keys
+from ._state import Parts, has_state, made_state
 from .data import is_stateful
 
 __all__ = ["Fresh", "Rollback"]
