@@ -1,14 +1,17 @@
-"""distributed_loader refuses, when it is called, a dataset and loader options that
-used to fail only at the first batch: a ``collate_fn`` (or ``worker_init_fn``) that is
-not callable, and a dataset that a sampler's int indices cannot read (a dict keyed by
-anything but 0..len-1, a path)."""
+"""distributed_loader answers every bad argument when it is called.
+
+Its options, kinds and values, and what used to fail only at the first batch:
+a ``collate_fn`` (or ``worker_init_fn``) that is not callable, and a dataset that a
+sampler's int indices cannot read (a dict keyed by anything but 0..len-1, a path)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from launcher_env import clean_launcher_env  # noqa: F401 (autouse fixture)
 from torch.utils.data import Dataset, TensorDataset
 
 import cudakit.parallel as cp
@@ -82,3 +85,66 @@ def test_a_path_is_refused(path: Any) -> None:
         r"files there \(its __getitem__\(i\) returns sample i\), and pass that\.",
     ):
         cp.distributed_loader(path)
+
+
+def _numbers() -> Iterator[int]:
+    yield from range(3)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "match"),
+    [
+        (
+            (None,),
+            {},
+            TypeError,
+            r"distributed_loader\(dataset=\.\.\.\) expects a map-style dataset \(with "
+            r"__getitem__ and __len__\), got NoneType None\. Pass e\.g\.",
+        ),
+        (
+            (_numbers(),),
+            {},
+            TypeError,
+            r"distributed_loader\(dataset=\.\.\.\) expects a map-style dataset .* got generator "
+            r".*materialise it with list\(\.\.\.\)",
+        ),
+        (
+            (iter([1, 2]),),
+            {},
+            TypeError,
+            r"got list_iterator",
+        ),
+        ((), {"seed": "a"}, TypeError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
+        ((), {"seed": 2**64}, ValueError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
+        ((), {"seed": 1.0}, TypeError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
+        ((), {"shuffle": "no"}, TypeError, r"distributed_loader\(shuffle=\.\.\.\) expects True"),
+        ((), {"drop_last": 1}, TypeError, r"distributed_loader\(drop_last=\.\.\.\) expects True"),
+        ((), {"batch_size": 0}, ValueError, r"distributed_loader\(batch_size=\.\.\.\) expects"),
+        ((), {"batch_size": "8"}, TypeError, r"distributed_loader\(batch_size=\.\.\.\) expects"),
+        (
+            (),
+            {"num_wrokers": 2},
+            TypeError,
+            r"distributed_loader\(\) got keyword argument\(s\) 'num_wrokers' that DataLoader "
+            r"does not accept\. Valid: num_workers",
+        ),
+        ((), {"batch_sampler": None}, TypeError, r"so batch_sampler= cannot be passed"),
+    ],
+)
+def test_distributed_loader_bad_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], exc: type[Exception], match: str
+) -> None:
+    data = TensorDataset(torch.arange(4))
+    with pytest.raises(exc, match=match):
+        cp.distributed_loader(*(args or (data,)), **kwargs)
+    assert torch.equal(data.tensors[0], torch.arange(4))
+
+
+def test_distributed_loader_checks_option_values() -> None:
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    with pytest.raises(ValueError, match=r"distributed_loader\(\): drop_last=True needs"):
+        cp.distributed_loader(ds, None, drop_last=True)
+    with pytest.raises(ValueError, match=r"distributed_loader\(num_workers=\.\.\.\)"):
+        cp.distributed_loader(ds, 2, num_workers=-1)
+    with pytest.raises(TypeError, match=r"distributed_loader\(generator=\.\.\.\) expects"):
+        cp.distributed_loader(ds, 2, generator="x")

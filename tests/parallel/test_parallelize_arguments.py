@@ -1,14 +1,14 @@
-"""cudakit.parallel answers every bad argument at the door, and a refused call changes nothing.
+"""parallelize() answers every bad argument at the door, and a refused call changes nothing.
 
-Also: the pure plan behind ``parallelize`` over every combination of facts, the
-``DataLoader`` that ``distributed_loader`` returns, and how ``LaunchError`` words
-failures that are independent rather than consequences.
-"""
+Its own arguments, the options it hands its wrapper (DDP, DataParallel, ``fully_shard``),
+a model that is already wrapped, a wrapper that refuses its options after the group
+started, and the arguments of the pure decision behind it (``choose_strategy``,
+``choose_plan``, ``ParallelFacts``, ``read_env``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,27 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import cudakit.parallel as cp
-from cudakit._dist import (
-    current_rank,
-    current_world_size,
-    launched_local_rank,
-    launched_local_world_size,
-    launched_rank,
-    launched_world_size,
-)
-from cudakit.exceptions import DeviceError, DistributedSetupError
+from cudakit.exceptions import DeviceError
 from cudakit.parallel import group as cp_group
-from cudakit.parallel._failures import RankEnd, explain
-from cudakit.parallel.strategy import (
-    ParallelFacts,
-    choose_plan,
-    gather_facts,
-    rank_device,
-)
+from cudakit.parallel.strategy import ParallelFacts, check_backend, choose_plan
 
 _LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
@@ -48,6 +34,26 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     cp_group.teardown_owned_group()
     assert not dist.is_initialized()
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's environment for a single rank on a free port."""
+    env = torchrun_env(1, 0, free_port())
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
 
 
 def _snapshot(model: nn.Module) -> list[tuple[str, torch.device, torch.Tensor]]:
@@ -62,7 +68,44 @@ def _unchanged(model: nn.Module, before: list[tuple[str, torch.device, torch.Ten
     )
 
 
-# --------------------------------------------------------------------------- parallelize
+def _state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+CPU = ParallelFacts(
+    env=None,
+    group_world_size=None,
+    cuda_available=False,
+    device_count=0,
+    current_cuda_index=0,
+    requested_device=None,
+    best_device=torch.device("cpu"),
+)
+
+
+TORCHRUN_CPU = dataclasses.replace(CPU, env=cp.DistributedEnv(1, 2, 1, 2, "127.0.0.1", 29500))
+
+
+TORCHRUN_GPUS = dataclasses.replace(
+    TORCHRUN_CPU, cuda_available=True, device_count=2, best_device=torch.device("cuda", 0)
+)
+
+
+FOUR_GPUS = ParallelFacts(
+    env=None,
+    group_world_size=None,
+    cuda_available=True,
+    device_count=4,
+    current_cuda_index=0,
+    requested_device=None,
+    best_device=torch.device("cuda", 0),
+)
+
+
+TORCHRUN_CPU_0 = dataclasses.replace(CPU, env=cp.DistributedEnv(0, 2, 0, 2, "127.0.0.1", 29500))
+
+
+# ------------------------------------------------------------------------- parallelize
 
 
 @pytest.mark.parametrize(
@@ -122,18 +165,6 @@ def test_parallelize_bad_arguments(
     assert not dist.is_initialized()
 
 
-def test_parallelize_allocates_and_initialises_a_meta_model() -> None:
-    with torch.device("meta"):
-        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    same = cp.parallelize(net, device="meta")  # meta to meta: nothing to copy
-    assert same is net
-    assert all(p.is_meta for p in net.parameters())
-    out = cp.parallelize(net, device="cpu")
-    assert out is net
-    assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
-    assert torch.equal(net[1].running_var, torch.ones(2))
-
-
 def _as_one_launched_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment torchrun gives the one process of a one-process launch."""
     for k, v in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
@@ -164,24 +195,292 @@ def test_parallelize_accepts_good_timeouts_and_backends() -> None:
         assert cp.parallelize(net, device="cpu", backend=backend) is net
 
 
-# --------------------------------------------------------------------------- process_group
+@pytest.mark.parametrize("timeout", [1e300, 1e12, datetime.timedelta.max])
+def test_timeouts_past_a_year_are_refused(timeout: Any) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"parallelize\(timeout=\.\.\.\) expects at most 365 days"):
+        cp.parallelize(model, device="cpu", timeout=timeout)
 
 
-def test_process_group_checks_every_argument_at_the_call() -> None:
-    with pytest.raises(TypeError, match=r"process_group\(backend=\.\.\.\) expects a string"):
-        cp.process_group(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"process_group\(backend=\.\.\.\) expects one of"):
-        cp.process_group("carrier-pigeon")
-    with pytest.raises(DeviceError, match=r"process_group\(device=\.\.\.\): unknown device"):
-        cp.process_group(device="gpu")
-    with pytest.raises(TypeError, match=r"process_group\(device=\.\.\.\): device must be"):
-        cp.process_group(device=[0])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"process_group\(timeout=\.\.\.\) expects seconds"):
-        cp.process_group(timeout=[1])  # type: ignore[arg-type]
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory needs no GPU here")
+def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    _as_one_launched_process(monkeypatch)
+    net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))
+    before = _snapshot(net)
+    with pytest.raises(
+        ValueError,
+        match=r"parallelize\(offload_policy=\.\.\.\) expects CPUOffloadPolicy\(pin_memory=False\) "
+        r"on a machine without a GPU, got CPUOffloadPolicy CPUOffloadPolicy\(pin_memory=True\)\. "
+        r"Pinned memory is for copies to a GPU: pass CPUOffloadPolicy\(pin_memory=False\)",
+    ):
+        cp.parallelize(net, "fsdp", device="cpu", offload_policy=CPUOffloadPolicy())
+    assert _unchanged(net, before)
     assert not dist.is_initialized()
 
 
-# --------------------------------------------------------------------------- choose_strategy
+# --------------------------------------------------------------------- wrapper options
+
+
+def test_a_mesh_that_is_not_a_device_mesh_is_refused_before_sharding(one_rank: None) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    params = [id(p) for p in net.parameters()]
+    with pytest.raises(
+        TypeError,
+        match=r"parallelize\(mesh=\.\.\.\) expects a torch\.distributed\.device_mesh\.DeviceMesh, "
+        r"or None, got str 'cpu'\. Build one with init_device_mesh",
+    ):
+        cp.parallelize(net, "fsdp", mesh="cpu", timeout=30)
+    assert not dist.is_initialized()  # no group started
+    assert [id(p) for p in net.parameters()] == params
+    assert all(type(p) is nn.Parameter for p in net.parameters())  # not sharded
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("request_", "facts", "error", "match"),
+    [
+        ("dp", FOUR_GPUS, ValueError, r"expects a non-empty list of devices, got list \[\]\. "),
+        ("auto", FOUR_GPUS, ValueError, r"expects a non-empty list of devices, got list \[\]\. "),
+        ("ddp", TORCHRUN_CPU_0, ValueError, r"expects a non-empty list of devices, got list \[\]"),
+    ],
+)
+def test_empty_device_ids_are_a_clear_error(
+    request_: str, facts: ParallelFacts, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"choose_plan\(device_ids=\.\.\.\) " + match) as info:
+        choose_plan(request_, facts, options={"device_ids": []})
+    assert "[] names no device. Pass device_ids=None (the default" in str(info.value)
+
+
+def test_empty_device_ids_through_parallelize() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"parallelize\(device_ids=\.\.\.\) expects a non-empty"):
+        cp.parallelize(model, device="cpu", device_ids=[])
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"device_ids": [0, 7]}, r"device_ids=\.\.\.\) expects CUDA indices below 4 .*got int 7"),
+        ({"device_ids": [1, 1]}, r"device_ids=\.\.\.\) expects each device once"),
+        ({"device_ids": ["cpu"]}, r"device_ids=\.\.\.\) expects CUDA devices with an index"),
+        ({"device_ids": 0}, r"device_ids=\.\.\.\) expects a list of devices"),
+        ({"device_ids": [1.5]}, r"device_ids=\.\.\.\) expects a list of devices"),
+        ({"output_device": -1}, r"output_device=\.\.\.\) expects a CUDA index >= 0"),
+        ({"dim": "0"}, r"dim=\.\.\.\) expects an int"),
+    ],
+)
+def test_dataparallel_option_values(options: dict[str, Any], match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=r"choose_plan\(" + match):
+        choose_plan("dp", FOUR_GPUS, options=options)
+
+
+def test_dataparallel_device_ids_name_its_devices() -> None:
+    plan = choose_plan("dp", FOUR_GPUS, options={"device_ids": [torch.device("cuda", 2), "cuda:3"]})
+    assert plan.device_ids == (2, 3)
+    assert plan.device == torch.device("cuda", 2)
+
+
+@pytest.mark.parametrize("request_", ["auto", "ddp"])
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive finite"),
+        ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive finite"),
+        ({"bucket_cap_mb": float("nan")}, ValueError, r"bucket_cap_mb=\.\.\.\) expects a positive"),
+        (
+            {"bucket_cap_mb": "25"},
+            TypeError,
+            r"bucket_cap_mb=\.\.\.\) expects a positive finite number of MiB",
+        ),
+        ({"bucket_cap_mb_list": [25, -1]}, ValueError, r"bucket_cap_mb_list=\.\.\.\) expects a"),
+        ({"find_unused_parameters": "yes"}, TypeError, r"find_unused_parameters=\.\.\.\) expects"),
+        ({"broadcast_buffers": 1}, TypeError, r"broadcast_buffers=\.\.\.\) expects True or False"),
+        ({"static_graph": None}, TypeError, r"static_graph=\.\.\.\) expects True or False"),
+        ({"device_ids": [0, 1]}, ValueError, r"device_ids=\.\.\.\) expects None or a list of one"),
+        ({"process_group": "world"}, TypeError, r"process_group=\.\.\.\) expects a torch\.distr"),
+        ({"device_mesh": "cpu"}, TypeError, r"device_mesh=\.\.\.\) expects a torch\.distributed"),
+        ({"bucket_cap": 25}, TypeError, r"\) got keyword argument\(s\) 'bucket_cap' that Distrib"),
+    ],
+)
+def test_ddp_option_values(
+    request_: str, options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    # Under "auto" the options are DDP's, checked even where this run picks no DDP.
+    with pytest.raises(error, match=r"choose_plan\(" + match):
+        choose_plan(request_, TORCHRUN_CPU_0, options=options)
+    with pytest.raises(error, match=r"choose_plan\(" + match):
+        choose_plan("auto", CPU, options=options)
+
+
+def test_good_ddp_options_pass_through() -> None:
+    options = {"bucket_cap_mb": 0.5, "broadcast_buffers": None, "find_unused_parameters": True}
+    plan = choose_plan("ddp", TORCHRUN_CPU_0, options=options)
+    assert plan.wrapper_kwargs == options
+    assert choose_plan("auto", CPU, options=options).ignored == options
+
+
+def test_options_of_the_wrong_kind() -> None:
+    with pytest.raises(TypeError, match=r"choose_plan\(options=\.\.\.\) expects a mapping"):
+        choose_plan("auto", CPU, options=[("bucket_cap_mb", 25)])  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"options=...\) expects strings as wrapper option names, got int 1"
+    ):
+        choose_plan("auto", CPU, options={1: 2})
+
+
+def test_a_bucket_cap_refused_through_parallelize_changes_nothing(one_rank: None) -> None:
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=r"parallelize\(bucket_cap_mb=\.\.\.\) expects a positive"):
+        cp.parallelize(net, "ddp", bucket_cap_mb=-1, timeout=30)
+    assert not dist.is_initialized()
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_the_options_mapping_is_not_changed() -> None:
+    options = {"find_unused_parameters": True}
+    choose_plan("ddp", dataclasses.replace(TORCHRUN_CPU_0), options=options)
+    assert options == {"find_unused_parameters": True}
+
+
+def test_auto_on_one_device_refuses_a_misspelt_ddp_option() -> None:
+    with pytest.raises(TypeError, match=r"'find_unused_paramters' that DistributedDataParallel"):
+        cp.parallelize(nn.Linear(2, 2), device="cpu", find_unused_paramters=True)
+    net = nn.Linear(2, 2)
+    assert cp.parallelize(net, device="cpu", find_unused_parameters=True) is net  # ignored
+
+
+# -------------------------------------------------------------- a wrapper that refuses
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "error", "match"),
+    [
+        (
+            "ddp",
+            {"device_ids": [5]},
+            ValueError,
+            r"parallelize\(\): DistributedDataParallel refused .*device_ids \[5\].*"
+            r"The model is as it was\. The process group this call started was destroyed",
+        ),
+        (
+            "fsdp",
+            {"reshard_after_forward": "x"},
+            TypeError,
+            r"parallelize\(reshard_after_forward=\.\.\.\) expects True, False or an int",
+        ),
+        (
+            "fsdp",
+            {"mp_policy": torch.bfloat16},
+            TypeError,
+            r"parallelize\(mp_policy=\.\.\.\) expects a torch.distributed.fsdp.MixedPrecision",
+        ),
+    ],
+    ids=["ddp-device_ids", "fsdp-reshard", "fsdp-mp_policy"],
+)
+def test_a_wrapper_that_refuses_its_options_leaves_no_group_and_the_model_as_it_was(
+    one_rank: None, strategy: str, options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    before = _state_copy(net)
+    params = [id(p) for p in net.parameters()]
+    with pytest.raises(error, match=match):
+        cp.parallelize(net, strategy, timeout=30, **options)
+    assert not dist.is_initialized()  # the group this call started is gone again
+    assert [id(p) for p in net.parameters()] == params
+    assert all(type(p) is nn.Parameter for p in net.parameters())  # not sharded
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    # The same model can then be parallelized with good options.
+    wrapped = cp.parallelize(net, strategy, timeout=30)
+    assert cp.unwrap(wrapped) is net
+
+
+def test_a_refused_call_keeps_a_group_it_did_not_start(one_rank: None) -> None:
+    with cp.process_group(timeout=30):
+        with pytest.raises(ValueError, match=r"DistributedDataParallel refused"):
+            cp.parallelize(Net(), "ddp", device_ids=[5])
+        assert dist.is_initialized()  # the user's group: left alone
+
+
+def test_a_refused_ddp_on_meta_is_refused_before_anything(one_rank: None) -> None:
+    net = Net()
+    with pytest.raises(ValueError, match=r"parallelize\(device='meta'\) with DDP"):
+        cp.parallelize(net, "ddp", device="meta")
+    assert not dist.is_initialized()
+    assert all(p.device.type == "cpu" for p in net.parameters())
+
+
+def test_a_failed_move_back_still_destroys_the_group(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudakit.parallel import wrap as cp_wrap
+
+    class Refusing(nn.parallel.DistributedDataParallel):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ValueError("DDP says no")
+
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", Refusing)
+    # Where the model "was": a device it cannot go back to on this machine.
+    monkeypatch.setattr(cp_wrap, "_devices_of", lambda model: {torch.device("cuda", 7)})
+    with pytest.raises(ValueError, match=r"DDP says no.*Moving it back to cuda:7 failed too"):
+        cp.parallelize(Net(), "ddp", timeout=30)
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------- a model already wrapped
+
+
+def test_an_already_wrapped_model_still_gets_its_arguments_checked() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(DeviceError, match="did you mean 'cuda'"):
+        cp.parallelize(wrapped, device="gpu")
+    assert cp.parallelize(wrapped, device="cpu") is wrapped
+
+
+def test_already_wrapped_model_still_checks_option_names() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"takes no wrapper options, got \[.bogus.\]"):
+        cp.parallelize(wrapped, "none", bogus=1)
+    assert cp.parallelize(wrapped) is wrapped  # "auto": returned as it is
+
+
+def test_already_wrapped_model_refuses_another_wrapper(one_rank: None) -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    with pytest.raises(
+        ValueError, match=r"strategy='fsdp'\): the model is already wrapped in DataParallel"
+    ):
+        cp.parallelize(wrapped, "fsdp")
+    with pytest.raises(ValueError, match=r"cudakit.parallel.unwrap\(model\)"):
+        cp.parallelize(wrapped, "ddp")
+    with pytest.raises(TypeError, match=r"'bogus' that DistributedDataParallel \(strategy='auto'"):
+        cp.parallelize(wrapped, bogus=1)  # "auto": checked against the wrapper it has
+    assert not dist.is_initialized()
+
+
+def test_already_wrapped_ddp_model_with_its_own_strategy_is_returned(one_rank: None) -> None:
+    ddp = cp.parallelize(Net(), "ddp", timeout=30)
+    assert cp.parallelize(ddp, "ddp") is ddp
+    assert cp.parallelize(ddp) is ddp
+    with pytest.raises(TypeError, match=r"'bucket_cap'"):
+        cp.parallelize(ddp, "ddp", bucket_cap=25)  # a typo of bucket_cap_mb
+    with pytest.raises(ValueError, match=r"already wrapped in DistributedDataParallel"):
+        cp.parallelize(ddp, "fsdp")
+
+
+def test_auto_checks_a_wrapped_models_options_as_ddp_options() -> None:
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    assert cp.parallelize(wrapped, find_unused_parameters=True) is wrapped
+
+
+# -------------------------------------------------------- choose_strategy and read_env
 
 
 def test_choose_strategy_env_must_be_a_mapping_of_strings() -> None:
@@ -238,339 +537,149 @@ def test_choose_strategy_names_itself(
         cp.choose_strategy(**args)
 
 
-def test_read_env_checks_its_argument() -> None:
-    with pytest.raises(TypeError, match=r"read_env\(env=\.\.\.\) expects a mapping"):
-        cp.read_env([("WORLD_SIZE", "2")])  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------- small helpers
-
-
-def test_rank_helpers_check_their_arguments() -> None:
-    with pytest.raises(TypeError, match=r"is_main_process\(local=\.\.\.\) expects True or False"):
-        cp.is_main_process(local="no")  # type: ignore[arg-type]
-    with pytest.raises(
-        TypeError, match=r"main_process_first\(local=\.\.\.\) expects True or False"
-    ):
-        cp.main_process_first(local="no")  # type: ignore[arg-type]
-
-
-def test_state_dict_helpers_check_their_arguments() -> None:
-    net = nn.Linear(2, 2)
-    before = _snapshot(net)
-    with pytest.raises(
-        TypeError, match=r"state_dict\(model=\.\.\.\) expects an nn.Module, got dict"
-    ):
-        cp.state_dict({})  # type: ignore[arg-type]
-    with pytest.raises(
-        TypeError, match=r"load_state_dict\(model=\.\.\.\) expects an nn.Module, got str"
-    ):
-        cp.load_state_dict("net", {})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"load_state_dict\(strict=\.\.\.\) expects True or"):
-        cp.load_state_dict(net, nn.Linear(2, 2).state_dict(), strict="yes")  # type: ignore[arg-type]
-    assert _unchanged(net, before)
-
-
-def test_launch_start_method_kind_and_value() -> None:
-    with pytest.raises(TypeError, match=r"launch\(start_method=\.\.\.\) .*'spawn'.*got int 3"):
-        cp.launch(print, nprocs=1, start_method=3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"launch\(start_method=\.\.\.\) .* got str 'thread'"):
-        cp.launch(print, nprocs=1, start_method="thread")  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------- distributed_loader
-
-
-def _numbers() -> Iterator[int]:
-    yield from range(3)
-
-
-@pytest.mark.parametrize(
-    ("args", "kwargs", "exc", "match"),
-    [
-        (
-            (None,),
-            {},
-            TypeError,
-            r"distributed_loader\(dataset=\.\.\.\) expects a map-style dataset \(with "
-            r"__getitem__ and __len__\), got NoneType None\. Pass e\.g\.",
-        ),
-        (
-            (_numbers(),),
-            {},
-            TypeError,
-            r"distributed_loader\(dataset=\.\.\.\) expects a map-style dataset .* got generator "
-            r".*materialise it with list\(\.\.\.\)",
-        ),
-        (
-            (iter([1, 2]),),
-            {},
-            TypeError,
-            r"got list_iterator",
-        ),
-        ((), {"seed": "a"}, TypeError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
-        ((), {"seed": 2**64}, ValueError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
-        ((), {"seed": 1.0}, TypeError, r"distributed_loader\(seed=\.\.\.\) expects an int"),
-        ((), {"shuffle": "no"}, TypeError, r"distributed_loader\(shuffle=\.\.\.\) expects True"),
-        ((), {"drop_last": 1}, TypeError, r"distributed_loader\(drop_last=\.\.\.\) expects True"),
-        ((), {"batch_size": 0}, ValueError, r"distributed_loader\(batch_size=\.\.\.\) expects"),
-        ((), {"batch_size": "8"}, TypeError, r"distributed_loader\(batch_size=\.\.\.\) expects"),
-        (
-            (),
-            {"num_wrokers": 2},
-            TypeError,
-            r"distributed_loader\(\) got keyword argument\(s\) 'num_wrokers' that DataLoader "
-            r"does not accept\. Valid: num_workers",
-        ),
-        ((), {"batch_sampler": None}, TypeError, r"so batch_sampler= cannot be passed"),
-    ],
-)
-def test_distributed_loader_bad_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], exc: type[Exception], match: str
-) -> None:
-    data = TensorDataset(torch.arange(4))
-    with pytest.raises(exc, match=match):
-        cp.distributed_loader(*(args or (data,)), **kwargs)
-    assert torch.equal(data.tensors[0], torch.arange(4))
-
-
-def test_distributed_loader_is_a_dataloader() -> None:
-    data = TensorDataset(torch.arange(6))
-    loader = cp.distributed_loader(data, batch_size=2, shuffle=False, num_workers=0)
-    assert isinstance(loader, DataLoader)
-    assert isinstance(loader, cp.DistributedLoader)
-    assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
-    assert (loader.batch_size, loader.num_workers, loader.drop_last) == (2, 0, False)
-    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
-    assert loader.epoch == 1
-    with pytest.raises(TypeError, match=r"set_epoch\(epoch=\.\.\.\) expects an int >= 0, got str"):
-        loader.set_epoch("1")  # type: ignore[arg-type]
-    with pytest.raises(
-        ValueError, match=r"set_epoch\(epoch=\.\.\.\) expects an int >= 0, got int -2"
-    ):
-        loader.set_epoch(-2)
-    assert loader.epoch == 1
-    assert len(cp.distributed_loader(data, batch_size=None)) == 6  # single samples
-
-
-def test_distributed_loader_persistent_workers_reshuffle() -> None:
-    data = TensorDataset(torch.arange(16))
-    loader = cp.distributed_loader(
-        data, batch_size=16, seed=1, num_workers=1, persistent_workers=True
-    )
-    first = next(iter(loader))[0].tolist()
-    second = next(iter(loader))[0].tolist()
-    assert sorted(first) == sorted(second) == list(range(16))
-    assert first != second  # set_epoch reached the sampler the worker iterates
-
-
-# --------------------------------------------------------------------------- _dist
-
-
-def test_dist_reads_the_launcher_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert (launched_rank(), launched_world_size(), launched_local_rank()) == (0, 1, 0)
-    assert launched_local_world_size() == 1
-    assert (current_rank(), current_world_size()) == (0, 1)
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    assert (launched_rank(env), launched_world_size(env), launched_local_rank(env)) == (3, 4, 1)
-    assert launched_local_world_size(env) == 2
-    assert launched_local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 8
-    bad = {"RANK": "x", "WORLD_SIZE": "0", "LOCAL_RANK": "", "LOCAL_WORLD_SIZE": "-1"}
-    assert (launched_rank(bad), launched_world_size(bad), launched_local_rank(bad)) == (0, 1, 0)
-    assert launched_local_world_size(bad) == 1
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    assert (current_rank(), current_world_size(), cp.rank(), cp.world_size()) == (2, 3, 2, 3)
-
-
-# --------------------------------------------------------------------------- choose_plan
-
-_ENVS: dict[str, cp.DistributedEnv | None] = {
-    "none": None,
-    "one": cp.DistributedEnv(0, 1, 0, 1, "127.0.0.1", 29500),
-    "two": cp.DistributedEnv(1, 2, 1, 2, "127.0.0.1", 29500),
-}
-_REQUESTED: dict[str, torch.device | None] = {
-    "own": None,
-    "cpu": torch.device("cpu"),
-    "cuda1": torch.device("cuda", 1),
-}
-
-
-def _facts(env: str, group: int | None, count: int, requested: str) -> ParallelFacts:
-    return ParallelFacts(
-        env=_ENVS[env],
-        group_world_size=group,
-        cuda_available=count > 0,
-        device_count=count,
-        current_cuda_index=0,
-        requested_device=_REQUESTED[requested],
-        best_device=torch.device("cuda", 0) if count else torch.device("cpu"),
-    )
-
-
-def test_plan_parallel_every_combination() -> None:
-    combos = itertools.product(
-        ("auto", "none", "dp", "ddp", "fsdp"),
-        _ENVS,
-        (None, 1, 2),
-        (0, 1, 2, 4),
-        _REQUESTED,
-        ({}, {"find_unused_parameters": True}),
-        (None, "gloo"),
-    )
-    seen = set()
-    for request, env, group, count, requested, options, backend in combos:
-        if requested == "cuda1" and count < 2:
-            continue  # resolve_device refuses it before any plan is made
-        facts = _facts(env, group, count, requested)
-        try:
-            plan = choose_plan(request, facts, backend=backend, options=options)
-        except (DeviceError, DistributedSetupError, TypeError) as err:
-            seen.add(type(err).__name__)
-            continue
-        world = group if group is not None else {"none": None, "one": 1, "two": 2}[env]
-        device = rank_device(facts)
-        seen.add(plan.strategy)
-        assert plan.request == request
-        if plan.strategy in ("ddp", "fsdp"):
-            assert world is not None
-            assert plan.create_group == (group is None)
-            expected_backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-            assert plan.backend == (expected_backend if group is None else None)
-            assert plan.device == device
-            assert plan.ignored == {}
-            if plan.strategy == "ddp" and device.type == "cuda":
-                assert plan.wrapper_kwargs["device_ids"] == [device.index]
-            assert all(plan.wrapper_kwargs[k] == v for k, v in options.items())
-        elif plan.strategy == "dp":
-            assert device.type == "cuda"
-            assert plan.device_ids is not None
-            assert plan.device_ids[0] == device.index
-            assert sorted(plan.device_ids) == list(range(count))
-            assert plan.ignored == (options if request == "auto" else {})
-            assert not plan.create_group
-            assert plan.backend is None
-        else:
-            assert plan.device == device
-            assert plan.ignored == options
-            assert plan.wrapper_kwargs == {}
-            assert not plan.create_group
-        # the same facts always give the same plan: nothing else is read
-        assert choose_plan(request, facts, backend=backend, options=options) == plan
-    assert {"none", "dp", "ddp", "fsdp", "DeviceError", "DistributedSetupError"} <= seen
-    assert "TypeError" in seen  # options for an explicit strategy='none'
-
-
-def test_rank_device_rules() -> None:
-    assert rank_device(_facts("two", None, 2, "own")) == torch.device("cuda", 1)
-    assert rank_device(_facts("two", None, 1, "own")) == torch.device("cuda", 0)  # one GPU each
-    assert rank_device(_facts("none", 2, 4, "own")) == torch.device("cuda", 0)  # current device
-    assert rank_device(_facts("two", None, 0, "own")) == torch.device("cpu")
-    assert rank_device(_facts("two", None, 2, "cpu")) == torch.device("cpu")
-    four = ParallelFacts(
-        env=cp.DistributedEnv(3, 4, 3, 4, "h", 1),
-        group_world_size=None,
-        cuda_available=True,
-        device_count=2,
-        current_cuda_index=0,
-        requested_device=None,
-        best_device=torch.device("cuda", 0),
-    )
-    with pytest.raises(DistributedSetupError, match=r"LOCAL_RANK=3 but only 2 CUDA device"):
-        rank_device(four)
-
-
-def test_gather_facts_reads_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    facts = gather_facts("cpu", strict_env=False, func="parallelize")
-    assert facts.env is None
-    assert facts.group_world_size is None
-    assert facts.requested_device == torch.device("cpu")
-    assert gather_facts(None, strict_env=False, func="parallelize").requested_device is None
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert gather_facts(None, strict_env=False, func="parallelize").env is None
-    with pytest.raises(DistributedSetupError, match=r"incomplete launcher environment"):
-        gather_facts(None, strict_env=True, func="parallelize")
-
-
-# --------------------------------------------------------------------------- LaunchError wording
-
-
-def _raised(rank: int, when: float, text: bytes) -> RankEnd:
-    """A rank that reported ``text`` at ``when`` and exited with code 1."""
-    return RankEnd(rank, 10 + rank, 1, False, text.decode(), when, when + 0.1)
-
-
-def test_launch_error_words_independent_failures() -> None:
-    cause = b"Traceback ...\n  raise ValueError\nValueError: bad batch\n"
-    other = b"Traceback ...\nKeyError: 'label'\n"
-    echo = b"Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
-    same = explain([_raised(0, 2.0, cause), _raised(1, 1.0, cause)])
-    assert same is not None
-    assert str(same).startswith(
-        "rank 1 of 2 (pid 11) failed: ValueError: bad batch\n"
-        "(rank 0 failed too, independently, with the same error)\n\n"
-    )
-    assert "probably as a consequence" not in str(same)
-    different = explain([_raised(0, 1.0, cause), _raised(1, 2.0, other), _raised(2, 3.0, echo)])
-    assert str(different).startswith(
-        "rank 0 of 3 (pid 10) failed: ValueError: bad batch\n"
-        "(also failed, independently: rank 1: KeyError: 'label')\n"
-        "(then, probably as a consequence: rank 2: RuntimeError: [../gloo/pair.cc:534] "
-        "Connection closed by peer)\n\n"
-    )
-    three = explain([_raised(0, 1.0, cause), _raised(1, 2.0, cause), _raised(2, 3.0, cause)])
-    assert "(ranks 1, 2 failed too, independently, with the same error)" in str(three)
-
-
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory needs no GPU here")
-def test_a_pinned_cpu_offload_without_an_accelerator_is_refused_at_the_door(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    _as_one_launched_process(monkeypatch)
-    net = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]))
-    before = _snapshot(net)
-    with pytest.raises(
-        ValueError,
-        match=r"parallelize\(offload_policy=\.\.\.\) expects CPUOffloadPolicy\(pin_memory=False\) "
-        r"on a machine without a GPU, got CPUOffloadPolicy CPUOffloadPolicy\(pin_memory=True\)\. "
-        r"Pinned memory is for copies to a GPU: pass CPUOffloadPolicy\(pin_memory=False\)",
-    ):
-        cp.parallelize(net, "fsdp", device="cpu", offload_policy=CPUOffloadPolicy())
-    assert _unchanged(net, before)
-    assert not dist.is_initialized()
-
-
-# ------------------------------------------------------------ arguments at their limits
-
-
-@pytest.mark.parametrize("timeout", [1e300, 1e12, datetime.timedelta.max])
-def test_timeouts_past_a_year_are_refused(timeout: Any) -> None:
-    model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"parallelize\(timeout=\.\.\.\) expects at most 365 days"):
-        cp.parallelize(model, device="cpu", timeout=timeout)
-
-
-def test_an_already_wrapped_model_still_gets_its_arguments_checked() -> None:
-    wrapped = nn.DataParallel(nn.Linear(2, 2))
-    with pytest.raises(DeviceError, match="did you mean 'cuda'"):
-        cp.parallelize(wrapped, device="gpu")
-    assert cp.parallelize(wrapped, device="cpu") is wrapped
-
-
 @pytest.mark.parametrize("device_type", ["gpu", "CUDA", ""])
 def test_choose_strategy_refuses_unknown_device_types(device_type: str) -> None:
     with pytest.raises(ValueError, match=r"device_type=\.\.\.\) expects a torch device type"):
         cp.choose_strategy("auto", env={}, device_count=2, device_type=device_type)
 
 
-def test_distributed_loader_checks_option_values() -> None:
-    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
-    with pytest.raises(ValueError, match=r"distributed_loader\(\): drop_last=True needs"):
-        cp.distributed_loader(ds, None, drop_last=True)
-    with pytest.raises(ValueError, match=r"distributed_loader\(num_workers=\.\.\.\)"):
-        cp.distributed_loader(ds, 2, num_workers=-1)
-    with pytest.raises(TypeError, match=r"distributed_loader\(generator=\.\.\.\) expects"):
-        cp.distributed_loader(ds, 2, generator="x")
+def test_read_env_checks_its_argument() -> None:
+    with pytest.raises(TypeError, match=r"read_env\(env=\.\.\.\) expects a mapping"):
+        cp.read_env([("WORLD_SIZE", "2")])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------- choose_plan and ParallelFacts
+
+
+@pytest.mark.parametrize(
+    ("request_", "guess"),
+    [("DDP", "ddp"), ("Auto", "auto"), ("fsdp2", "fsdp"), ("FSDP", "fsdp"), ("dataparallel", "dp")],
+)
+def test_an_unknown_request_is_refused_with_a_suggestion(request_: str, guess: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"choose_plan\(strategy=\.\.\.\) expects one of 'auto', 'none', 'dp', 'ddp', "
+        rf"'fsdp', got str {request_!r}\. Did you mean strategy={guess!r}\?",
+    ):
+        choose_plan(request_, TORCHRUN_CPU)
+
+
+@pytest.mark.parametrize("request_", [3, None, b"ddp", ["ddp"]])
+def test_a_request_of_the_wrong_kind_is_a_type_error(request_: Any) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"choose_plan\(strategy=\.\.\.\) expects one of 'auto', 'none', 'dp', 'ddp', "
+        r"'fsdp', got .*Pass strategy='auto'",
+    ):
+        choose_plan(request_, CPU)
+
+
+@pytest.mark.parametrize("facts", [CPU, TORCHRUN_CPU])
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [
+        ("nccl", "NCCL runs collectives on CUDA tensors only"),
+        ("NCCL", "NCCL runs collectives on CUDA tensors only"),
+        ("cuda:nccl", "the map has no entry for 'cpu'"),
+    ],
+)
+def test_nccl_on_a_cpu_plan_is_refused(facts: ParallelFacts, backend: str, reason: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"choose_plan\(backend=\.\.\.\): {backend!r} gives the device cpu no "
+        rf"backend it can run collectives with: {reason}\. Pass backend='gloo' \(or None, "
+        r"which picks gloo on the CPU\)",
+    ):
+        choose_plan("auto", facts, backend=backend)
+
+
+def test_backends_that_serve_the_device_are_planned() -> None:
+    assert choose_plan("ddp", TORCHRUN_CPU, backend="gloo").backend == "gloo"
+    mapped = choose_plan("ddp", TORCHRUN_CPU, backend="cpu:gloo,cuda:nccl")
+    assert mapped.backend == "cpu:gloo,cuda:nccl"
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend="nccl").backend == "nccl"
+    assert choose_plan("ddp", TORCHRUN_GPUS).backend == "nccl"
+    assert choose_plan("ddp", TORCHRUN_CPU).backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("backend", "guess"),
+    [("ncl", "nccl"), ("glo", "gloo"), ("cpu:gloo,cuda:ncl", "nccl"), ("NCCCL", "nccl")],
+)
+def test_an_unknown_backend_is_refused_with_the_list_and_a_suggestion(
+    backend: str, guess: str
+) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"choose_plan\(backend=\.\.\.\) expects one of 'gloo', 'nccl', .*'mpi' \(or a "
+        rf"map such as 'cpu:gloo,cuda:nccl'\), got str {backend!r}\. Did you mean {guess!r}\? "
+        r"Pass backend=None to pick nccl on CUDA and gloo on the CPU",
+    ):
+        choose_plan("ddp", TORCHRUN_GPUS, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["foo", "my_backend", "cpu:gloo,cuda:custom"])
+def test_a_name_torch_may_learn_later_is_planned_and_refused_at_setup(backend: str) -> None:
+    # A plugin may register a backend (Backend.register_backend) before the group starts:
+    # the plan takes a name that is no typo, parallelize (which starts the group) refuses it.
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend=backend).backend == backend
+    with pytest.raises(ValueError, match=r"parallelize\(backend=\.\.\.\) expects one of"):
+        check_backend("parallelize", backend)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "mpi", "ucc", "xccl", "cpu:gloo,cuda:nccl"])
+def test_every_backend_torch_names_is_planned(backend: str) -> None:
+    assert choose_plan("ddp", TORCHRUN_GPUS, backend=backend).backend == backend
+
+
+def test_a_backend_of_the_wrong_kind_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"choose_plan\(backend=\.\.\.\) expects a string"):
+        choose_plan("auto", CPU, backend=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("facts", "shown"),
+    [
+        (None, "NoneType None"),
+        ({"env": None, "cuda_available": False}, "dict {'env': None"),
+        ("cpu", "str 'cpu'"),
+    ],
+)
+def test_facts_of_the_wrong_kind_are_a_type_error(facts: Any, shown: str) -> None:
+    with pytest.raises(TypeError) as info:
+        choose_plan("auto", facts)
+    text = str(info.value)
+    assert text.startswith("choose_plan(facts=...) expects a ParallelFacts")
+    assert shown in text
+    assert "gather_facts(device" in text  # the fix: read them, or build them by hand
+    assert "ParallelFacts(env=" in text
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "expected"),
+    [
+        ("env", {"RANK": "0"}, TypeError, r"a cudakit\.parallel\.DistributedEnv or None"),
+        ("group_world_size", 0, ValueError, r"an int >= 1 or None"),
+        ("group_world_size", "2", TypeError, r"an int >= 1 or None"),
+        ("cuda_available", 1, TypeError, r"True or False"),
+        ("device_count", -1, ValueError, r"an int >= 0"),
+        ("device_count", 2.0, TypeError, r"an int >= 0"),
+        ("current_cuda_index", -1, ValueError, r"an int >= 0 or None"),
+        ("requested_device", "cpu", TypeError, r"a torch\.device or None"),
+        ("best_device", None, TypeError, r"a torch\.device"),
+    ],
+)
+def test_parallel_facts_check_their_fields(
+    field: str, value: Any, error: type[Exception], expected: str
+) -> None:
+    with pytest.raises(error, match=rf"ParallelFacts\({field}=\.\.\.\) expects {expected}, got "):
+        dataclasses.replace(CPU, **{field: value})
+
+
+def test_the_documented_facts_still_plan() -> None:
+    plan = choose_plan("auto", CPU, options={"find_unused_parameters": True})
+    assert (plan.strategy, plan.device, plan.ignored) == (
+        "none",
+        torch.device("cpu"),
+        {"find_unused_parameters": True},
+    )
