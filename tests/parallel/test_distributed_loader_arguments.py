@@ -148,3 +148,16 @@ def test_distributed_loader_checks_option_values() -> None:
         cp.distributed_loader(ds, 2, num_workers=-1)
     with pytest.raises(TypeError, match=r"distributed_loader\(generator=\.\.\.\) expects"):
         cp.distributed_loader(ds, 2, generator="x")
+
+
+class _Stream(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+def test_distributed_loader_errors() -> None:
+    with pytest.raises(TypeError, match=r"map-style dataset .* IterableDataset _Stream"):
+        cp.distributed_loader(_Stream())
+    data = torch.utils.data.TensorDataset(torch.arange(4))
+    with pytest.raises(TypeError, match=r"makes its own DistributedSampler, so sampler="):
+        cp.distributed_loader(data, sampler=None)

@@ -20,7 +20,7 @@ from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F4
 from torch import nn
 
 import cudakit.parallel as cp
-from cudakit.exceptions import DeviceError
+from cudakit.exceptions import DeviceError, DistributedSetupError
 from cudakit.parallel import group as cp_group
 from cudakit.parallel.strategy import ParallelFacts, check_backend, choose_plan
 
@@ -163,6 +163,29 @@ def test_parallelize_bad_arguments(
         cp.parallelize(net, strategy, **kwargs)
     assert _unchanged(net, before)
     assert not dist.is_initialized()
+
+
+def test_parallelize_errors() -> None:
+    with pytest.raises(DeviceError, match=r"needs CUDA devices.*strategy='auto' to fall back"):
+        cp.parallelize(nn.Linear(2, 2), "dp", device="cpu")
+    with pytest.raises(DistributedSetupError, match=r"torchrun --nproc-per-node N script.py"):
+        cp.parallelize(nn.Linear(2, 2), "ddp", device="cpu")
+    with pytest.raises(DistributedSetupError, match=r"strategy='fsdp' needs one process"):
+        cp.parallelize(nn.Linear(2, 2), "fsdp", device="cpu")
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"got SGD (?s:.*)\. Pass the model, not the optimizer"):
+        cp.parallelize(opt)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"parallelize\(model=\.\.\.\) expects an nn.Module, got list \[.*\]\. For example",
+    ):
+        cp.parallelize([nn.Linear(2, 2)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"got str 'DDP'\. Did you mean strategy='ddp'"):
+        cp.parallelize(nn.Linear(2, 2), "DDP")
+    with pytest.raises(TypeError, match=r"strategy='none'\) takes no wrapper options"):
+        cp.parallelize(nn.Linear(2, 2), "none", device="cpu", gradient_as_bucket_view=True)
+    with pytest.raises(DeviceError, match=r"asks for CUDA"):
+        cp.parallelize(nn.Linear(2, 2), device="cuda:7")
 
 
 def _as_one_launched_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -535,6 +558,36 @@ def test_choose_strategy_names_itself(
     args: dict[str, Any] = {"env": {}, "device_count": 0, "device_type": "cpu", **kwargs}
     with pytest.raises(exc, match=match):
         cp.choose_strategy(**args)
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "match"),
+    [
+        ("DDP", ValueError, r"got str 'DDP'\. Did you mean strategy='ddp'\?"),
+        ("DataParallel", ValueError, r"Did you mean strategy='dp'\?"),
+        ("fsdp2", ValueError, r"Did you mean strategy='fsdp'\?"),
+        ("ddpp", ValueError, r"expects one of 'auto', .*Did you mean strategy='ddp'\?"),
+        (2, TypeError, r"strategy=\.\.\.\) expects one of 'auto', .* got int 2\. Pass strategy"),
+    ],
+)
+def test_choose_strategy_bad_request(bad: Any, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        cp.choose_strategy(bad, env={}, device_count=0, device_type="cpu")
+
+
+def test_choose_strategy_argument_errors() -> None:
+    with pytest.raises(ValueError, match=r"device_count=\.\.\.\) expects an int >= 0, got int -1"):
+        cp.choose_strategy(env={}, device_count=-1, device_type="cpu")
+    with pytest.raises(TypeError, match=r"device_count=\.\.\.\) expects an int >= 0, got bool"):
+        cp.choose_strategy(env={}, device_count=True, device_type="cpu")
+    with pytest.raises(TypeError, match=r"device_type=...\) expects a string .* Pass torch.device"):
+        cp.choose_strategy(env={}, device_count=0, device_type=torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"group_world_size=\.\.\.\) expects an int >= 1, got int 0"
+    ):
+        cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size=0)
+    with pytest.raises(TypeError, match=r"group_world_size=\.\.\.\) expects an int >= 1, got str"):
+        cp.choose_strategy(env={}, device_count=0, device_type="cpu", group_world_size="2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("device_type", ["gpu", "CUDA", ""])

@@ -21,7 +21,7 @@ from cudakit._dist import (
     launched_rank,
     launched_world_size,
 )
-from cudakit.exceptions import DeviceError
+from cudakit.exceptions import DeviceError, DistributedSetupError
 
 
 @pytest.fixture
@@ -47,6 +47,20 @@ def test_process_group_checks_every_argument_at_the_call() -> None:
     with pytest.raises(TypeError, match=r"process_group\(timeout=\.\.\.\) expects seconds"):
         cp.process_group(timeout=[1])  # type: ignore[arg-type]
     assert not dist.is_initialized()
+
+
+def test_process_group_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DistributedSetupError, match=r"no launcher environment: .*torchrun"):
+        cp.process_group().__enter__()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DistributedSetupError, match=r"incomplete launcher environment"):
+        cp.process_group().__enter__()
+    with pytest.raises(ValueError, match=r"finite positive duration, got int -1"):
+        cp.process_group(timeout=-1)
+    with pytest.raises(ValueError, match=r"finite positive duration, got float inf"):
+        cp.process_group(timeout=float("inf"))
+    with pytest.raises(TypeError, match=r"timeout=\.\.\.\) expects seconds .* got str '10'"):
+        cp.process_group(timeout="10")  # type: ignore[arg-type]
 
 
 def test_process_group_refuses_nccl_for_a_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:

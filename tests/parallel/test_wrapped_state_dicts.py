@@ -73,3 +73,12 @@ def test_state_dict_helpers_check_their_arguments() -> None:
     with pytest.raises(TypeError, match=r"load_state_dict\(strict=\.\.\.\) expects True or"):
         cp.load_state_dict(net, nn.Linear(2, 2).state_dict(), strict="yes")  # type: ignore[arg-type]
     assert _unchanged(net, before)
+
+
+def test_load_state_dict_errors() -> None:
+    with pytest.raises(TypeError, match=r"expects a mapping .* got list.*checkpoint\['model'\]"):
+        cp.load_state_dict(nn.Linear(2, 2), [])  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"Missing key"):
+        cp.load_state_dict(nn.Linear(2, 2), {"module.weight": torch.zeros(2, 2)})
+    res = cp.load_state_dict(nn.Linear(2, 2), {"module.weight": torch.zeros(2, 2)}, strict=False)
+    assert res.missing_keys == ["bias"]
