@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,19 +20,7 @@ from torch import nn
 
 import cudakit.parallel as cp
 from cudakit.exceptions import DeviceError, DistributedSetupError
-from cudakit.parallel import group as cp_group
 from cudakit.parallel.strategy import ParallelFacts, check_backend, choose_plan
-
-_LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in (*_LAUNCHER_VARS, "MASTER_PORT", "SLURM_NTASKS_PER_NODE"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    cp_group.teardown_owned_group()
-    assert not dist.is_initialized()
 
 
 @pytest.fixture
