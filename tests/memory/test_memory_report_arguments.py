@@ -103,6 +103,17 @@ def test_device_errors_name_the_function(call: Any, exc: type[Exception], match:
         call()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("func", [memory_report, memory_snapshot], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "mps"])
+def test_memory_device_errors_start_with_the_call(func: Any, device: str) -> None:
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(DeviceError) as info:
+        func(device=device)
+    assert str(info.value).startswith(f"{func.__name__}(device={device!r}): ")
+
+
 # --------------------------------------------------------------------------- other arguments
 
 

@@ -317,3 +317,30 @@ def test_a_victim_error_annotated_or_re_raised_on_the_way_up_is_still_a_victim()
     assert is_victim(CHAINED)
     assert is_victim(TIMEOUT + "autocast_step: this failure came inside DDP's backward\n")
     assert not is_victim(REAL + "a note\n")
+
+
+def _raised(rank: int, when: float, text: bytes) -> RankEnd:
+    """A rank that reported ``text`` at ``when`` and exited with code 1."""
+    return RankEnd(rank, 10 + rank, 1, False, text.decode(), when, when + 0.1)
+
+
+def test_launch_error_words_independent_failures() -> None:
+    cause = b"Traceback ...\n  raise ValueError\nValueError: bad batch\n"
+    other = b"Traceback ...\nKeyError: 'label'\n"
+    echo = b"Traceback ...\nRuntimeError: [../gloo/pair.cc:534] Connection closed by peer\n"
+    same = explain([_raised(0, 2.0, cause), _raised(1, 1.0, cause)])
+    assert same is not None
+    assert str(same).startswith(
+        "rank 1 of 2 (pid 11) failed: ValueError: bad batch\n"
+        "(rank 0 failed too, independently, with the same error)\n\n"
+    )
+    assert "probably as a consequence" not in str(same)
+    different = explain([_raised(0, 1.0, cause), _raised(1, 2.0, other), _raised(2, 3.0, echo)])
+    assert str(different).startswith(
+        "rank 0 of 3 (pid 10) failed: ValueError: bad batch\n"
+        "(also failed, independently: rank 1: KeyError: 'label')\n"
+        "(then, probably as a consequence: rank 2: RuntimeError: [../gloo/pair.cc:534] "
+        "Connection closed by peer)\n\n"
+    )
+    three = explain([_raised(0, 1.0, cause), _raised(1, 2.0, cause), _raised(2, 3.0, cause)])
+    assert "(ranks 1, 2 failed too, independently, with the same error)" in str(three)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from launcher_env import clean_launcher_env  # noqa: F401 (autouse fixture)
 from meta_gpt import GPT, gpt_init
 from torch import nn
 
@@ -152,6 +153,18 @@ def test_one_process_takes_a_meta_model() -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(value, ref[key]), key
     assert model.head.weight is model.embed.weight
+
+
+def test_parallelize_allocates_and_initialises_a_meta_model() -> None:
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    same = cp.parallelize(net, device="meta")  # meta to meta: nothing to copy
+    assert same is net
+    assert all(p.is_meta for p in net.parameters())
+    out = cp.parallelize(net, device="cpu")
+    assert out is net
+    assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
+    assert torch.equal(net[1].running_var, torch.ones(2))
 
 
 def test_init_for_a_model_not_on_meta_is_refused() -> None:
