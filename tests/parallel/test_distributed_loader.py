@@ -36,7 +36,12 @@ def test_distributed_loader_is_a_dataloader() -> None:
 def test_distributed_loader_persistent_workers_reshuffle() -> None:
     data = TensorDataset(torch.arange(16))
     loader = cp.distributed_loader(
-        data, batch_size=16, seed=1, num_workers=1, persistent_workers=True
+        data,
+        batch_size=16,
+        seed=1,
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="spawn",  # no fork of a process whose threads earlier tests left
     )
     first = next(iter(loader))[0].tolist()
     second = next(iter(loader))[0].tolist()
