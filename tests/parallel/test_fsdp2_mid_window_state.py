@@ -9,29 +9,10 @@ from typing import Any
 import pytest
 import torch
 from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
+from small_models import Net
 from torch import nn
 
 import cudakit.parallel as cp
-
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun's environment for a single rank on a free port."""
-    env = torchrun_env(1, 0, free_port())
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _fsdp2_step() -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:

@@ -16,43 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
+from small_models import Net
+from small_models import snapshot as _snapshot
+from small_models import unchanged as _unchanged
 from torch import nn
 
 import cudakit.parallel as cp
 from cudakit.exceptions import DeviceError, DistributedSetupError
 from cudakit.parallel.strategy import ParallelFacts, check_backend, choose_plan
-
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun's environment for a single rank on a free port."""
-    env = torchrun_env(1, 0, free_port())
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _snapshot(model: nn.Module) -> list[tuple[str, torch.device, torch.Tensor]]:
-    return [(k, v.device, v.detach().clone()) for k, v in model.state_dict().items()]
-
-
-def _unchanged(model: nn.Module, before: list[tuple[str, torch.device, torch.Tensor]]) -> bool:
-    after = _snapshot(model)
-    return len(after) == len(before) and all(
-        k1 == k2 and d1 == d2 and torch.equal(t1, t2)
-        for (k1, d1, t1), (k2, d2, t2) in zip(before, after, strict=True)
-    )
 
 
 def _state_copy(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,15 +23,6 @@ from cudakit._dist import (
 )
 from cudakit.exceptions import DeviceError, DistributedSetupError
 
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun's environment for a single rank on a free port."""
-    env = torchrun_env(1, 0, free_port())
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-
-
 # --------------------------------------------------------------------------- arguments
 
 
@@ -65,7 +56,6 @@ def test_process_group_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_process_group_refuses_nccl_for_a_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
-    from launcher_env import free_port, torchrun_env
 
     for k, v in torchrun_env(1, 0, free_port()).items():
         monkeypatch.setenv(k, v)

@@ -7,17 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from launcher_env import clean_launcher_env, free_port, torchrun_env  # noqa: F401 (autouse fixture)
+from small_models import snapshot as _snapshot
+from small_models import unchanged as _unchanged
 from torch import nn
 
 import cudakit.parallel as cp
-
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun's environment for a single rank on a free port."""
-    env = torchrun_env(1, 0, free_port())
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
 
 
 class Holder(nn.Module):
@@ -29,18 +23,6 @@ class Holder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
-
-
-def _snapshot(model: nn.Module) -> list[tuple[str, torch.device, torch.Tensor]]:
-    return [(k, v.device, v.detach().clone()) for k, v in model.state_dict().items()]
-
-
-def _unchanged(model: nn.Module, before: list[tuple[str, torch.device, torch.Tensor]]) -> bool:
-    after = _snapshot(model)
-    return len(after) == len(before) and all(
-        k1 == k2 and d1 == d2 and torch.equal(t1, t2)
-        for (k1, d1, t1), (k2, d2, t2) in zip(before, after, strict=True)
-    )
 
 
 def test_fsdp2_state_dict_round_trip_keeps_a_submodule_called_module(one_rank: None) -> None:
