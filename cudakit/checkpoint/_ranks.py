@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 from typing import Any
 
 from .._dist import group_rank, group_world_size, is_group_running
@@ -32,3 +34,20 @@ class Ranks:
         control = dist.new_group(backend="gloo")
         save_group = dist.new_group(backend="gloo") if background else None
         return cls(group_rank(), group_world_size(), True, control, save_group)
+
+    def exit_together(self) -> None:
+        """Wait for every rank at an exit they agreed on (a stop signal's), so that none
+        destroys its groups while a peer still finishes its last collective: gloo then
+        aborts that process ("terminate called without an active exception"). Bounded:
+        a rank that never comes (it died) lets the others exit after two minutes."""
+        if self.control is None:
+            return
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            dist.monitored_barrier(group=self.control, timeout=_EXIT_WAIT, wait_all_ranks=True)
+
+
+#: How long ranks that agreed to stop wait for each other before they exit (rank 0 may
+#: first run ``scontrol requeue``, itself bounded at one minute).
+_EXIT_WAIT = datetime.timedelta(seconds=120)

@@ -178,4 +178,5 @@ class Saver:
             "cudakit: stop signal: saved %s, exiting with status %d", self.writer.last, code
         )
         self._close()
+        self._ranks.exit_together()
         raise SystemExit(code)
