@@ -17,6 +17,11 @@ results, so once rank 0 writes the manifest, every rank's files are on disk.
 Where DCP itself would write differently (tensors on a GPU, whose copies to the host
 DCP overlaps with the writes; a torch whose internals moved), DCP's own ``write_data``
 runs, then the host file is fsynced all the same.
+
+A writer told to :meth:`defer` its writes (a background save of a small state in one
+process) makes the bytes on the calling thread and keeps the writing and fsyncing
+(``later``) for the background thread, whose work then releases the GIL almost all
+the time: a thread running Python beside the loop would slow the loop's own Python.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +97,12 @@ def _writer_class() -> type:
             self.host_file = host_file
             self.on_host = on_host
             self.plans = plans
+            #: The file writes kept for later (None: each is done at once).
+            self.later: list[Callable[[], None]] | None = None
+
+        def defer(self) -> None:
+            """Keep the files' writes and fsyncs for :attr:`later` from now on."""
+            self.later = []
 
         def _own_way(self, plan: Any) -> bool:
             """Whether this writer's layout is DCP's here (else DCP's own write_data)."""
@@ -112,8 +124,11 @@ def _writer_class() -> type:
             name = f"{plan.storage_data.prefix}0{suffix}"
             items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
             items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            where = _write_file(Path(self.path) / name, items, planner)
-            fsync_file(self.host_file)
+            where = _write_file(Path(self.path) / name, items, planner, self.later)
+            if self.later is None:
+                fsync_file(self.host_file)
+            else:
+                self.later.append(functools.partial(fsync_file, self.host_file))
             results = [
                 WriteResult(index=i.index, size_in_bytes=n, storage_data=info(name, at, n))
                 for i, (at, n) in zip(items, where, strict=True)
@@ -132,6 +147,12 @@ def _writer_class() -> type:
             metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
             metadata.storage_meta = self.storage_meta()
             data = self.plans.metadata_pickle(metadata)
+            if self.later is None:
+                self._write_metadata(data)
+            else:
+                self.later.append(functools.partial(self._write_metadata, data))
+
+        def _write_metadata(self, data: bytes) -> None:
             tmp = self.fs.concat_path(self.path, f"{metadata_name}.tmp")
             with self.fs.create_stream(tmp, "wb") as file:
                 file.write(data)
@@ -145,9 +166,16 @@ def _writer_class() -> type:
     return Writer
 
 
-def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, int]]:
+def _write_file(
+    path: Path, items: list[Any], planner: Any, later: list[Callable[[], None]] | None = None
+) -> list[tuple[int, int]]:
     """Write DCP's ``items`` (byte items first) into ``path``, fsynced; returns each
-    item's offset and length."""
+    item's offset and length. With ``later``, the bytes are made here and their writing
+    is appended to it (the items' data must then stay as it is until it has run)."""
+    if later is not None:
+        where, pieces = _gathered(items, planner)
+        later.append(functools.partial(_write_pieces, path, pieces))
+        return where
     from torch.distributed.checkpoint.planner import WriteItemType
 
     where = []
@@ -179,6 +207,34 @@ def _write_file(path: Path, items: list[Any], planner: Any) -> list[tuple[int, i
     return where
 
 
+def _gathered(items: list[Any], planner: Any) -> tuple[list[tuple[int, int]], _Pieces]:
+    """The bytes :func:`_write_file` writes, gathered whole, with each item's place."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    where = []
+    archives = Archives()
+    pieces = _Pieces(None)
+    offset = 0
+    for item in items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            size = pieces.add((data.getbuffer(),), data, flush=False)
+        else:
+            tensor = _on_host(data)
+            size = pieces.add(archives.pieces(tensor), tensor, flush=False)
+        where.append((offset, size))
+        offset += size
+    return where, pieces
+
+
+def _write_pieces(path: Path, pieces: _Pieces) -> None:
+    """Write gathered ``pieces`` into a new file ``path``, fsynced."""
+    with _raw_file(path, "wb") as file:
+        pieces.file = file
+        pieces.flush()
+        os.fsync(file.fileno())
+
+
 class _Pieces:
     """Pieces of a file gathered, then written with one ``writev`` per :data:`_IOV`
     pieces (or :data:`_PIECE` bytes): no copy of them into a buffer first."""
@@ -189,8 +245,9 @@ class _Pieces:
         self.owners: list[Any] = []  # what the pieces are views of, kept until written
         self.size = 0
 
-    def add(self, pieces: tuple[Any, ...], owner: Any) -> int:
-        """Gather ``pieces`` (views into ``owner``); returns their bytes."""
+    def add(self, pieces: tuple[Any, ...], owner: Any, flush: bool = True) -> int:
+        """Gather ``pieces`` (views into ``owner``); returns their bytes. ``flush``: write
+        what is gathered once it is :data:`_IOV` pieces or :data:`_PIECE` bytes."""
         size = 0
         for piece in pieces:
             view = memoryview(piece).cast("B")
@@ -199,7 +256,7 @@ class _Pieces:
                 size += view.nbytes
         self.owners.append(owner)
         self.size += size
-        if len(self.pieces) >= _IOV or self.size >= _PIECE:
+        if flush and (len(self.pieces) >= _IOV or self.size >= _PIECE):
             self.flush()
         return size
 

@@ -10,7 +10,10 @@ checkpoints (their files on the background thread).
 
 Background saves run DCP's ``async_save`` on a gloo group of their own (made once,
 by every rank together), so the save's collectives never interleave with training's.
-The loop waits only while DCP stages the state (a copy in host memory).
+The loop waits only while DCP stages the state (a copy in host memory). In one process,
+a small state's bytes are made on the loop too, and the thread only writes and fsyncs
+them (the storage writer's ``defer()``): a thread running Python
+beside the loop takes the GIL from the loop's own Python, a cost larger than the save's.
 """
 
 from __future__ import annotations
@@ -127,17 +130,21 @@ class Writer:
                 staged, copies = _staged(tensors, self._staging)
                 events: list[threading.Event] | None = None
                 if sum(buf.nbytes for _, buf in copies) <= COPY_FIRST:
+                    # A small state: its bytes are made here, and the thread only writes
+                    # and fsyncs them (Python there would slow the loop's own).
                     for src, buf in copies:
                         buf.copy_(src)
                     pending.copied = True
                     pending.staged.set()
-                    planner = plan.planner(self._plans)
+                    writer.defer()
+                    self._save(staged, writer)
+                    pending.future = _executor().submit(_write_later, writer.later, pending)
                 else:
                     events = [threading.Event() for _ in copies]
                     planner = _waiting_planner(copies, events, self._plans)
-                pending.future = _executor().submit(
-                    self._save_and_publish, staged, writer, planner, pending
-                )
+                    pending.future = _executor().submit(
+                        self._save_and_publish, staged, writer, planner, pending
+                    )
                 if events is not None:
                     try:
                         _copy_all(copies, events)
@@ -247,6 +254,13 @@ class Writer:
             f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
             f"Nothing of it became visible. {kept} {fix}"
         ) from exc
+
+
+def _write_later(later: list[Callable[[], None]], pending: Pending) -> None:
+    """A small single-process background save's writes, in order, then its manifest."""
+    for write in later:
+        write()
+    pending.published = layout.write_manifest(pending.partial, pending.final, pending.fields)
 
 
 def _on_host(tree: Any) -> bool:

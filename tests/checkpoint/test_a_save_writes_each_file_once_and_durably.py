@@ -95,13 +95,17 @@ def test_a_save_of_plain_state_loads_nothing_back(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_the_data_file_is_dcps_own_and_dcp_alone_loads_it_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_the_data_file_is_dcps_own_and_dcp_alone_loads_it_bit_for_bit(
+    tmp_path: Path, background: bool
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt = _model()
-    ckpt = cudakit.Checkpointer(tmp_path / "mine", model=model, optimizer=opt, preemption=False)
+    ckpt = cudakit.Checkpointer(tmp_path / "mine", model=model, optimizer=opt,
+                                async_save=background, preemption=False)  # fmt: skip
     path = ckpt.save()
     ckpt.close()
     assert path is not None
@@ -200,6 +204,61 @@ def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
     assert len(threads) == 3 * 6  # each file, the directory, its rename: all made durable
     assert threading.main_thread().name not in threads
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000003"]
+
+
+def test_a_small_background_save_makes_its_bytes_on_the_loop_and_only_writes_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread running Python beside the loop slows the loop's own Python: for a small
+    state the thread only writes, fsyncs and renames (calls that release the GIL)."""
+    from cudakit.checkpoint import _archive as archive
+
+    model, opt = _model()
+    made: list[str] = []
+    written: list[str] = []
+    real_pieces, real_writev = archive.Archives.pieces, os.writev
+
+    def pieces(self: Any, tensor: torch.Tensor) -> Any:
+        made.append(threading.current_thread().name)
+        return real_pieces(self, tensor)
+
+    def writev(fd: int, buffers: Any) -> int:
+        written.append(threading.current_thread().name)
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(archive.Archives, "pieces", pieces)
+    monkeypatch.setattr(os, "writev", writev)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, async_save=True,
+                                preemption=False)  # fmt: skip
+    ckpt.save()
+    ckpt.wait()
+    ckpt.close()
+    loop = threading.main_thread().name
+    assert made
+    assert set(made) == {loop}
+    assert written
+    assert loop not in written
+
+
+def test_a_background_save_writes_the_bytes_of_a_synchronous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also for tensors a synchronous save streams straight into the file."""
+    from cudakit.checkpoint import _storage as storage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    monkeypatch.setattr(storage, "DIRECT", 1)
+    expected = _data_file(tmp_path / "sync", model, opt)
+    ckpt = cudakit.Checkpointer(tmp_path / "async", model=model, optimizer=opt,
+                                async_save=True, preemption=False)  # fmt: skip
+    path = ckpt.save()
+    ckpt.close()
+    assert path is not None
+    assert (path / "__0_0.distcp").read_bytes() == expected
 
 
 @pytest.mark.parametrize("on_a_gpu", [False, True])
