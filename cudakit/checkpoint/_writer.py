@@ -59,6 +59,8 @@ class Pending:
     #: The directory's checkpoints once the future wrote the manifest and renamed the
     #: directory visible (None: not yet).
     published: layout.Found | None = None
+    #: Whether the thread also removed what ``keep=`` lets go, once it published.
+    pruned: bool = False
     #: Set by the loop once it has copied the state into the host buffers (``copied``:
     #: it all was); the future publishes only a whole copy.
     staged: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -138,7 +140,7 @@ class Writer:
                     pending.staged.set()
                     writer.defer()
                     self._save(staged, writer)
-                    pending.future = _executor().submit(_write_later, writer.later, pending)
+                    pending.future = _executor().submit(self._write_later, writer.later, pending)
                 else:
                     events = [threading.Event() for _ in copies]
                     planner = _waiting_planner(copies, events, self._plans)
@@ -184,9 +186,20 @@ class Writer:
         self._save(tensors, writer, planner)
         pending.staged.wait()
         if pending.copied:
-            pending.published = layout.write_manifest(
-                pending.partial, pending.final, pending.fields
-            )
+            self._publish(pending)
+
+    def _write_later(self, later: list[Callable[[], None]], pending: Pending) -> None:
+        """A small single-process background save's writes, in order, then its manifest."""
+        for write in later:
+            write()
+        self._publish(pending)
+
+    def _publish(self, pending: Pending) -> None:
+        """On the thread of a single-process background save: the manifest and the
+        rename, then the removals of ``keep=`` (the loop waits for neither)."""
+        pending.published = layout.write_manifest(pending.partial, pending.final, pending.fields)
+        self.prune(pending.published)
+        pending.pruned = True
 
     def finish(self) -> Path | None:
         """Wait for the save in flight (if any), then make it visible; returns its path."""
@@ -205,7 +218,8 @@ class Writer:
                     found = layout.write_manifest(pending.partial, pending.final, pending.fields)
                 except OSError as exc:
                     self._failed(pending, exc)
-            self.prune(found)
+            if not pending.pruned:
+                self.prune(found)
         self.last = pending.final
         log.info("cudakit: checkpoint %s complete", pending.final)
         return pending.final
@@ -254,13 +268,6 @@ class Writer:
             f"Checkpointer.save(): writing {pending.final} failed: {failure_cause(exc)}. "
             f"Nothing of it became visible. {kept} {fix}"
         ) from exc
-
-
-def _write_later(later: list[Callable[[], None]], pending: Pending) -> None:
-    """A small single-process background save's writes, in order, then its manifest."""
-    for write in later:
-        write()
-    pending.published = layout.write_manifest(pending.partial, pending.final, pending.fields)
 
 
 def _on_host(tree: Any) -> bool:

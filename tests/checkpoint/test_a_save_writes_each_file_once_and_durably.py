@@ -226,11 +226,22 @@ def test_a_small_background_save_makes_its_bytes_on_the_loop_and_only_writes_bes
         written.append(threading.current_thread().name)
         return real_writev(fd, buffers)
 
+    removed: list[str] = []
+    real_rmtree = layout.shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        removed.append(threading.current_thread().name)
+        real_rmtree(path, *args, **kwargs)
+
     monkeypatch.setattr(archive.Archives, "pieces", pieces)
     monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(layout.shutil, "rmtree", rmtree)
     ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, async_save=True,
-                                preemption=False)  # fmt: skip
-    ckpt.save()
+                                keep=1, preemption=False)  # fmt: skip
+    for _ in range(3):
+        pos = ckpt.position
+        ckpt._position = cudakit.Position(0, 0, pos.total + 1, pos.windows + 1)
+        ckpt.save()
     ckpt.wait()
     ckpt.close()
     loop = threading.main_thread().name
@@ -238,6 +249,9 @@ def test_a_small_background_save_makes_its_bytes_on_the_loop_and_only_writes_bes
     assert set(made) == {loop}
     assert written
     assert loop not in written
+    assert len(removed) == 2  # (keep=1 let two go)
+    assert loop not in removed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000003"]
 
 
 def test_a_background_save_writes_the_bytes_of_a_synchronous_one(
