@@ -119,8 +119,7 @@ class WindowJudge:
                 streak = self.counters.record_skip(spike) or streak
             else:
                 self.counters.record_step()
-                if len(values) == watched:
-                    spikes = cast(SpikeWatch, spikes)
+                if len(values) == watched and spikes is not None:
                     if watched == 2:
                         spikes.learn_one(values[1])
                     else:
@@ -141,7 +140,7 @@ class WindowJudge:
         self, window: Window, ride: torch.Tensor | None, grad_norm: torch.Tensor | None
     ) -> list[float] | None:
         """The spike rule's test, read on the host: None for a spike, else what to learn."""
-        return self.watch.judge_host(window, ride, grad_norm, self.params, self.world)
+        return self.watch.judge_host(window, ride, grad_norm, self.params, self._guard.world)
 
     def scaler_flags(
         self,

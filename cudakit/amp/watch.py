@@ -12,7 +12,7 @@ import ctypes
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -334,7 +334,7 @@ class Watch:
 
         Returns None for a spike, else the numbers to learn once the window has stepped.
         """
-        spikes = cast(SpikeWatch, self.spikes)
+        spikes: SpikeWatch = self.spikes  # type: ignore[assignment]  # (a rule is set: no call)
         if self._only_loss and ride is not None and window.weighted is not True:
             losses = window.losses
             # One float32 loss, not reduced across ranks (the guard returned it as it was):

@@ -51,6 +51,8 @@ class Saver:
         self.loader: Any = options.loader
         self.extras: dict[str, Any] = options.parts.extras
         self._parts = options.parts
+        # The steps' windows, bound once: their positions are read at each batch.
+        self._windows = tuple(s.window for s in options.parts.steps)
         self._ranks = ranks
         self._cursor = cursor  # (shared with the loop, which moves it)
         self._close = close  # (the whole run's, before a stop's exit)
@@ -74,7 +76,10 @@ class Saver:
 
     def at_window_end(self) -> bool:
         """Whether every step is between accumulation windows."""
-        return all(s.position == 0 for s in self._parts.steps)
+        for window in self._windows:  # noqa: SIM110 (a generator costs calls at each batch)
+            if window.position:
+                return False
+        return True
 
     def boundary(self) -> Path | None:
         """At most once per batch: count the window, poll the stop flag, save if due."""

@@ -348,7 +348,8 @@ class Checkpointer:
         and checks between them itself: inside it, this only checks; close a batches()
         generator you leave). Returns the checkpoint's path when it saved.
         """
-        self._check_open("maybe_save")
+        if self._closed:
+            self._check_open("maybe_save")
         if self._cursor.yielded is None:  # (inside batches(), which counted its batch: a check)
             self._resumer.check_fresh()
             self._cursor.count_batch()
