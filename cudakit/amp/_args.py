@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,10 +38,12 @@ from .policy import (
     probe_capabilities,
 )
 from .spikes import SpikeRule, check_skip_spikes
+from .watch import WatchOptions
 
 __all__ = [
     "WATCH_OPTIONS",
     "StepConfig",
+    "StepOptions",
     "check_fp16_weights",
     "check_model_owns",
     "check_optimizers",
@@ -311,26 +313,44 @@ def check_max_skipped(func: str, value: object) -> int | None:
 _NO_CAPS = Capabilities()
 
 
+class StepOptions(WatchOptions, total=False):
+    """Every keyword option of :func:`~cudakit.amp.autocast_step`, as
+    :class:`~cudakit.amp.AutocastStep` takes them (``**options``) and hands them on,
+    unopened, to :func:`resolve_options`: the one place that reads them."""
+
+    model: torch.nn.Module | None
+    dtype: torch.dtype | str
+    enabled: bool
+    scaler: torch.amp.GradScaler | None
+    max_grad_norm: float | None
+    accumulate: int
+    scheduler: Any
+    skip_nonfinite: bool
+    max_skipped: int | None
+    compile: bool | Mapping[str, Any]
+
+
 def resolve_options(
     optimizer: object,
     *,
-    model: object,
-    dtype: torch.dtype | str,
-    enabled: bool,
-    scaler: torch.amp.GradScaler | None,
-    max_grad_norm: float | None,
-    accumulate: int,
-    scheduler: object,
-    skip_nonfinite: bool,
-    max_skipped: int | None,
-    compile: object,
+    model: object = None,
+    dtype: torch.dtype | str = "auto",
+    enabled: bool = True,
+    scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+    accumulate: int = 1,
+    scheduler: object = None,
+    skip_nonfinite: bool = True,
+    max_skipped: int | None = None,
+    compile: object = False,
     **watch: Any,
 ) -> StepConfig:
     """Check every argument of :func:`~cudakit.amp.autocast_step` and decide the precision.
 
-    Raises ``TypeError``/``ValueError`` naming the argument before anything is built;
-    makes the GradScaler fp16 needs and logs an automatic precision choice once.
-    ``watch`` holds the watching keywords (:data:`WATCH_OPTIONS`), checked last.
+    The defaults are :func:`~cudakit.amp.autocast_step`'s. Raises
+    ``TypeError``/``ValueError`` naming the argument before anything is built; makes the
+    GradScaler fp16 needs and logs an automatic precision choice once. ``watch`` holds
+    the watching keywords (:data:`WATCH_OPTIONS`) and any unknown one, checked last.
     """
     where = "autocast_step"
     optimizers = check_optimizers(optimizer)

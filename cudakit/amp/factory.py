@@ -1,7 +1,9 @@
 """The documented entry point: :func:`autocast_step` builds an :class:`AutocastStep`.
 
-Its keyword signature repeats :class:`AutocastStep`'s on purpose, so that the function
-users call is typed and documented in one place.
+Its keyword signature is written out on purpose, so that the function users call is
+typed and documented in one place; :class:`AutocastStep` takes the same keywords as
+``**options`` (:class:`~cudakit.amp._args.StepOptions`) and hands them, unopened, to
+the checks that read them.
 """
 
 from __future__ import annotations

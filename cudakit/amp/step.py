@@ -24,7 +24,7 @@ from typing_extensions import ParamSpec, Unpack
 from .._check import for_attribute
 from ..parallel._unused import note_unused_parameters
 from . import _misuse as misuse
-from ._args import check_accumulate, check_max_skipped, resolve_options
+from ._args import StepOptions, check_accumulate, check_max_skipped, resolve_options
 from ._block import ACTIVE, Block
 from ._buffers import BufferSnapshot
 from ._checkpoint import StepCheckpoint
@@ -36,7 +36,6 @@ from ._stepper import OptimizerStep
 from ._window import GradSync, Window
 from .result import SteppedFunction, StepResult, WindowState, extract_loss
 from .spikes import SpikeRule
-from .watch import WatchOptions
 
 __all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
 
@@ -68,36 +67,8 @@ class AutocastStep(misuse.AttributeGuard):
     .. versionadded:: 0.1
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        *,
-        model: torch.nn.Module | None = None,
-        dtype: torch.dtype | str = "auto",
-        enabled: bool = True,
-        scaler: torch.amp.GradScaler | None = None,
-        max_grad_norm: float | None = None,
-        accumulate: int = 1,
-        scheduler: Any = None,
-        skip_nonfinite: bool = True,
-        max_skipped: int | None = None,
-        compile: bool | Mapping[str, Any] = False,
-        **watch: Unpack[WatchOptions],
-    ) -> None:
-        config = resolve_options(
-            optimizer,
-            model=model,
-            dtype=dtype,
-            enabled=enabled,
-            scaler=scaler,
-            max_grad_norm=max_grad_norm,
-            accumulate=accumulate,
-            scheduler=scheduler,
-            skip_nonfinite=skip_nonfinite,
-            max_skipped=max_skipped,
-            compile=compile,
-            **watch,
-        )
+    def __init__(self, optimizer: Any, **options: Unpack[StepOptions]) -> None:
+        config = resolve_options(optimizer, **options)
         self._config = config
         self._counts = StepCounters(config.max_skipped)
         # Buffers (BatchNorm running stats...) as they were when the window opened,
