@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,12 +38,10 @@ from .policy import (
     probe_capabilities,
 )
 from .spikes import SpikeRule, check_skip_spikes
-from .watch import WatchOptions
 
 __all__ = [
     "WATCH_OPTIONS",
     "StepConfig",
-    "StepOptions",
     "check_fp16_weights",
     "check_model_owns",
     "check_optimizers",
@@ -311,23 +309,6 @@ def check_max_skipped(func: str, value: object) -> int | None:
 
 
 _NO_CAPS = Capabilities()
-
-
-class StepOptions(WatchOptions, total=False):
-    """Every keyword option of :func:`~cudakit.amp.autocast_step`, as
-    :class:`~cudakit.amp.AutocastStep` takes them (``**options``) and hands them on,
-    unopened, to :func:`resolve_options`: the one place that reads them."""
-
-    model: torch.nn.Module | None
-    dtype: torch.dtype | str
-    enabled: bool
-    scaler: torch.amp.GradScaler | None
-    max_grad_norm: float | None
-    accumulate: int
-    scheduler: Any
-    skip_nonfinite: bool
-    max_skipped: int | None
-    compile: bool | Mapping[str, Any]
 
 
 def resolve_options(

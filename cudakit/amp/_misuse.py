@@ -243,7 +243,6 @@ _BUILT_FROM = {
     "compile_options": "autocast_step(..., compile=...)",
     "device_type": "autocast_step(...) from the optimizer's parameters (move them first)",
 }
-_OPTIONS = ("skip_spikes", "locate_nonfinite")
 
 
 class AttributeGuard:
@@ -292,8 +291,7 @@ def _attribute_error(obj: object, name: str, verb: str) -> AttributeError:
             f"{owner} has no attribute {name!r} to {verb}; {hint}; the others are fixed "
             "when the step is built (autocast_step(...))."
         )
-    init = inspect.signature(type(obj).__init__).parameters
-    if name in _BUILT_FROM or name in init or name in _OPTIONS:
+    if name in _BUILT_FROM or name in getattr(type(obj), "_OPTIONS", ()):
         built = _BUILT_FROM.get(name, f"autocast_step(..., {name}=...)")
         why = (
             f"it is fixed when the step is built. Build a new step with {built}; "

@@ -2,7 +2,7 @@
 
 Its keyword signature is written out on purpose, so that the function users call is
 typed and documented in one place; :class:`AutocastStep` takes the same keywords as
-``**options`` (:class:`~cudakit.amp._args.StepOptions`) and hands them, unopened, to
+``**options`` (:class:`~cudakit.amp.step.StepOptions`) and hands them, unopened, to
 the checks that read them.
 """
 

@@ -16,7 +16,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Self, TypedDict, cast
 
 import torch
 from typing_extensions import ParamSpec, Unpack
@@ -24,7 +24,7 @@ from typing_extensions import ParamSpec, Unpack
 from .._check import for_attribute
 from ..parallel._unused import note_unused_parameters
 from . import _misuse as misuse
-from ._args import StepOptions, check_accumulate, check_max_skipped, resolve_options
+from ._args import check_accumulate, check_max_skipped, resolve_options
 from ._block import ACTIVE, Block
 from ._buffers import BufferSnapshot
 from ._checkpoint import StepCheckpoint
@@ -37,11 +37,33 @@ from ._window import GradSync, Window
 from .result import SteppedFunction, StepResult, WindowState, extract_loss
 from .spikes import SpikeRule
 
-__all__ = ["AutocastStep", "StepResult", "SteppedFunction"]
+__all__ = ["AutocastStep", "StepOptions", "StepResult", "SteppedFunction"]
 
 P = ParamSpec("P")
 
 _ACTIVE = ACTIVE  # (step, form) of the autocast_step call running here, if any
+
+
+class StepOptions(TypedDict, total=False):
+    """The keyword options of :class:`AutocastStep` (``**options``): those of
+    :func:`~cudakit.amp.autocast_step`, described there. The step hands them, unopened,
+    to the checks that read them.
+
+    .. versionadded:: 0.1
+    """
+
+    model: torch.nn.Module | None
+    dtype: torch.dtype | str
+    enabled: bool
+    scaler: torch.amp.GradScaler | None
+    max_grad_norm: float | None
+    accumulate: int
+    scheduler: Any
+    skip_nonfinite: bool
+    max_skipped: int | None
+    compile: bool | Mapping[str, Any]
+    skip_spikes: bool | str | SpikeRule | None
+    locate_nonfinite: bool
 
 
 class AutocastStep(misuse.AttributeGuard):
@@ -66,6 +88,8 @@ class AutocastStep(misuse.AttributeGuard):
 
     .. versionadded:: 0.1
     """
+
+    _OPTIONS = frozenset(StepOptions.__annotations__)  # (fixed when built: the guard's words)
 
     def __init__(self, optimizer: Any, **options: Unpack[StepOptions]) -> None:
         config = resolve_options(optimizer, **options)

@@ -44,7 +44,8 @@ __all__ = [
 
 
 class WatchOptions(TypedDict, total=False):
-    """The watching options of :class:`~cudakit.amp.AutocastStep` (``**watch``).
+    """The watching options of :class:`~cudakit.amp.AutocastStep`, among its
+    :class:`~cudakit.amp.step.StepOptions`.
 
     The same keywords as :func:`~cudakit.amp.autocast_step` takes, described there:
     ``skip_spikes`` (loss-spike skipping) and ``locate_nonfinite`` (naming the first

@@ -594,3 +594,22 @@ def test_a_bad_compile_option_value_is_refused(
 def test_good_compile_options_are_kept(options: dict[str, Any]) -> None:
     step = autocast_step(_opt(), compile=options)
     assert step.compile_options == options
+
+
+def test_autocast_step_and_autocast_step_s_class_take_the_same_options() -> None:
+    """One list of options: the documented signature, the class's ``**options`` type and
+    the checks that read them (their defaults too) agree."""
+    import inspect
+
+    from cudakit.amp._args import resolve_options
+    from cudakit.amp.step import StepOptions
+
+    def keywords(func: Any) -> dict[str, Any]:
+        params = inspect.signature(func).parameters.values()
+        return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+
+    documented = keywords(autocast_step)
+    assert set(StepOptions.__annotations__) == set(documented)
+    checked = keywords(resolve_options)
+    watching = {"skip_spikes", "locate_nonfinite"}  # (read from ``**watch``, checked last)
+    assert checked == {k: v for k, v in documented.items() if k not in watching}
