@@ -249,6 +249,18 @@ def test_another_number_of_optimizers_or_schedulers_is_refused(tmp_path: Path) -
     ckpt.close()
 
 
+def _refusal(
+    tmp_path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path | None
+) -> str:
+    """The message of a fresh run's refused ``load(path)`` (a CheckpointError)."""
+    assert path is not None
+    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
+    with pytest.raises(cudakit.CheckpointError) as info:
+        ckpt.load(path)
+    ckpt.close()
+    return str(info.value)
+
+
 def _options(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
@@ -299,11 +311,7 @@ def test_a_checkpoint_of_another_optimizer_type_is_refused_naming_both(
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     state = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
     options = _options(opt)
-    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
-    with pytest.raises(cudakit.CheckpointError) as info:
-        ckpt.load(path)
-    ckpt.close()
-    text = str(info.value)
+    text = _refusal(tmp_path, model, opt, path)
     assert f"{path} does not fit this run's models and optimizers" in text
     assert "Missing key" not in text
     name = type(opt).__name__
@@ -325,13 +333,10 @@ def test_another_number_of_parameter_groups_is_refused_naming_both(tmp_path: Pat
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.Adam(model[0].parameters())
     opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.5})
-    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
-    with pytest.raises(cudakit.CheckpointError) as info:
-        ckpt.load(path)
-    ckpt.close()
-    assert "optimizer 0 (Adam) of model 'model' has 2 parameter group(s)" in str(info.value)
-    assert "the checkpoint's has 1" in str(info.value)
-    assert "Missing key" not in str(info.value)
+    text = _refusal(tmp_path, model, opt, path)
+    assert "optimizer 0 (Adam) of model 'model' has 2 parameter group(s)" in text
+    assert "the checkpoint's has 1" in text
+    assert "Missing key" not in text
     assert [g["lr"] for g in opt.param_groups] == [0.001, 0.5]
 
 
@@ -350,11 +355,7 @@ def test_a_stepped_optimizer_the_checkpoint_holds_more_state_for_is_refused(
     other = torch.optim.Adam(model.parameters())
     other.step()
     options = _options(other)
-    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=other, preemption=False)
-    with pytest.raises(cudakit.CheckpointError) as info:
-        ckpt.load(path)
-    ckpt.close()
-    text = str(info.value)
+    text = _refusal(tmp_path, model, other, path)
     assert "optimizer 0 (Adam) of model 'model' keeps the state exp_avg, exp_avg_sq" in text
     assert "the checkpoint holds the state max_exp_avg_sq as well" in text
     assert _options(other) == options
@@ -384,11 +385,7 @@ def test_a_stepped_lbfgs_of_another_history_length_is_refused(tmp_path: Path) ->
     closure_step(again, short, 1.0)
     closure_step(again, short, 2.0)
     history = len(next(iter(short.state.values()))["old_dirs"])
-    ckpt = cudakit.Checkpointer(tmp_path / "x", model=again, optimizer=short, preemption=False)
-    with pytest.raises(cudakit.CheckpointError) as info:
-        ckpt.load(path)
-    ckpt.close()
-    text = str(info.value)
+    text = _refusal(tmp_path, again, short, path)
     assert "does not fit" in text
     assert "optim.model.state.weight.al.1" in text
     assert "load into a new optimizer" in text
@@ -402,11 +399,7 @@ def test_groups_a_scheduler_changed_are_refused_with_the_hint(tmp_path: Path) ->
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.Adam(model.parameters())
     torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # not passed to the Checkpointer
-    ckpt = cudakit.Checkpointer(tmp_path / "x", model=model, optimizer=opt, preemption=False)
-    with pytest.raises(cudakit.CheckpointError) as info:
-        ckpt.load(path)
-    ckpt.close()
-    text = str(info.value)
+    text = _refusal(tmp_path, model, opt, path)
     assert "optimizer 0 (Adam) of model 'model' expects the options initial_lr" in text
     assert "an lr scheduler adds initial_lr: build the schedulers as the saved run did" in text
 
