@@ -55,6 +55,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -185,57 +186,61 @@ def variants(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> 
 
 
 def restarts(width: int, layers: int, device: str, root: Path, rounds: int) -> dict[str, float]:
-    """A restarted run's resume: a new model and optimizer (no state yet), loaded from a
-    checkpoint each variant wrote before; median seconds of each, in turns."""
+    """A restarted run's resume: each variant loads a checkpoint it wrote before into a
+    new model and optimizer (no state yet), in a new process, as a restarted run does
+    (in one process, memory the previous round freed makes a load look cheaper than a
+    restart finds it); median seconds of each, in turns. The time is taken in the child,
+    from the new model's existence to the end of the load (imports included)."""
     model, opt = make(width, layers, device)
     root.mkdir()
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, root / "state.pt")
     ckpt = cudakit.Checkpointer(root / "ckpt", model=model, optimizer=opt, preemption=False)
     ckpt.save()
     ckpt.close()
-    variants: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], None]] = {}
-
-    def torch_load(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
-        state = torch.load(root / "state.pt", weights_only=True)
-        m.load_state_dict(state["model"])
-        o.load_state_dict(state["optim"])
-
-    def checkpointer(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
-        again = cudakit.Checkpointer(
-            root / "ckpt", model=m, optimizer=o, preemption=False, file=None
-        )
-        again.resume()
-        again.close()
-
-    variants = {"torch.load": torch_load, "Checkpointer": checkpointer}
+    names = ["torch.load", "Checkpointer"]
     try:
         from accelerate import Accelerator
 
         acc = Accelerator(cpu=True)
         acc.prepare(model, opt)
         acc.save_state(str(root / "acc"))
-
-        def accelerate_load(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
-            fresh = Accelerator(cpu=True)
-            fresh.prepare(m, o)
-            fresh.load_state(str(root / "acc"))
-
-        variants["accelerate load_state"] = accelerate_load
+        names.append("accelerate load_state")
     except ImportError:
         pass
     del model, opt
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            torch.manual_seed(1)
-            m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-            o = torch.optim.AdamW(m.to(device).parameters(), lr=1e-4)  # no state yet
-            t0 = time.perf_counter()
-            variants[name](m, o)
-            times[name].append(time.perf_counter() - t0)
-            del m, o
+            command = [sys.executable, __file__, "--restart", name, str(root)]
+            command += [str(width), str(layers), device]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            times[name].append(float(done.stdout.split()[-1]))
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def restart_child(name: str, root: Path, width: int, layers: int, device: str) -> float:
+    """One restarted run's resume (:func:`restarts`), in this new process: its seconds."""
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    o = torch.optim.AdamW(m.to(device).parameters(), lr=1e-4)  # no state yet
+    t0 = time.perf_counter()
+    if name == "torch.load":
+        state = torch.load(root / "state.pt", weights_only=True)
+        m.load_state_dict(state["model"])
+        o.load_state_dict(state["optim"])
+    elif name == "Checkpointer":
+        again = cudakit.Checkpointer(
+            root / "ckpt", model=m, optimizer=o, preemption=False, file=None
+        )
+        again.resume()
+        again.close()
+    else:
+        from accelerate import Accelerator
+
+        fresh = Accelerator(cpu=True)
+        fresh.prepare(m, o)
+        fresh.load_state(str(root / "acc"))
+    return time.perf_counter() - t0
 
 
 def reader_cost(model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path) -> dict[str, Any]:
@@ -826,7 +831,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PATH",
         help="also write the data file (docs/figures/bench_checkpoint.json)",
     )
+    parser.add_argument("--restart", nargs=5, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.restart:  # (a child of restarts())
+        name, root, width, layers, device = args.restart
+        print(restart_child(name, Path(root), int(width), int(layers), device))
+        return
     if args.stop:
         stop_cost(args.quick, args.rounds)
         return
