@@ -173,58 +173,47 @@ def _write_file(
     item's offset and length. With ``later``, the bytes are made here and their writing
     is appended to it (the items' data must then stay as it is until it has run)."""
     if later is not None:
-        where, pieces = _gathered(items, planner)
+        pieces = _Pieces(None)
+        where = _fill(pieces, items, planner)
         later.append(functools.partial(_write_pieces, path, pieces))
         return where
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    where = []
-    archives = Archives()
     with _raw_file(path, "wb") as file:
         pieces = _Pieces(file)
-        offset = 0
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                size = pieces.add((data.getbuffer(),), data)
-            else:
-                tensor = _on_host(data)
-                if tensor.nbytes >= DIRECT:
-                    pieces.flush()
-                    # Buffered: torch.save writes a tensor's bytes in one call, and one
-                    # system call writes at most 2 GiB; the buffer finishes what it cut.
-                    buffered = io.BufferedWriter(file)
-                    torch.save(tensor, buffered)
-                    buffered.flush()
-                    buffered.detach()
-                    size = file.tell() - offset
-                else:
-                    size = pieces.add(archives.pieces(tensor), tensor)
-            where.append((offset, size))
-            offset += size
+        where = _fill(pieces, items, planner)
         pieces.flush()
         os.fsync(file.fileno())
     return where
 
 
-def _gathered(items: list[Any], planner: Any) -> tuple[list[tuple[int, int]], _Pieces]:
-    """The bytes :func:`_write_file` writes, gathered whole, with each item's place."""
+def _fill(pieces: _Pieces, items: list[Any], planner: Any) -> list[tuple[int, int]]:
+    """Put each item's bytes into ``pieces`` (a tensor of :data:`DIRECT` bytes or more
+    straight into their file, if they have one yet); returns each item's place."""
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    file = pieces.file
     where = []
     archives = Archives()
-    pieces = _Pieces(None)
     offset = 0
     for item in items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
-            size = pieces.add((data.getbuffer(),), data, flush=False)
+            size = pieces.add((data.getbuffer(),), data)
         else:
             tensor = _on_host(data)
-            size = pieces.add(archives.pieces(tensor), tensor, flush=False)
+            if file is not None and tensor.nbytes >= DIRECT:
+                pieces.flush()
+                # Buffered: torch.save writes a tensor's bytes in one call, and one
+                # system call writes at most 2 GiB; the buffer finishes what it cut.
+                buffered = io.BufferedWriter(file)
+                torch.save(tensor, buffered)
+                buffered.flush()
+                buffered.detach()
+                size = file.tell() - offset
+            else:
+                size = pieces.add(archives.pieces(tensor), tensor)
         where.append((offset, size))
         offset += size
-    return where, pieces
+    return where
 
 
 def _write_pieces(path: Path, pieces: _Pieces) -> None:
@@ -245,9 +234,10 @@ class _Pieces:
         self.owners: list[Any] = []  # what the pieces are views of, kept until written
         self.size = 0
 
-    def add(self, pieces: tuple[Any, ...], owner: Any, flush: bool = True) -> int:
-        """Gather ``pieces`` (views into ``owner``); returns their bytes. ``flush``: write
-        what is gathered once it is :data:`_IOV` pieces or :data:`_PIECE` bytes."""
+    def add(self, pieces: tuple[Any, ...], owner: Any) -> int:
+        """Gather ``pieces`` (views into ``owner``); returns their bytes. What is gathered
+        is written once it is :data:`_IOV` pieces or :data:`_PIECE` bytes, if there is a
+        file yet (else it is all kept for :func:`_write_pieces`)."""
         size = 0
         for piece in pieces:
             view = memoryview(piece).cast("B")
@@ -256,7 +246,7 @@ class _Pieces:
                 size += view.nbytes
         self.owners.append(owner)
         self.size += size
-        if flush and (len(self.pieces) >= _IOV or self.size >= _PIECE):
+        if self.file is not None and (len(self.pieces) >= _IOV or self.size >= _PIECE):
             self.flush()
         return size
 
