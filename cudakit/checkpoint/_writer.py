@@ -12,8 +12,9 @@ Background saves run DCP's ``async_save`` on a gloo group of their own (made onc
 by every rank together), so the save's collectives never interleave with training's.
 The loop waits only while DCP stages the state (a copy in host memory). In one process,
 a small state's bytes are made on the loop too, and the thread only writes and fsyncs
-them (the storage writer's ``defer()``): a thread running Python
-beside the loop takes the GIL from the loop's own Python, a cost larger than the save's.
+them (the storage writer's ``defer()``): a thread running Python beside the loop takes
+the GIL from the loop's own Python, a cost larger than the save's. That thread also
+removes the checkpoints ``keep=`` lets go, once it has published the new one.
 """
 
 from __future__ import annotations
