@@ -187,13 +187,13 @@ def test_a_background_save_left_running_by_a_crash_in_this_process_is_not_overwr
 
     from cudakit.checkpoint import _writer as writer
 
-    slow = writer.Writer._save
+    slow = writer.Writer._publish  # (on the writing thread, after the files)
 
-    def slowly(self: Any, tensors: Any, storage: Any, planner: Any = None) -> None:
+    def slowly(self: Any, pending: Any) -> None:
         time.sleep(0.3)  # still writing when the next run starts
-        slow(self, tensors, storage, planner)
+        slow(self, pending)
 
-    monkeypatch.setattr(writer.Writer, "_save", slowly)
+    monkeypatch.setattr(writer.Writer, "_publish", slowly)
     ref = run(None, accumulate=1)
     with pytest.raises(Crash):
         run(tmp_path, accumulate=1, every=3, async_save=True, crash_at=8)
@@ -252,3 +252,40 @@ def test_a_background_save_whose_copy_fails_leaves_nothing(
     assert ckpt.save() is not None
     ckpt.close()
     assert cudakit.find_latest(tmp_path) is not None
+
+
+@pytest.mark.parametrize("whole_first", [True, False], ids=["copied-whole", "tensor-by-tensor"])
+def test_a_new_checkpointer_finishes_a_background_save_left_running_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_first: bool
+) -> None:
+    """A Checkpointer abandoned (no close()) with its background save still writing: a
+    new one in the same process lets that save finish before it looks at the directory,
+    so it resumes from it, and nothing half-written is left."""
+    import time
+
+    from cudakit.checkpoint import _writer as writer
+
+    monkeypatch.setattr(writer, "COPY_FIRST", 1 << 40 if whole_first else -1)
+    slow = writer.Writer._publish  # (on the writing thread, after the files)
+
+    def slowly(self: Any, pending: Any) -> None:
+        time.sleep(0.3)  # still writing when the next Checkpointer starts
+        slow(self, pending)
+
+    monkeypatch.setattr(writer.Writer, "_publish", slowly)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    left = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, async_save=True,
+                                preemption=False)  # fmt: skip
+    left.resume()
+    left.maybe_save()  # one batch: the save below is of position 1
+    left.save()  # in flight, and never closed
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    again = cudakit.Checkpointer(tmp_path, model=fresh, optimizer=fresh_opt, preemption=False)
+    assert again.resume().total == 1
+    again.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000001"]
+    left.close()
