@@ -101,8 +101,11 @@ def _writer_class() -> type:
             self.later: list[Callable[[], None]] | None = None
 
         def defer(self) -> None:
-            """Keep the files' writes and fsyncs for :attr:`later` from now on."""
+            """Keep the files' writes and fsyncs for :attr:`later` from now on. The state
+            written is then host buffers the caller keeps until they have run (a device
+            state's copies: DCP's overlap of device copies has nothing to do)."""
             self.later = []
+            self.on_host = True
 
         def _own_way(self, plan: Any) -> bool:
             """Whether this writer's layout is DCP's here (else DCP's own write_data)."""

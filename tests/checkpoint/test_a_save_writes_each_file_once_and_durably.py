@@ -206,13 +206,19 @@ def test_a_background_save_in_one_process_fsyncs_nothing_on_the_loop(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-0000000003"]
 
 
+@pytest.mark.parametrize("on_a_gpu", [False, True])
 def test_a_small_background_save_makes_its_bytes_on_the_loop_and_only_writes_beside_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_a_gpu: bool
 ) -> None:
     """A thread running Python beside the loop slows the loop's own Python: for a small
-    state the thread only writes, fsyncs and renames (calls that release the GIL)."""
+    state the thread only writes, fsyncs and renames (calls that release the GIL). Also
+    for a state on a device: what is written is its copy in host memory."""
     from cudakit.checkpoint import _archive as archive
+    from cudakit.checkpoint import _storage as storage
 
+    if on_a_gpu:  # (pretend: a machine with a GPU, and the state on it)
+        monkeypatch.setattr(storage, "_gpu_like", lambda: True)
+        monkeypatch.setattr("cudakit.checkpoint._writer._on_host", lambda tree: False)
     model, opt = _model()
     made: list[str] = []
     written: list[str] = []

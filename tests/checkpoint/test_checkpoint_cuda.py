@@ -57,3 +57,37 @@ def test_a_background_save_of_a_cuda_model_stages_a_host_copy(tmp_path: Path) ->
     check.resume()
     check.close()
     assert torch.equal(target.weight, saved)
+
+
+def test_a_small_background_save_of_a_cuda_model_writes_its_host_copy_beside_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread of a single-process background save only writes: the files of a
+    model on the GPU are made on the loop from its host copy, not by DCP's own writer."""
+    import os
+    import threading
+
+    from cudakit.checkpoint import _storage as storage
+
+    model = torch.nn.Linear(8, 4).cuda()
+    written: list[str] = []
+    real_writev, real_write_file = os.writev, storage._write_file
+    own: list[str] = []
+
+    def writev(fd: int, buffers: object) -> int:
+        written.append(threading.current_thread().name)
+        return real_writev(fd, buffers)  # type: ignore[arg-type]
+
+    def write_file(*args: object) -> object:
+        own.append(threading.current_thread().name)
+        return real_write_file(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(storage, "_write_file", write_file)
+    ckpt = cudakit.Checkpointer(tmp_path, model=model, async_save=True, preemption=False)
+    ckpt.save()
+    ckpt.close()
+    loop = threading.main_thread().name
+    assert own == [loop]
+    assert written
+    assert loop not in written
