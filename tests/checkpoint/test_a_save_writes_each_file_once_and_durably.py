@@ -245,8 +245,7 @@ def test_a_small_background_save_makes_its_bytes_on_the_loop_and_only_writes_bes
     ckpt = cudakit.Checkpointer(tmp_path, model=model, optimizer=opt, async_save=True,
                                 keep=1, preemption=False)  # fmt: skip
     for _ in range(3):
-        pos = ckpt.position
-        ckpt._position = cudakit.Position(0, 0, pos.total + 1, pos.windows + 1)
+        ckpt.maybe_save()  # one batch further: a new checkpoint
         ckpt.save()
     ckpt.wait()
     ckpt.close()
