@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["Archives", "forget", "save"]
+__all__ = ["Archives", "forget", "layout_of", "save"]
 
 _MASK = (1 << 64) - 1
 _DESCRIPTOR = b"PK\x07\x08"
@@ -271,6 +271,24 @@ def _template(archive: bytes, data: bytes) -> _Template | None:
             crcs_after=tuple(crc[name] for name in between),
         )
     return _Template(**fields)
+
+
+def layout_of(
+    archive: bytes, data: bytes
+) -> tuple[bytes, bytes, tuple[tuple[int, int], ...], tuple[int, int] | None] | None:
+    """``archive``'s bytes before its storage ``data`` and after it, where in the latter
+    the CRC-32s that change with the storage are, and where the serialization id's
+    digits are (None: this torch writes none); None where the layout is not the one
+    expected."""
+    template = _template(archive, data)
+    if template is None:
+        return None
+    crcs = tuple((at, at + 4) for at in (*template.data_crc_at, *template.sid_crc_at))
+    digits = None
+    if template.sid_at is not None:
+        start = template.sid_at + len(template.sid_prefix)
+        digits = (start, start + 20)
+    return template.head, template.tail, crcs, digits
 
 
 def _data_range(archive: bytes, info: zipfile.ZipInfo) -> tuple[int, int]:

@@ -6,7 +6,8 @@ state) with ``torch.load(weights_only=False)``; here the first goes through
 :class:`_MetadataUnpickler` (DCP's own metadata classes, ``torch.Size``, dtypes,
 layouts, devices, paths and builtin containers), the second through torch's safe
 loader (:func:`safe_planner`), with the host files' allowlist
-(:mod:`~cudakit.checkpoint._safe_load`). DCP reads tensors safely itself. What either
+(:mod:`~cudakit.checkpoint._safe_load`). Tensors are ``torch.load(weights_only=True)``'s,
+one archive of each layout (:mod:`~cudakit.checkpoint._unarchive`). What either
 refuses is a :class:`~cudakit.checkpoint._safe_load.RefusedCheckpointError` naming the
 file and the refused global, raised before that global is looked up.
 
@@ -28,6 +29,7 @@ import torch
 
 from ..exceptions import CheckpointError
 from ._safe_load import allowed_globals, pickle_of_bytes, refusal_error, refusal_reason
+from ._unarchive import TensorReader
 
 __all__ = ["DataFileError", "dcp_load", "dcp_reader", "safe_planner"]
 
@@ -166,6 +168,7 @@ def _dcp_reader_class() -> type:
             from torch.distributed.checkpoint.planner import LoadItemType
 
             take = getattr(planner, "take", None)
+            tensors = TensorReader()
             per_file: dict[str, list[Any]] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path, [])
@@ -181,9 +184,7 @@ def _dcp_reader_class() -> type:
                         if req.type == LoadItemType.BYTE_IO:
                             planner.load_bytes(req, io.BytesIO(view.read(-1)))
                             continue
-                        if not view.seekable():
-                            view = io.BytesIO(view.read(-1))
-                        loaded = torch.load(view, map_location="cpu", weights_only=True)
+                        loaded = tensors.read(view, info.length)
                         if take is not None and take(req, loaded):
                             continue
                         part = _narrow(loaded, req.storage_offsets, req.lengths)
