@@ -10,7 +10,9 @@ that refuses its state) puts everything back as it was and raises
 :class:`CheckpointError`: :mod:`~cudakit.checkpoint._rollback` reads the CPU tensors
 into new storage (:class:`~cudakit.checkpoint._rollback.Fresh`), so a failure finds
 them untouched, and puts the others back from a copy in host memory
-(:class:`~cudakit.checkpoint._rollback.Rollback`).
+(:class:`~cudakit.checkpoint._rollback.Rollback`). The models' own tensors are read
+into their memory last, once nothing else can fail; a disk that fails only then is a
+:class:`CheckpointError` that says the models are partly loaded.
 :func:`apply_host` puts the RNG back.
 """
 
@@ -102,7 +104,7 @@ def read(
             obj.load_state_dict(state)
         _load_tensors(root, tensors, parts, distributed, trust, safe_globals, fresh, storage)
         _load_extras(host, extras, loader)
-        fresh.install(tensors)  # last: nothing can fail after it
+        fresh.install(tensors, lambda: _read_in_place(root, storage))  # last
     except BaseException as exc:
         # (DCP's CheckpointException derives from BaseException, not Exception.)
         if fresh is not None and fresh.committed:
@@ -335,6 +337,7 @@ def _load_tensors(
         safe_globals=safe_globals,
         reader=storage,
         fresh=fresh.ids,
+        later=fresh.later,
     )
     for name, model in parts.models.items():
         optimizers = parts.optimizers_of(name)
@@ -347,6 +350,24 @@ def _load_tensors(
                 tensors["optim"][name],
                 options=lenient,
             )
+
+
+def _read_in_place(root: Path, storage: Any) -> None:
+    """Read the models' tensors DCP's load left to be read in place, after every check.
+
+    Raises:
+        CheckpointError: a data file that can no longer be read (the models are then
+            partly loaded: the message says so).
+    """
+    try:
+        storage.tensors.read_later()
+    except Exception as exc:
+        raise CheckpointError(
+            f"{_FUNC}: every check of {root} passed, but reading the models' weights "
+            f"into place then failed ({failure_cause(exc)}): the models are partly "
+            "loaded (their optimizers, steps, schedulers and extras are loaded). Load a "
+            "checkpoint again before training on."
+        ) from exc
 
 
 def written_before(root: Path, path: Path) -> Path | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,10 @@ class Fresh:
     ``load_state_dict`` keeps what it is given), and the models take them at the very
     end (:meth:`install`), after everything that can fail: a plain model's parameters
     and buffers hold them (``tensor.data = new``, the objects themselves stay), an FSDP2
-    model's shards are copied into (its parameters' storage is FSDP2's own). Tensors on
+    model's shards are copied into (its parameters' storage is FSDP2's own). A model's
+    contiguous tensors whose archives fit a layout the reader knows are not read
+    before: the reader reads them into their own memory then (``read_later``), as
+    ``load_state_dict`` copies. Tensors on
     a GPU, tensor hyper-parameters and the state of models with load hooks (other than
     FSDP2's), extra state or a ``_load_from_state_dict`` of their own load in place,
     with a host copy to put back (:class:`Rollback`).
@@ -65,6 +68,10 @@ class Fresh:
         #: Each FSDP2 model's state alike: its shards are copied into.
         self.copies: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
         self.ids: set[int] = set()
+        #: Of those, the models' own contiguous tensors, which the reader may fill in
+        #: place at the very end (:meth:`install`) instead: their memory is already
+        #: there, and new memory costs its page faults.
+        self.later: set[int] = set()
         #: Whether :meth:`install` has begun copying: the load is then complete.
         self.committed = False
         for name, state in tensors["model"].items():
@@ -76,15 +83,18 @@ class Fresh:
             if owners is not None:
                 where[name] = [(k, t, owners[k]) for k, t in state.items()]
                 self.ids.update(id(t) for t in state.values())
+                self.later.update(id(t) for t in state.values() if _local(t).is_contiguous())
         for optim_state in tensors["optim"].values():
             for per_param in optim_state.get("state", {}).values():
                 values = per_param.values() if isinstance(per_param, dict) else ()
                 self.ids.update(id(v) for v in values if _cpu_data(v))
 
-    def install(self, tensors: dict[str, Any]) -> None:
+    def install(self, tensors: dict[str, Any], read_later: Callable[[], None]) -> None:
         """Make the models' parameters and buffers hold the new tensors: the plain
-        models' all or, should this be interrupted, none; then the FSDP2 models' copied
-        in, all of them even if interrupted (the load is complete then)."""
+        models' all or, should this be interrupted, none; then ``read_later`` reads the
+        ones left to be read in place, and the FSDP2 models' are copied in, all of them
+        even if interrupted or one read fails (the load is complete then; the first
+        problem is raised after)."""
         done: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             with torch.no_grad():
@@ -104,6 +114,11 @@ class Fresh:
             for owner, old in reversed(done):
                 owner.data = old
             raise
+        problem: BaseException | None = None
+        try:
+            read_later()
+        except BaseException as exc:  # (the copies are made first)
+            problem = exc
         pending = [
             (_local(owners[0]), _local(tensors["model"][name][key]))
             for name, entries in self.copies.items()
@@ -119,6 +134,8 @@ class Fresh:
             finally:
                 for live, new in pending:  # interrupted: finish, then raise
                     live.copy_(new)
+        if problem is not None:
+            raise problem
 
 
 def _plain_cpu(t: object) -> bool:

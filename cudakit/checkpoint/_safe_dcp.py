@@ -124,6 +124,8 @@ def _dcp_reader_class() -> type:
             self.current: str | None = None
             self.trust = trust
             self._metadata: Any = None  # read once: by the checks, then by DCP's load
+            #: Reads the tensors' archives (and those left to be read in place later).
+            self.tensors = TensorReader()
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if self._metadata is None or kwargs.get("rank") is not None:
@@ -168,7 +170,8 @@ def _dcp_reader_class() -> type:
             from torch.distributed.checkpoint.planner import LoadItemType
 
             take = getattr(planner, "take", None)
-            tensors = TensorReader()
+            in_place = getattr(planner, "in_place", None)
+            tensors = self.tensors
             per_file: dict[str, list[Any]] = {}
             for item in plan.items:
                 per_file.setdefault(self.storage_data[item.storage_index].relative_path, [])
@@ -183,6 +186,12 @@ def _dcp_reader_class() -> type:
                         )
                         if req.type == LoadItemType.BYTE_IO:
                             planner.load_bytes(req, io.BytesIO(view.read(-1)))
+                            continue
+                        raw = not info.transform_descriptors  # (the file's own bytes)
+                        target = in_place(req) if in_place is not None and raw else None
+                        if target is not None and tensors.defer(
+                            view, info.length, target, str(path), info.offset
+                        ):
                             continue
                         loaded = tensors.read(view, info.length)
                         if take is not None and take(req, loaded):
@@ -255,12 +264,18 @@ def _planner_class() -> type:
         ``fresh`` into new storage instead of into themselves (:meth:`take`)."""
 
         def __init__(
-            self, reader: Any, safe_globals: Sequence[Any], fresh: Collection[int], trust: bool
+            self,
+            reader: Any,
+            safe_globals: Sequence[Any],
+            fresh: Collection[int],
+            later: Collection[int],
+            trust: bool,
         ) -> None:
             super().__init__()
             self.reader = reader
             self.user_globals = tuple(safe_globals)
             self.fresh = fresh  # ids of the state dict's tensors to leave untouched
+            self.later = later  # ids of those the reader may fill in place later
             self.trust = trust
             self.taken: dict[str, torch.Tensor] = {}  # each fresh tensor's new storage
 
@@ -285,6 +300,21 @@ def _planner_class() -> type:
             else:
                 self.original_state_dict[fqn] = obj
             self.state_dict[fqn] = obj
+
+        def in_place(self, read_item: Any) -> torch.Tensor | None:
+            """The memory to read a tensor into later, in place (its reader's
+            ``read_later``): a tensor named in ``later`` read whole, else None."""
+            target = self.state_dict.get(read_item.dest_index.fqn)
+            if not isinstance(target, torch.Tensor) or id(target) not in self.later:
+                return None
+            local = _local(target)
+            if (
+                any(read_item.dest_offsets)
+                or any(read_item.storage_offsets)
+                or list(read_item.lengths) != list(local.size())
+            ):
+                return None
+            return local
 
         def take(self, read_item: Any, loaded: torch.Tensor) -> bool:
             """Load a chunk of a fresh tensor into new storage: the chunk itself where it
@@ -329,15 +359,17 @@ def safe_planner(
     safe_globals: Sequence[Any] = (),
     *,
     fresh: Collection[int] = (),
+    later: Collection[int] = (),
     trust: bool = False,
 ) -> Any:
     """DCP's ``DefaultLoadPlanner``, its pickled values read with torch's safe loader
     (``trust``: pickle's full loader), the tensors whose ids are in ``fresh`` loaded into
     new storage: the state dict then holds the new tensors, and those it held before
-    are left as they were."""
+    are left as they were. Of those, the ids in ``later`` may instead be left for the
+    reader's ``read_later`` to read into their own memory."""
     if not _PLANNER:
         _PLANNER.append(_planner_class())
-    return _PLANNER[0](reader, safe_globals, fresh, trust)
+    return _PLANNER[0](reader, safe_globals, fresh, later, trust)
 
 
 def dcp_load(
@@ -349,10 +381,12 @@ def dcp_load(
     safe_globals: Sequence[Any] = (),
     reader: Any = None,
     fresh: Collection[int] = (),
+    later: Collection[int] = (),
 ) -> None:
     """DCP's ``load`` of ``state`` from ``root``, through the safe reader and planner: in
     place, except the tensors whose ids are in ``fresh``, which ``state`` then holds new
-    (CPU) tensors for, and which are left untouched.
+    (CPU) tensors for, and which are left untouched; of those, the ones in ``later``
+    whose archives fit are left, untouched, for ``reader.tensors.read_later()``.
 
     Raises:
         RefusedCheckpointError: a file holds a global the allowlists refuse.
@@ -363,7 +397,7 @@ def dcp_load(
 
     reader = reader if reader is not None else dcp_reader(root, trust=trust)
     kwargs: dict[str, Any] = {} if distributed else {"no_dist": True}
-    kwargs["planner"] = safe_planner(reader, safe_globals, fresh=fresh, trust=trust)
+    kwargs["planner"] = safe_planner(reader, safe_globals, fresh=fresh, later=later, trust=trust)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         warnings.filterwarnings("ignore", message=".*pickle protocol")

@@ -51,6 +51,18 @@ class _Layout:
             return False
         return self.masked(tail) == self.tail
 
+    def holds(self, target: torch.Tensor) -> bool:
+        """Whether this layout's storage is exactly ``target``'s memory, byte for byte."""
+        return (
+            self.size > 0
+            and self.offset == 0
+            and target.dtype == self.dtype
+            and tuple(target.shape) == self.shape
+            and target.stride() == self.stride
+            and target.is_contiguous()
+            and target.numel() * target.element_size() == self.size
+        )
+
     def masked(self, tail: bytes) -> bytes:
         if not self.holes:
             return tail
@@ -66,6 +78,58 @@ class TensorReader:
 
     def __init__(self) -> None:
         self._layouts: dict[int, _Layout | None] = {}
+        #: The storages :meth:`defer` left to :meth:`read_later`: (file, where, bytes,
+        #: the tensor whose memory they go into).
+        self._later: list[tuple[str, int, int, torch.Tensor]] = []
+
+    def _learn(self, view: IO[bytes], length: int) -> Any:
+        """``torch.load`` of the archive at ``view``, its layout kept for its size."""
+        raw = view.read(length)
+        loaded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        self._layouts[length] = _learn(raw, loaded)
+        return loaded
+
+    def defer(self, view: IO[bytes], length: int, target: torch.Tensor, file: str, at: int) -> bool:
+        """Check the archive at ``view`` (``length`` bytes, at ``at`` in ``file``) as
+        its size's layout, and leave its storage to be read into ``target``'s memory by
+        :meth:`read_later`: True where it fits, else nothing is kept (False)."""
+        if not view.seekable():
+            return False
+        if length not in self._layouts and length <= _LEARN_LIMIT:
+            self._learn(view, length)  # (the tensor it reads is dropped)
+            view.seek(0)
+        layout = self._layouts.get(length)
+        if layout is None or not layout.holds(target):
+            return False
+        if view.read(len(layout.head)) == layout.head:
+            view.seek(len(layout.head) + layout.size)
+            if layout.fits(view.read(len(layout.tail))):
+                self._later.append((file, at + len(layout.head), layout.size, target))
+                return True
+        view.seek(0)
+        return False
+
+    def read_later(self) -> None:
+        """Read every storage :meth:`defer` left into its tensor's memory: all of them,
+        even when one fails or this is interrupted; then raise the first problem.
+
+        Raises:
+            OSError: a file that cannot be read, or ends early.
+        """
+        later, self._later = sorted(self._later, key=lambda item: item[:2]), []
+        problem: BaseException | None = None
+        for file, at, size, target in later:
+            try:
+                with open(file, "rb", buffering=0) as stream:
+                    stream.seek(at)
+                    buffer = (ctypes.c_char * size).from_address(target.data_ptr())
+                    if not _fill(stream, memoryview(buffer).cast("B")):
+                        raise OSError(f"{file} ends before the end of a tensor")
+                torch.autograd.graph.increment_version(target)  # as copy_ counts
+            except BaseException as exc:  # (the others are read first)
+                problem = problem or exc
+        if problem is not None:
+            raise problem
 
     def read(self, view: IO[bytes], length: int) -> Any:
         """``torch.load(view, map_location="cpu", weights_only=True)`` of an archive of
@@ -79,10 +143,7 @@ class TensorReader:
                 return tensor
             view.seek(0)
         if not known and seekable and length <= _LEARN_LIMIT:
-            raw = view.read(length)
-            loaded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            self._layouts[length] = _learn(raw, loaded)
-            return loaded
+            return self._learn(view, length)
         if not seekable:
             view = io.BytesIO(view.read(-1))
         return torch.load(view, map_location="cpu", weights_only=True)
@@ -135,15 +196,20 @@ def _read_as(view: IO[bytes], layout: _Layout) -> torch.Tensor | None:
     if view.read(len(layout.head)) != layout.head:
         return None
     storage = torch.UntypedStorage(layout.size)
-    if layout.size:
-        buffer = memoryview(_buffer(storage)).cast("B")
-        done = 0
-        while done < layout.size:
-            n = view.readinto(buffer[done:])  # type: ignore[attr-defined]
-            if not n:
-                return None
-            done += n
+    if layout.size and not _fill(view, memoryview(_buffer(storage)).cast("B")):
+        return None
     if not layout.fits(view.read(len(layout.tail))):
         return None
     tensor = torch.empty(0, dtype=layout.dtype)
     return tensor.set_(storage, layout.offset, layout.shape, layout.stride)
+
+
+def _fill(stream: Any, buffer: memoryview) -> bool:
+    """Read ``stream`` into all of ``buffer``; False where it ends first."""
+    done = 0
+    while done < len(buffer):
+        n = stream.readinto(buffer[done:])
+        if not n:
+            return False
+        done += n
+    return True

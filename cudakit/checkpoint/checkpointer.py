@@ -266,6 +266,8 @@ class Checkpointer:
         Everything is checked before anything changes: the manifest and every file's
         size, the number of models, optimizers, schedulers and steps, the tensors'
         names and shapes, and the world size where the data position depends on it.
+        A plain model's weights are read into their own memory last, as
+        ``load_state_dict`` writes them.
 
         Returns:
             The position the checkpoint was taken at.
@@ -274,7 +276,9 @@ class Checkpointer:
             CheckpointError: a corrupted or incomplete checkpoint, or one that does not
                 fit (missing and unexpected keys, another optimizer count, a mid-epoch
                 data position at another world size), naming what differs; a file that
-                holds what the safe loader refuses, naming it and the refused global.
+                holds what the safe loader refuses, naming it and the refused global;
+                a data file that cannot be read after all the checks, saying the
+                models are partly loaded.
         """
         self._check_open("load")
         return self._resumer.load(path)
