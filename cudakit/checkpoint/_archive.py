@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["Archives", "forget", "layout_of", "save"]
+__all__ = ["Archives", "forget", "layout_of", "plain_host", "save", "storage_buffer"]
 
 _MASK = (1 << 64) - 1
 _DESCRIPTOR = b"PK\x07\x08"
@@ -139,20 +139,26 @@ def save(tensor: torch.Tensor, file: IO[bytes]) -> None:
     Archives().save(tensor, file)
 
 
+def plain_host(tensor: object) -> bool:
+    """Whether ``tensor`` is a plain host tensor: its archive is its kind's and its bytes
+    (no subclass, ``requires_grad``, conjugate or negative bits, names or attributes)."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not any(getattr(tensor, "names", ()))
+        and not tensor.__dict__
+    )
+
+
 def _kind(tensor: torch.Tensor, settings: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """What makes one tensor's archive differ from another's but its bytes (None: not a
     plain host tensor, left to ``torch.save``)."""
-    if (
-        type(tensor) is not torch.Tensor
-        or tensor.device.type != "cpu"
-        or tensor.layout != torch.strided
-        or tensor.requires_grad
-        or tensor.is_quantized
-        or tensor.is_conj()
-        or tensor.is_neg()
-        or any(getattr(tensor, "names", ()))
-        or tensor.__dict__
-    ):
+    if not plain_host(tensor):
         return None
     return (
         tensor.dtype,
@@ -166,7 +172,11 @@ def _kind(tensor: torch.Tensor, settings: tuple[Any, ...]) -> tuple[Any, ...] | 
 
 def _storage_bytes(tensor: torch.Tensor) -> Any:
     """The tensor's storage as a buffer (no copy; valid while the tensor lives)."""
-    storage = tensor.untyped_storage()
+    return storage_buffer(tensor.untyped_storage())
+
+
+def storage_buffer(storage: torch.UntypedStorage) -> Any:
+    """A host storage's bytes as a writable buffer (no copy; valid while it lives)."""
     size = storage.nbytes()
     if size == 0:
         return b""

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import torch
 
-from ._archive import layout_of
+from ._archive import layout_of, plain_host, storage_buffer
 
 __all__ = ["TensorReader"]
 
@@ -152,21 +152,11 @@ class TensorReader:
 def _learn(raw: bytes, loaded: Any) -> _Layout | None:
     """The layout of archive ``raw``, which ``torch.load`` read as ``loaded`` (None: not
     a plain host tensor over the archive's one storage record)."""
-    if (
-        type(loaded) is not torch.Tensor
-        or loaded.device.type != "cpu"
-        or loaded.layout != torch.strided
-        or loaded.requires_grad
-        or loaded.is_quantized
-        or loaded.is_conj()
-        or loaded.is_neg()
-        or any(getattr(loaded, "names", ()))
-        or loaded.__dict__
-    ):
+    if not plain_host(loaded):
         return None
     storage = loaded.untyped_storage()
     size = storage.nbytes()
-    data = bytes(_buffer(storage)) if size else b""
+    data = bytes(storage_buffer(storage))
     found = layout_of(raw, data)
     if found is None:
         return None
@@ -185,18 +175,13 @@ def _learn(raw: bytes, loaded: Any) -> _Layout | None:
     return dataclasses.replace(layout, tail=layout.masked(tail))
 
 
-def _buffer(storage: torch.UntypedStorage) -> Any:
-    """A writable buffer over a host storage's bytes (valid while it lives)."""
-    return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-
-
 def _read_as(view: IO[bytes], layout: _Layout) -> torch.Tensor | None:
     """The tensor of the archive at ``view``, read as ``layout`` says; None where the
     bytes around the storage are not the layout's, or the file ends early."""
     if view.read(len(layout.head)) != layout.head:
         return None
     storage = torch.UntypedStorage(layout.size)
-    if layout.size and not _fill(view, memoryview(_buffer(storage)).cast("B")):
+    if layout.size and not _fill(view, memoryview(storage_buffer(storage)).cast("B")):
         return None
     if not layout.fits(view.read(len(layout.tail))):
         return None
