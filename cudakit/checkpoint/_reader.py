@@ -350,10 +350,12 @@ def _load_tensors(
                 tensors["optim"][name],
                 options=lenient,
             )
+    fresh.check_kept(parts.optimizers, storage.tensors.waiting)
 
 
 def _read_in_place(root: Path, storage: Any) -> None:
-    """Read the models' tensors DCP's load left to be read in place, after every check.
+    """Read the tensors DCP's load left to be read in place (the models' and the
+    optimizers' own), after every check.
 
     Raises:
         CheckpointError: a data file that can no longer be read (the models are then
@@ -364,9 +366,9 @@ def _read_in_place(root: Path, storage: Any) -> None:
     except Exception as exc:
         raise CheckpointError(
             f"{_FUNC}: every check of {root} passed, but reading the models' weights "
-            f"into place then failed ({failure_cause(exc)}): the models are partly "
-            "loaded (their optimizers, steps, schedulers and extras are loaded). Load a "
-            "checkpoint again before training on."
+            f"and the optimizers' state into place then failed ({failure_cause(exc)}): "
+            "the models and optimizers are partly loaded (the steps, schedulers and "
+            "extras are loaded). Load a checkpoint again before training on."
         ) from exc
 
 

@@ -53,12 +53,13 @@ class Fresh:
     end (:meth:`install`), after everything that can fail: a plain model's parameters
     and buffers hold them (``tensor.data = new``, the objects themselves stay), an FSDP2
     model's shards are copied into (its parameters' storage is FSDP2's own). A model's
-    contiguous tensors whose archives fit a layout the reader knows are not read
-    before: the reader reads them into their own memory then (``read_later``), as
-    ``load_state_dict`` copies. Tensors on
-    a GPU, tensor hyper-parameters and the state of models with load hooks (other than
-    FSDP2's), extra state or a ``_load_from_state_dict`` of their own load in place,
-    with a host copy to put back (:class:`Rollback`).
+    contiguous tensors, and the optimizers' state tensors their ``load_state_dict``
+    keeps as given (:func:`_kept_on_load`), whose archives fit a layout the reader
+    knows are not read before: the reader reads them into their own memory then
+    (``read_later``), as ``load_state_dict`` copies, and no new memory is touched.
+    Tensors on a GPU, tensor hyper-parameters and the state of models with load hooks
+    (other than FSDP2's), extra state or a ``_load_from_state_dict`` of their own load
+    in place, with a host copy to put back (:class:`Rollback`).
     """
 
     def __init__(self, parts: Parts, tensors: dict[str, Any]) -> None:
@@ -72,6 +73,8 @@ class Fresh:
         #: place at the very end (:meth:`install`) instead: their memory is already
         #: there, and new memory costs its page faults.
         self.later: set[int] = set()
+        #: Of those, the optimizers' state tensors, which their optimizers keep.
+        self.kept: set[int] = set()
         #: Whether :meth:`install` has begun copying: the load is then complete.
         self.committed = False
         for name, state in tensors["model"].items():
@@ -84,10 +87,36 @@ class Fresh:
                 where[name] = [(k, t, owners[k]) for k, t in state.items()]
                 self.ids.update(id(t) for t in state.values())
                 self.later.update(id(t) for t in state.values() if _local(t).is_contiguous())
-        for optim_state in tensors["optim"].values():
+        for name, optim_state in tensors["optim"].items():
+            own = _kept_on_load(parts.optimizers_of(name))
             for per_param in optim_state.get("state", {}).values():
-                values = per_param.values() if isinstance(per_param, dict) else ()
-                self.ids.update(id(v) for v in values if _cpu_data(v))
+                items = per_param.items() if isinstance(per_param, dict) else ()
+                for key, v in items:
+                    if _cpu_data(v):
+                        self.ids.add(id(v))
+                        if key != "step" and own.get(id(v), False) and v.is_contiguous():
+                            self.later.add(id(v))
+                            self.kept.add(id(v))
+
+    def check_kept(self, optimizers: Sequence[torch.optim.Optimizer], waiting: set[int]) -> None:
+        """After the optimizers' load: that each still holds its state tensors the
+        reader left to be read in place (``waiting``, by id); else it kept copies of
+        their old values, and the load fails, changing nothing.
+
+        Raises:
+            RuntimeError: an optimizer holds other tensors.
+        """
+        held = {
+            id(v)
+            for opt in optimizers
+            for state in opt.state.values()
+            for v in (state.values() if isinstance(state, dict) else ())
+        }
+        if not self.kept & waiting <= held:
+            raise RuntimeError(
+                "an optimizer's load_state_dict did not keep the state tensors it was "
+                "given, which the load reads into place at the end"
+            )
 
     def install(self, tensors: dict[str, Any], read_later: Callable[[], None]) -> None:
         """Make the models' parameters and buffers hold the new tensors: the plain
@@ -136,6 +165,31 @@ class Fresh:
                     live.copy_(new)
         if problem is not None:
             raise problem
+
+
+def _kept_on_load(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, bool]:
+    """For each state tensor of ``optimizers`` (by id), whether the optimizer's
+    ``load_state_dict`` keeps that very tensor when given it back: torch's own load,
+    no load hooks, and a tensor on its parameter's device (of its dtype, for a floating
+    parameter), which the load's ``.to()`` then returns as it is. Those a load may read
+    into their own memory at the end (:class:`Fresh`'s ``later``)."""
+    kept: dict[int, bool] = {}
+    for opt in optimizers:
+        own = (
+            type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict
+            and not opt._optimizer_load_state_dict_pre_hooks
+            and not opt._optimizer_load_state_dict_post_hooks
+        )
+        for param, state in opt.state.items():
+            for v in state.values() if isinstance(state, dict) else ():
+                if isinstance(v, torch.Tensor) and isinstance(param, torch.Tensor):
+                    kept[id(v)] = (
+                        own
+                        and _plain_cpu(v)
+                        and v.device == param.device
+                        and (v.dtype == param.dtype or not param.is_floating_point())
+                    )
+    return kept
 
 
 def _plain_cpu(t: object) -> bool:

@@ -109,6 +109,11 @@ class TensorReader:
         view.seek(0)
         return False
 
+    @property
+    def waiting(self) -> set[int]:
+        """The ids of the tensors :meth:`defer` left to :meth:`read_later`."""
+        return {id(target) for *_, target in self._later}
+
     def read_later(self) -> None:
         """Read every storage :meth:`defer` left into its tensor's memory: all of them,
         even when one fails or this is interrupted; then raise the first problem.

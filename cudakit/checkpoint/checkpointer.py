@@ -266,8 +266,8 @@ class Checkpointer:
         Everything is checked before anything changes: the manifest and every file's
         size, the number of models, optimizers, schedulers and steps, the tensors'
         names and shapes, and the world size where the data position depends on it.
-        A plain model's weights are read into their own memory last, as
-        ``load_state_dict`` writes them.
+        A plain model's weights and its optimizer's state are read into their own
+        memory last, as ``load_state_dict`` writes them.
 
         Returns:
             The position the checkpoint was taken at.
@@ -278,7 +278,7 @@ class Checkpointer:
                 data position at another world size), naming what differs; a file that
                 holds what the safe loader refuses, naming it and the refused global;
                 a data file that cannot be read after all the checks, saying the
-                models are partly loaded.
+                models and optimizers are partly loaded.
         """
         self._check_open("load")
         return self._resumer.load(path)
