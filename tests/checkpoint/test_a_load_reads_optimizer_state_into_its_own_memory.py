@@ -69,11 +69,17 @@ def _moments(opt: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
     }
 
 
+def _checkpointer(
+    root: Path, model: nn.Module, opt: torch.optim.Optimizer, refuse: bool = False
+) -> cudakit.Checkpointer:
+    return cudakit.Checkpointer(
+        root, model=model, optimizer=opt, extra={"c": Counter(refuse)}, preemption=False
+    )
+
+
 def _saved(tmp_path: Path, kind: type = torch.optim.AdamW, **options: Any) -> tuple[Path, Any]:
     model, opt = _trained(0, kind, **options)
-    ck = cudakit.Checkpointer(
-        tmp_path / "c", model=model, optimizer=opt, extra={"c": Counter()}, preemption=False
-    )
+    ck = _checkpointer(tmp_path / "c", model, opt)
     ck.save()
     ck.close()
     return tmp_path / "c", {e: v.clone() for e, v in _moments(opt).items()}
@@ -86,9 +92,7 @@ def test_the_optimizer_keeps_its_tensors_holding_the_checkpoint(
     root, saved = _saved(tmp_path, **options)
     model, opt = _trained(1, **options)
     held = {e: (v, v.data_ptr()) for e, v in _moments(opt).items()}
-    ck = cudakit.Checkpointer(
-        root, model=model, optimizer=opt, extra={"c": Counter()}, preemption=False
-    )
+    ck = _checkpointer(root, model, opt)
     ck.resume()
     ck.close()
     got = _moments(opt)
@@ -106,9 +110,7 @@ def test_a_load_that_fails_before_the_end_leaves_the_optimizer_state_untouched(
     model, opt = _trained(1)
     before = {e: (v.clone(), v) for e, v in _moments(opt).items()}
     steps = [s["step"].clone() for s in opt.state.values()]
-    ck = cudakit.Checkpointer(
-        root, model=model, optimizer=opt, extra={"c": Counter(refuse=True)}, preemption=False
-    )
+    ck = _checkpointer(root, model, opt, refuse=True)
     with pytest.raises(CheckpointError, match="Nothing was changed"):
         ck.load(next(root.glob("ckpt-*")))
     ck.close()
@@ -125,9 +127,7 @@ def test_an_optimizer_that_loads_its_own_way_gets_the_checkpoint_all_the_same(
 ) -> None:
     root, saved = _saved(tmp_path, CopyingAdamW)
     model, opt = _trained(1, CopyingAdamW)
-    ck = cudakit.Checkpointer(
-        root, model=model, optimizer=opt, extra={"c": Counter()}, preemption=False
-    )
+    ck = _checkpointer(root, model, opt)
     ck.resume()
     ck.close()
     got = _moments(opt)
@@ -153,9 +153,7 @@ def test_a_state_file_that_cannot_be_read_at_the_end_says_optimizers_are_partly_
         return real(stream, buffer)
 
     monkeypatch.setattr(unarchive, "_fill", fill)
-    ck = cudakit.Checkpointer(
-        root, model=model, optimizer=opt, extra={"c": Counter()}, preemption=False
-    )
+    ck = _checkpointer(root, model, opt)
     with pytest.raises(CheckpointError) as caught:
         ck.load(next(root.glob("ckpt-*")))
     ck.close()
@@ -186,9 +184,7 @@ def test_an_optimizer_that_kept_copies_after_all_fails_the_load_changing_nothing
         "_process_value_according_to_param_policy",
         staticmethod(copying),
     )
-    ck = cudakit.Checkpointer(
-        root, model=model, optimizer=opt, extra={"c": Counter()}, preemption=False
-    )
+    ck = _checkpointer(root, model, opt)
     with pytest.raises(CheckpointError, match="did not keep the state tensors"):
         ck.load(next(root.glob("ckpt-*")))
     ck.close()
