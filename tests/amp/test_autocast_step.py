@@ -150,7 +150,25 @@ def test_explicit_form_bit_identical(dtype: torch.dtype) -> None:
     assert_identical(snapshot(model, opt), snapshot(ref_model, ref_opt))
 
 
-def test_resolved_attributes_and_autocast() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_takes_bf16_where_the_cpu_has_it_natively(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """The probe is faked: the same test holds on a CPU with AVX512-bf16/AMX and without."""
+    from cudakit.amp import policy
+
+    monkeypatch.setattr(policy, "cpu_native_bf16", lambda: native)
+    monkeypatch.setattr(policy, "cpu_native_fp16", lambda: False)
+    _, opt = make()
+    step = autocast_step(opt)
+    expected = (torch.bfloat16, True) if native else (torch.float32, False)
+    assert (step.dtype, step.enabled) == expected
+
+
+def test_resolved_attributes_and_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudakit.amp import policy
+
+    monkeypatch.setattr(policy, "cpu_native_bf16", lambda: True)  # (as on an AMX CPU)
     _, opt = make()
     step = autocast_step(opt)
     assert (step.dtype, step.device_type, step.enabled) == (torch.bfloat16, "cpu", True)
