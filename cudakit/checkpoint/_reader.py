@@ -10,9 +10,9 @@ that refuses its state) puts everything back as it was and raises
 :class:`CheckpointError`: :mod:`~cudakit.checkpoint._rollback` reads the CPU tensors
 into new storage (:class:`~cudakit.checkpoint._rollback.Fresh`), so a failure finds
 them untouched, and puts the others back from a copy in host memory
-(:class:`~cudakit.checkpoint._rollback.Rollback`). The models' own tensors are read
-into their memory last, once nothing else can fail; a disk that fails only then is a
-:class:`CheckpointError` that says the models are partly loaded.
+(:class:`~cudakit.checkpoint._rollback.Rollback`). The models' own tensors and the
+optimizers' state are read into their memory last, once nothing else can fail; a disk
+that fails only then is a :class:`CheckpointError` that says they are partly loaded.
 :func:`apply_host` puts the RNG back.
 """
 

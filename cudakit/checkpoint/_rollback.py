@@ -69,9 +69,10 @@ class Fresh:
         #: Each FSDP2 model's state alike: its shards are copied into.
         self.copies: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
         self.ids: set[int] = set()
-        #: Of those, the models' own contiguous tensors, which the reader may fill in
-        #: place at the very end (:meth:`install`) instead: their memory is already
-        #: there, and new memory costs its page faults.
+        #: Of those, the models' own contiguous tensors and the optimizers' state
+        #: tensors they keep, which the reader may fill in place at the very end
+        #: (:meth:`install`) instead: their memory is already there, and new memory
+        #: costs its page faults.
         self.later: set[int] = set()
         #: Of those, the optimizers' state tensors, which their optimizers keep.
         self.kept: set[int] = set()
@@ -88,13 +89,13 @@ class Fresh:
                 self.ids.update(id(t) for t in state.values())
                 self.later.update(id(t) for t in state.values() if _local(t).is_contiguous())
         for name, optim_state in tensors["optim"].items():
-            own = _kept_on_load(parts.optimizers_of(name))
+            kept = _kept_on_load(parts.optimizers_of(name))
             for per_param in optim_state.get("state", {}).values():
                 items = per_param.items() if isinstance(per_param, dict) else ()
                 for key, v in items:
                     if _cpu_data(v):
                         self.ids.add(id(v))
-                        if key != "step" and own.get(id(v), False) and v.is_contiguous():
+                        if key != "step" and id(v) in kept and v.is_contiguous():
                             self.later.add(id(v))
                             self.kept.add(id(v))
 
@@ -167,28 +168,29 @@ class Fresh:
             raise problem
 
 
-def _kept_on_load(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, bool]:
-    """For each state tensor of ``optimizers`` (by id), whether the optimizer's
-    ``load_state_dict`` keeps that very tensor when given it back: torch's own load,
-    no load hooks, and a tensor on its parameter's device (of its dtype, for a floating
-    parameter), which the load's ``.to()`` then returns as it is. Those a load may read
-    into their own memory at the end (:class:`Fresh`'s ``later``)."""
-    kept: dict[int, bool] = {}
+def _kept_on_load(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
+    """The ids of the state tensors of ``optimizers`` whose ``load_state_dict`` keeps
+    that very tensor when given it back: torch's own load, no load hooks, and a tensor
+    on its parameter's device (of its dtype, for a floating parameter), which the
+    load's ``.to()`` then returns as it is. Those a load may read into their own memory
+    at the end (:class:`Fresh`'s ``later``)."""
+    kept: set[int] = set()
     for opt in optimizers:
-        own = (
-            type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict
-            and not opt._optimizer_load_state_dict_pre_hooks
-            and not opt._optimizer_load_state_dict_post_hooks
-        )
+        if (
+            type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict
+            or opt._optimizer_load_state_dict_pre_hooks
+            or opt._optimizer_load_state_dict_post_hooks
+        ):
+            continue
         for param, state in opt.state.items():
             for v in state.values() if isinstance(state, dict) else ():
-                if isinstance(v, torch.Tensor) and isinstance(param, torch.Tensor):
-                    kept[id(v)] = (
-                        own
-                        and _plain_cpu(v)
-                        and v.device == param.device
-                        and (v.dtype == param.dtype or not param.is_floating_point())
-                    )
+                if (
+                    isinstance(param, torch.Tensor)
+                    and _plain_cpu(v)
+                    and v.device == param.device
+                    and (v.dtype == param.dtype or not param.is_floating_point())
+                ):
+                    kept.add(id(v))
     return kept
 
 
